@@ -23,7 +23,9 @@ def session_key(inbound: Inbound, group_scope: GroupScope = "user") -> str:
         return f"{ch}:dm:{inbound.chat_id if ch == 'slack' else inbound.user_id}"
     if ch == "slack":
         # Every Slack conversation in a channel lives in a thread (ours or the person's).
-        thread = inbound.thread_id or inbound.message_id or "root"
+        thread = inbound.thread_id or inbound.message_id
+        if thread is None:  # slash commands in a channel: no thread to belong to
+            return f"slack:channel:{inbound.chat_id}:user:{inbound.user_id}"
         return f"slack:channel:{inbound.chat_id}:thread:{thread}"
     if inbound.thread_id:
         return f"{ch}:group:{inbound.chat_id}:topic:{inbound.thread_id}"
