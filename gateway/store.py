@@ -1,0 +1,356 @@
+"""The SQLite store (aiosqlite, WAL): the source of truth for sessions and messages.
+
+One connection, so one writer: aiosqlite runs every statement on its own thread, in
+order, and nothing blocks the event loop. Behind this small interface a PostgreSQL
+store could join later.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from gateway.migrations import MIGRATIONS
+from gateway.types import Message, ToolCall, Truncation
+
+
+class StoreError(Exception):
+    """The database cannot be opened or written (read-only dir, disk full, corrupt)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    key: str
+    scope: str
+    channel: str
+    created_at: float
+    updated_at: float
+    context_start_turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEvent:
+    channel: str
+    event_id: str
+    session_key: str | None
+    inbound: dict[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSummary:
+    text: str
+    upto_turn: int
+    reason: str
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobRun:
+    job: str
+    slot: str
+    started_at: float
+    ended_at: float | None
+    outcome: str
+    detail: str | None
+
+
+def _truncation_to_json(t: Truncation | None) -> str | None:
+    if t is None:
+        return None
+    return json.dumps(
+        {name: getattr(t, name) for name in t.__dataclass_fields__}, ensure_ascii=False
+    )
+
+
+def _truncation_from_json(text: str | None) -> Truncation | None:
+    if not text:
+        return None
+    data = json.loads(text)
+    known = {k: v for k, v in data.items() if k in Truncation.__dataclass_fields__}
+    if "shown" in known:
+        known["shown"] = tuple(tuple(r) for r in known["shown"])
+    return Truncation(**known)
+
+
+def _row_to_message(row: aiosqlite.Row) -> Message:
+    calls = tuple(ToolCall(**c) for c in json.loads(row["tool_calls"])) if row["tool_calls"] else ()
+    return Message(
+        role=row["role"],
+        content=row["content"],
+        turn=row["turn"],
+        tool_calls=calls,
+        tool_call_id=row["tool_call_id"],
+        tool_name=row["tool_name"],
+        truncation=_truncation_from_json(row["truncation"]),
+        injected=bool(row["injected"]),
+        id=row["id"],
+        created_at=row["created_at"],
+    )
+
+
+class Store:
+    def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
+        self._db = db
+        self.path = path
+
+    @classmethod
+    async def open(cls, path: Path) -> Store:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = await aiosqlite.connect(str(path), timeout=10)
+        except (OSError, aiosqlite.Error) as err:
+            raise StoreError(f"cannot open the database {path}: {err}") from err
+        db.row_factory = aiosqlite.Row
+        store = cls(db, path)
+        try:
+            await store._setup()
+        except (OSError, aiosqlite.Error) as err:
+            await db.close()
+            raise StoreError(f"cannot initialise the database {path}: {err}") from err
+        return store
+
+    async def _setup(self) -> None:
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute("PRAGMA synchronous=NORMAL")
+        await self._db.execute("PRAGMA foreign_keys=ON")
+        await self._db.execute("PRAGMA busy_timeout=5000")
+        async with self._db.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        version = int(row[0]) if row else 0
+        for number, script in enumerate(MIGRATIONS, start=1):
+            if number <= version:
+                continue
+            await self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={number};\nCOMMIT;")
+        await self._db.commit()
+
+    async def close(self) -> None:
+        try:
+            await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except aiosqlite.Error:
+            pass
+        await self._db.close()
+
+    @property
+    def connection(self) -> aiosqlite.Connection:
+        """For modules with their own tables (memory search, jobs); same single writer."""
+        return self._db
+
+    async def schema_version(self) -> int:
+        async with self._db.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def check_writable(self) -> bool:
+        try:
+            await self._db.execute("CREATE TEMP TABLE IF NOT EXISTS _probe(x)")
+            await self._db.execute("BEGIN IMMEDIATE")
+            await self._db.execute("ROLLBACK")
+            return True
+        except aiosqlite.Error:
+            return False
+
+    # -- sessions ---------------------------------------------------------------------
+
+    async def ensure_session(self, key: str, scope: str, channel: str) -> SessionRow:
+        now = time.time()
+        await self._db.execute(
+            "INSERT INTO sessions(key, scope, channel, created_at, updated_at) VALUES (?,?,?,?,?) "
+            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at",
+            (key, scope, channel, now, now),
+        )
+        await self._db.commit()
+        row = await self.get_session(key)
+        assert row is not None
+        return row
+
+    async def get_session(self, key: str) -> SessionRow | None:
+        async with self._db.execute("SELECT * FROM sessions WHERE key=?", (key,)) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        return SessionRow(
+            key=row["key"], scope=row["scope"], channel=row["channel"],
+            created_at=row["created_at"], updated_at=row["updated_at"],
+            context_start_turn=row["context_start_turn"],
+        )
+
+    async def set_context_start(self, key: str, turn: int) -> None:
+        await self._db.execute(
+            "UPDATE sessions SET context_start_turn=?, updated_at=? WHERE key=?",
+            (turn, time.time(), key),
+        )
+        await self._db.commit()
+
+    async def count_sessions(self) -> int:
+        async with self._db.execute("SELECT count(*) FROM sessions") as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    # -- messages ---------------------------------------------------------------------
+
+    async def add_message(self, key: str, msg: Message, *, seq: int, token_count: int | None = None) -> Message:
+        calls = (
+            json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in msg.tool_calls],
+                       ensure_ascii=False)
+            if msg.tool_calls else None
+        )
+        cur = await self._db.execute(
+            "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
+            "tool_name, truncation, injected, token_count, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
+                _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
+            ),
+        )
+        row_id = cur.lastrowid
+        await cur.close()
+        await self._db.execute("UPDATE sessions SET updated_at=? WHERE key=?", (msg.created_at, key))
+        await self._db.commit()
+        return Message(
+            role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
+            tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
+            injected=msg.injected, id=row_id, created_at=msg.created_at,
+        )
+
+    async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:
+        async with self._db.execute(
+            "SELECT * FROM messages WHERE session_key=? AND turn>=? ORDER BY turn, seq, id",
+            (key, from_turn),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [_row_to_message(r) for r in rows]
+
+    async def recent_messages(self, key: str, *, turns: int, from_turn: int = 1) -> list[Message]:
+        """Messages of the last `turns` turns at or after `from_turn` (for restore)."""
+        async with self._db.execute(
+            "SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn>=? ORDER BY turn DESC LIMIT ?",
+            (key, from_turn, turns),
+        ) as cur:
+            found = [r[0] for r in await cur.fetchall()]
+        if not found:
+            return []
+        return await self.messages(key, from_turn=min(found))
+
+    async def last_turn(self, key: str) -> int:
+        async with self._db.execute(
+            "SELECT max(turn) FROM messages WHERE session_key=?", (key,)
+        ) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    async def count_messages(self, key: str | None = None) -> int:
+        if key is None:
+            sql, args = "SELECT count(*) FROM messages", ()
+        else:
+            sql, args = "SELECT count(*) FROM messages WHERE session_key=?", (key,)
+        async with self._db.execute(sql, args) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    # -- platform events (dedup, exactly once) ------------------------------------------
+
+    async def record_event(
+        self, channel: str, event_id: str, *, session_key: str | None, inbound: dict[str, Any] | None,
+        status: str = "accepted",
+    ) -> bool:
+        """Record a platform event; False when it was seen before (a redelivery)."""
+        cur = await self._db.execute(
+            "INSERT OR IGNORE INTO events(channel, event_id, session_key, status, inbound, created_at) "
+            "VALUES (?,?,?,?,?,?)",
+            (channel, event_id, session_key, status,
+             json.dumps(inbound, ensure_ascii=False) if inbound is not None else None, time.time()),
+        )
+        fresh = cur.rowcount == 1
+        await cur.close()
+        await self._db.commit()
+        return fresh
+
+    async def mark_event(self, channel: str, event_id: str, status: str) -> None:
+        await self._db.execute(
+            "UPDATE events SET status=?, answered_at=? WHERE channel=? AND event_id=?",
+            (status, time.time(), channel, event_id),
+        )
+        await self._db.commit()
+
+    async def event_status(self, channel: str, event_id: str) -> str | None:
+        async with self._db.execute(
+            "SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id)
+        ) as cur:
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def pending_events(self, statuses: Iterable[str] = ("accepted", "running")) -> list[PendingEvent]:
+        wanted = tuple(statuses)
+        marks = ",".join("?" * len(wanted))
+        async with self._db.execute(
+            f"SELECT * FROM events WHERE status IN ({marks}) ORDER BY created_at", wanted
+        ) as cur:
+            rows = await cur.fetchall()
+        out = []
+        for r in rows:
+            if not r["inbound"]:
+                continue
+            out.append(PendingEvent(
+                channel=r["channel"], event_id=r["event_id"], session_key=r["session_key"],
+                inbound=json.loads(r["inbound"]), created_at=r["created_at"],
+            ))
+        return out
+
+    # -- summaries ----------------------------------------------------------------------
+
+    async def add_summary(self, key: str, scope: str, *, upto_turn: int, reason: str, text: str) -> None:
+        await self._db.execute(
+            "INSERT INTO summaries(session_key, scope, upto_turn, reason, text, created_at) VALUES (?,?,?,?,?,?)",
+            (key, scope, upto_turn, reason, text, time.time()),
+        )
+        await self._db.commit()
+
+    async def latest_summary(self, key: str) -> StoredSummary | None:
+        async with self._db.execute(
+            "SELECT * FROM summaries WHERE session_key=? ORDER BY id DESC LIMIT 1", (key,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        return StoredSummary(text=row["text"], upto_turn=row["upto_turn"], reason=row["reason"],
+                             created_at=row["created_at"])
+
+    # -- job runs -----------------------------------------------------------------------
+
+    async def start_job_run(self, job: str, slot: str) -> bool:
+        """Claim a (job, slot); False when that slot already ran (or runs)."""
+        cur = await self._db.execute(
+            "INSERT OR IGNORE INTO job_runs(job, slot, started_at) VALUES (?,?,?)",
+            (job, slot, time.time()),
+        )
+        claimed = cur.rowcount == 1
+        await cur.close()
+        await self._db.commit()
+        return claimed
+
+    async def finish_job_run(self, job: str, slot: str, outcome: str, detail: str | None = None) -> None:
+        await self._db.execute(
+            "UPDATE job_runs SET ended_at=?, outcome=?, detail=? WHERE job=? AND slot=?",
+            (time.time(), outcome, detail, job, slot),
+        )
+        await self._db.commit()
+
+    async def forget_job_run(self, job: str, slot: str) -> None:
+        """Release a slot whose run failed, so the next run retries it."""
+        await self._db.execute("DELETE FROM job_runs WHERE job=? AND slot=?", (job, slot))
+        await self._db.commit()
+
+    async def job_runs(self, job: str | None = None, limit: int = 10) -> list[JobRun]:
+        sql = "SELECT * FROM job_runs" + (" WHERE job=?" if job else "") + " ORDER BY id DESC LIMIT ?"
+        args: tuple[Any, ...] = (job, limit) if job else (limit,)
+        async with self._db.execute(sql, args) as cur:
+            rows = await cur.fetchall()
+        return [JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
+                       outcome=r["outcome"], detail=r["detail"]) for r in rows]
