@@ -41,6 +41,7 @@ MIGRATIONS: list[str] = [
         event_id TEXT NOT NULL,
         session_key TEXT,
         status TEXT NOT NULL,
+        turn INTEGER,
         inbound TEXT,
         created_at REAL NOT NULL,
         answered_at REAL,

@@ -41,6 +41,8 @@ class PendingEvent:
     session_key: str | None
     inbound: dict[str, Any]
     created_at: float
+    status: str = "accepted"
+    turn: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,10 +274,10 @@ class Store:
         await self._db.commit()
         return fresh
 
-    async def mark_event(self, channel: str, event_id: str, status: str) -> None:
+    async def mark_event(self, channel: str, event_id: str, status: str, *, turn: int | None = None) -> None:
         await self._db.execute(
-            "UPDATE events SET status=?, answered_at=? WHERE channel=? AND event_id=?",
-            (status, time.time(), channel, event_id),
+            "UPDATE events SET status=?, answered_at=?, turn=coalesce(?, turn) WHERE channel=? AND event_id=?",
+            (status, time.time(), turn, channel, event_id),
         )
         await self._db.commit()
 
@@ -300,6 +302,7 @@ class Store:
             out.append(PendingEvent(
                 channel=r["channel"], event_id=r["event_id"], session_key=r["session_key"],
                 inbound=json.loads(r["inbound"]), created_at=r["created_at"],
+                status=r["status"], turn=r["turn"],
             ))
         return out
 
