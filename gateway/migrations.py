@@ -71,5 +71,82 @@ MIGRATIONS: list[str] = [
         detail TEXT,
         UNIQUE (job, slot)
     );
+
+    CREATE TABLE pairing_codes (
+        code TEXT PRIMARY KEY,
+        identity TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        approved_at REAL
+    );
+    CREATE INDEX pairing_identity ON pairing_codes(identity);
+
+    CREATE TABLE approved_users (
+        identity TEXT PRIMARY KEY,
+        approved_by TEXT NOT NULL,
+        approved_at REAL NOT NULL
+    );
+    """,
+    # 2: full-text search (SPEC §4.6, §5 memory_search): the session's stored messages
+    # (external content + triggers, so the index follows every insert and purge) and each
+    # scope's memory files in chunks; the scopes known to have memory; consolidation
+    # watermarks. Trigram tokenizer: substring matches that work for CJK text too.
+    """
+    CREATE VIRTUAL TABLE messages_fts USING fts5(
+        content, content='messages', content_rowid='id', tokenize='trigram'
+    );
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+    CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+
+    CREATE TABLE memory_scopes (
+        scope TEXT PRIMARY KEY,
+        dirname TEXT NOT NULL
+    );
+
+    CREATE TABLE memory_files (
+        scope TEXT NOT NULL,
+        path TEXT NOT NULL,
+        mtime_ns INTEGER NOT NULL,
+        size INTEGER NOT NULL,
+        PRIMARY KEY (scope, path)
+    ) WITHOUT ROWID;
+
+    CREATE TABLE memory_chunks (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        scope TEXT NOT NULL,
+        path TEXT NOT NULL,
+        date TEXT NOT NULL,
+        content TEXT NOT NULL
+    );
+    CREATE INDEX memory_chunks_file ON memory_chunks(scope, path);
+    CREATE VIRTUAL TABLE memory_fts USING fts5(
+        content, content='memory_chunks', content_rowid='id', tokenize='trigram'
+    );
+    CREATE TRIGGER memory_fts_insert AFTER INSERT ON memory_chunks BEGIN
+        INSERT INTO memory_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER memory_fts_delete AFTER DELETE ON memory_chunks BEGIN
+        INSERT INTO memory_fts(memory_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+
+    CREATE TABLE memory_watermarks (
+        scope TEXT NOT NULL,
+        note TEXT NOT NULL,
+        chars INTEGER NOT NULL,
+        digest TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        mtime_ns INTEGER NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (scope, note)
+    ) WITHOUT ROWID;
     """,
 ]

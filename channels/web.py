@@ -1,0 +1,117 @@
+"""The local web chat: a small page and `POST /api/chat` on the gateway's HTTP server.
+
+`{"session": "alice", "text": "hi"}` → `{"reply": "..."}`. A bearer token is required
+whenever one is configured (and config validation demands one off loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from channels.base import InboundHandler
+from gateway.types import Inbound
+
+log = logging.getLogger("channels.web")
+
+SESSION_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+
+
+class WebChannel:
+    name = "web"
+
+    def __init__(self, handler: InboundHandler, *, token: str | None, max_chars: int,
+                 reply_timeout_s: float) -> None:
+        self.handler = handler
+        self.token = token
+        self.max_chars = max_chars
+        self.reply_timeout_s = reply_timeout_s
+        self._waiters: dict[str, asyncio.Future[str]] = {}
+        self._running = False
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/", self.page), web.post("/api/chat", self.api_chat)]
+
+    async def start(self) -> None:
+        self._running = True
+
+    async def stop(self) -> None:
+        self._running = False
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ConnectionAbortedError("the gateway is shutting down"))
+        self._waiters.clear()
+
+    def is_ready(self) -> bool:
+        return self._running
+
+    @asynccontextmanager
+    async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
+        yield  # the page shows its own "thinking…" while the request is open
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        fut = self._waiters.get(inbound.event_id)
+        if fut is None or fut.done():
+            # No one is waiting (e.g. answered after a restart): the reply stays stored.
+            log.info("web reply with no waiting request", extra={"event": inbound.event_id})
+            return
+        fut.set_result(text)
+
+    async def page(self, _request: web.Request) -> web.Response:
+        html = resources.files("channels").joinpath("static/index.html").read_text(encoding="utf-8")
+        return web.Response(text=html, content_type="text/html", charset="utf-8")
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.token:
+            return True
+        header = request.headers.get("Authorization", "")
+        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    async def api_chat(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        if not self._running:
+            return _error(503, "the gateway is not accepting messages right now")
+        try:
+            body: Any = await request.json()
+        except ValueError:
+            return _error(400, "the body must be JSON: {\"session\": \"name\", \"text\": \"...\"}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        session, text, request_id = body.get("session", "default"), body.get("text"), body.get("id")
+        if not isinstance(session, str) or not SESSION_NAME.match(session):
+            return _error(400, "session must be 1-64 characters of letters, digits, _ . @ -")
+        if not isinstance(text, str) or not text.strip():
+            return _error(400, "text must be a non-empty string")
+        if len(text) > self.max_chars:
+            return _error(413, f"text is longer than {self.max_chars:,} characters")
+        if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
+            return _error(400, "id must be a string of at most 128 characters")
+        event_id = request_id or uuid.uuid4().hex
+        inbound = Inbound(channel="web", chat_id=session, user_id=session, text=text, event_id=event_id,
+                          message_id=event_id, user_name=session)
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[event_id] = fut
+        try:
+            await self.handler(inbound)
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=self.reply_timeout_s)
+        except TimeoutError:
+            return _error(504, "no reply in time; the message is saved and will be answered")
+        except ConnectionAbortedError as err:
+            return _error(503, str(err))
+        finally:
+            self._waiters.pop(event_id, None)
+        return web.json_response({"reply": reply, "session": session, "id": event_id})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)

@@ -1,0 +1,126 @@
+"""CLI: `python -m gateway run | chat | check-config | pairing approve CODE`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+from gateway.config import Config, ConfigError, load_config
+from gateway.logs import setup_logging
+
+DEFAULT_CONFIG = Path("config.json")
+
+
+def _load(path: Path | None) -> tuple[Config, Path | None]:
+    """The config file, or the embedded defaults when none exists at the default path."""
+    if path is None:
+        if not DEFAULT_CONFIG.exists():
+            return Config(), None
+        path = DEFAULT_CONFIG
+    return load_config(path), path.resolve()
+
+
+def _print_problems(path: Path | None, err: ConfigError) -> None:
+    print(f"config {path or '(defaults)'} has {len(err.problems)} problem(s):", file=sys.stderr)
+    for problem in err.problems:
+        print(f"  - {problem}", file=sys.stderr)
+
+
+async def _run(path: Path | None) -> int:
+    from gateway.app import Gateway, StartupError
+    from gateway.reload import ConfigWatcher
+
+    cfg, cfg_path = _load(path)
+    setup_logging(cfg.log_level)
+    gateway = Gateway(cfg, config_path=cfg_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await gateway.start()
+    except StartupError as err:
+        print(f"cannot start: {err}", file=sys.stderr)
+        await gateway.stop()
+        return 2
+    if cfg_path is not None:
+        gateway.watcher = ConfigWatcher(gateway)
+        await gateway.watcher.start()
+    host, port = cfg.http.host, gateway.http.port if gateway.http else cfg.http.port
+    print(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", flush=True)
+    await stop.wait()
+    print("stopping…", file=sys.stderr, flush=True)
+    await gateway.stop()
+    return 0
+
+
+async def _chat(path: Path | None) -> int:
+    from channels.terminal import run_terminal
+
+    cfg, cfg_path = _load(path)
+    setup_logging("WARNING")
+    return await run_terminal(cfg, cfg_path)
+
+
+async def _approve(path: Path | None, code: str) -> int:
+    from gateway.access import Pairing
+    from gateway.store import Store
+
+    cfg, cfg_path = _load(path)
+    base = cfg_path.parent if cfg_path else Path.cwd()
+    store = await Store.open(cfg.data_path(base) / "gateway.sqlite3")
+    try:
+        identity = await Pairing(store).approve(code, approved_by="cli")
+    finally:
+        await store.close()
+    if identity is None:
+        print("That code is unknown or expired.", file=sys.stderr)
+        return 1
+    print(f"Approved {identity}.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gateway", description="A chatbot gateway with a real context engine.")
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run every enabled channel and the web chat")
+    run.add_argument("--config", type=Path, default=None, help="config file (default: ./config.json)")
+    chat = sub.add_parser("chat", help="chat in this terminal on the same engine")
+    chat.add_argument("--config", type=Path, default=None)
+    check = sub.add_parser("check-config", help="validate a config file and list every problem")
+    check.add_argument("path", type=Path, nargs="?", default=DEFAULT_CONFIG)
+    pairing = sub.add_parser("pairing", help="approve a pairing code")
+    pairing_sub = pairing.add_subparsers(dest="action", required=True)
+    approve = pairing_sub.add_parser("approve")
+    approve.add_argument("code")
+    approve.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    command = args.command or "run"
+    try:
+        if command == "check-config":
+            load_config(args.path)
+            print(f"{args.path}: OK")
+            return 0
+        if command == "run":
+            return asyncio.run(_run(getattr(args, "config", None)))
+        if command == "chat":
+            return asyncio.run(_chat(args.config))
+        if command == "pairing":
+            return asyncio.run(_approve(args.config, args.code))
+    except ConfigError as err:
+        _print_problems(getattr(args, "config", None) or getattr(args, "path", None), err)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Who may talk to the bot (SPEC §3.2, §6 access): DM policy, allowlist, pairing codes,
+group allowlist and trigger. Decisions are pure; pairing state lives in the store."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.config import Config
+from gateway.store import Store
+from gateway.types import Inbound
+
+PAIRING_TTL_S = 3600
+PAIRING_MIN_INTERVAL_S = 60  # one new code per person per minute at most
+LOCAL_CHANNELS = ("web", "terminal")  # loopback or token-protected: the operator's own
+_CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no look-alikes
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Literal["allow", "ignore", "refuse", "pair"]
+    reason: str = ""
+
+
+def is_admin(cfg: Config, identity: str) -> bool:
+    return identity in cfg.admins
+
+
+def group_triggered(cfg: Config, inbound: Inbound) -> bool:
+    trigger = cfg.access.group_trigger
+    if trigger == "all":
+        return True
+    if trigger == "mention":
+        return inbound.mentioned
+    return inbound.mentioned or inbound.reply_to_bot
+
+
+def decide(cfg: Config, inbound: Inbound, *, approved: bool) -> Decision:
+    """`approved`: the person was approved through pairing earlier."""
+    if inbound.channel in LOCAL_CHANNELS:
+        return Decision("allow")
+    allow = set(cfg.access.allow_from)
+    if inbound.is_group:
+        if not group_triggered(cfg, inbound):
+            return Decision("ignore", "not addressed")
+        if "*" in allow or f"{inbound.channel}:{inbound.chat_id}" in allow:
+            return Decision("allow")
+        return Decision("ignore", "group not allowed")
+    identity = inbound.identity
+    if is_admin(cfg, identity) or "*" in allow or identity in allow or approved:
+        return Decision("allow")
+    policy = cfg.access.dm_policy
+    if policy == "open":
+        return Decision("allow")
+    if policy == "allowlist":
+        return Decision("refuse", "not on the allowlist")
+    return Decision("pair", "pairing required")
+
+
+def new_code() -> str:
+    return "".join(secrets.choice(_CODE_ALPHABET) for _ in range(8))
+
+
+class Pairing:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def is_approved(self, identity: str) -> bool:
+        async with self.store.connection.execute(
+            "SELECT 1 FROM approved_users WHERE identity=?", (identity,)
+        ) as cur:
+            return await cur.fetchone() is not None
+
+    async def code_for(self, identity: str, now: float | None = None) -> tuple[str, bool]:
+        """The person's live code (reused while valid) and whether it is new; rate limited."""
+        now = time.time() if now is None else now
+        db = self.store.connection
+        async with db.execute(
+            "SELECT code, created_at FROM pairing_codes WHERE identity=? AND approved_at IS NULL "
+            "AND expires_at>? ORDER BY created_at DESC LIMIT 1", (identity, now),
+        ) as cur:
+            row = await cur.fetchone()
+        if row is not None:
+            return row[0], False
+        async with db.execute(
+            "SELECT max(created_at) FROM pairing_codes WHERE identity=?", (identity,)
+        ) as cur:
+            last = await cur.fetchone()
+        if last and last[0] and now - float(last[0]) < PAIRING_MIN_INTERVAL_S:
+            return "", False
+        code = new_code()
+        await db.execute(
+            "INSERT INTO pairing_codes(code, identity, created_at, expires_at) VALUES (?,?,?,?)",
+            (code, identity, now, now + PAIRING_TTL_S),
+        )
+        await db.commit()
+        return code, True
+
+    async def approve(self, code: str, approved_by: str, now: float | None = None) -> str | None:
+        """Approve a code; returns the approved identity, or None for an unknown/expired code."""
+        now = time.time() if now is None else now
+        code = code.strip().upper()
+        db = self.store.connection
+        async with db.execute(
+            "SELECT identity FROM pairing_codes WHERE code=? AND approved_at IS NULL AND expires_at>?",
+            (code, now),
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        identity = str(row[0])
+        await db.execute("UPDATE pairing_codes SET approved_at=? WHERE code=?", (now, code))
+        await db.execute(
+            "INSERT OR REPLACE INTO approved_users(identity, approved_by, approved_at) VALUES (?,?,?)",
+            (identity, approved_by, now),
+        )
+        await db.commit()
+        return identity

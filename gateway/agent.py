@@ -1,0 +1,206 @@
+"""The turn loop (SPEC §5): ask context/ for the request, call the model, run the tools,
+store every message as it is produced, repeat up to `agent_max_steps`, recover once from
+a context overflow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from context.budget import Budget
+from context.engine import Prepared, prepare, recover_overflow
+from context.truncate import cut_tool_result
+from gateway.config import Config, atomic_write_text
+from gateway.live import LiveSession
+from gateway.model import ModelError, ModelReply
+from gateway.services import Services
+from gateway.summarizer import Summarizer
+from gateway.tools.base import ToolContext, ToolError, ToolOutput
+from gateway.types import Message, ToolCall
+from gateway.workspace import PathNotAllowed, resolve_in_workspace
+
+log = logging.getLogger("gateway.agent")
+
+TOOL_TIMEOUT_S = 60.0
+
+OVERFLOW_CLEARED = (
+    "This conversation grew larger than the model can read, even after trimming it. "
+    "I have cleared the live context (everything is still stored and searchable) — "
+    "please send your last message again."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    text: str
+    outcome: str  # ok | model_error | overflow_cleared | notice
+
+
+def today_line(cfg: Config) -> str:
+    tz = ZoneInfo(cfg.timezone) if cfg.timezone else None
+    now = datetime.now(tz) if tz else datetime.now().astimezone()
+    # Only the date: a finer clock would change the prompt every call and defeat prompt caches.
+    return f"Today is {now:%Y-%m-%d} ({now.tzname()})."
+
+
+class Agent:
+    def __init__(self, services: Services, summarizer: Summarizer) -> None:
+        self.s = services
+        self.summarizer = summarizer
+
+    async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
+        parts = [cfg.system_prompt.strip(), today_line(cfg)]
+        parts.append(
+            "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
+            "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
+        )
+        memory = self.s.memory
+        if memory is not None and cfg.memory_max_tokens > 0:
+            text = await memory.read_memory_md(
+                live.scope, max_tokens=cfg.memory_max_tokens, count=self.s.counter.count_text
+            )
+            if text.strip():
+                parts.append("## Long-term memory (MEMORY.md)\n" + text.strip())
+        return "\n\n".join(parts)
+
+    async def store(self, live: LiveSession, msg: Message) -> Message:
+        stored = await self.s.store.add_message(
+            live.key, msg, seq=live.seq, token_count=self.s.counter.count_message(msg)
+        )
+        live.seq += 1
+        live.ctx.append(stored)
+        return stored
+
+    def _apply(self, live: LiveSession, prepared: Prepared) -> None:
+        for event in prepared.events:
+            live.last_event = event
+            self.s.metrics.trims.labels(event.strategy).inc()
+            log.info(
+                "context rule fired",
+                extra={"session": live.key, "strategy": event.strategy,
+                       "tokens_before": event.tokens_before, "tokens_after": event.tokens_after},
+            )
+        for effect in prepared.effects:
+            self.summarizer.submit(live, effect)
+
+    async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None) -> ModelReply:
+        async with self.s.model_slots:
+            return await self.s.model.complete(prepared.messages, tools=tools or None)
+
+    async def run_turn(self, live: LiveSession) -> TurnResult:
+        """Run the current turn (its user message is already stored) to a final reply."""
+        recovered = False
+        step = 0
+        while True:
+            cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
+            step += 1
+            final = step >= cfg.agent_max_steps
+            tools = [] if final else self.s.tools.schemas()
+            budget = Budget.from_config(cfg)
+            system = await self.system_prompt(live, cfg)
+            prepared = prepare(live.ctx, system_prompt=system, tools=tools, budget=budget,
+                               counter=self.s.counter, final=final)
+            self._apply(live, prepared)
+            if prepared.user_notice:
+                return TurnResult(prepared.user_notice, "notice")
+            try:
+                reply = await self._call_model(prepared, tools)
+            except ModelError as err:
+                if err.kind != "overflow":
+                    log.warning("model error", extra={"session": live.key, "kind": err.kind,
+                                                      "detail": err.detail[:300]})
+                    return TurnResult(err.user_message(), "model_error")
+                if recovered:
+                    return await self._clear_after_overflow(live)
+                recovered = True
+                reply_or_none = await self._recover(live, cfg, system, tools, err)
+                if reply_or_none is None:
+                    return await self._clear_after_overflow(live)
+                reply, prepared = reply_or_none
+            if reply.prompt_tokens:
+                live.ctx.calibrate(prepared.tokens, reply.prompt_tokens)
+                self.s.metrics.tokens.labels("in").inc(reply.prompt_tokens)
+            if reply.completion_tokens:
+                self.s.metrics.tokens.labels("out").inc(reply.completion_tokens)
+            calls = () if final else reply.tool_calls
+            text = (reply.content or "").strip()
+            if not calls:
+                if not text:
+                    text = "(The model returned an empty answer. Please try again or rephrase.)"
+                await self.store(live, Message(role="assistant", content=text, turn=live.ctx.current_turn))
+                return TurnResult(text, "ok")
+            await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
+                                           tool_calls=tuple(calls)))
+            for call in calls:
+                await self._run_tool(live, cfg, call)
+
+    async def _recover(
+        self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError
+    ) -> tuple[ModelReply, Prepared] | None:
+        """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once."""
+        log.warning("context overflow; recovering", extra={"session": live.key,
+                                                          "provider_limit": err.provider_limit})
+        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=Budget.from_config(cfg),
+                                    counter=self.s.counter, provider_limit=err.provider_limit)
+        self._apply(live, prepared)
+        try:
+            reply = await self._call_model(prepared, tools)
+        except ModelError as again:
+            if again.kind == "overflow":
+                self.s.metrics.overflow_recoveries.labels("cleared").inc()
+                return None
+            raise
+        self.s.metrics.overflow_recoveries.labels("recovered").inc()
+        return reply, prepared
+
+    async def _clear_after_overflow(self, live: LiveSession) -> TurnResult:
+        turn = live.ctx.current_turn
+        live.ctx.clear()
+        # The next turn starts a fresh live context, also after a restart.
+        await self.s.store.set_context_start(live.key, turn + 1)
+        await self.store(live, Message(role="assistant", content=OVERFLOW_CLEARED, turn=turn))
+        return TurnResult(OVERFLOW_CLEARED, "overflow_cleared")
+
+    async def _run_tool(self, live: LiveSession, cfg: Config, call: ToolCall) -> None:
+        output, outcome = await self._execute(live, cfg, call)
+        self.s.metrics.tool_calls.labels(call.name if self.s.tools.get(call.name) else "unknown", outcome).inc()
+        cut = cut_tool_result(output.text, call_id=call.id, limit=cfg.tool_result_max_chars,
+                              file_ref=output.file_ref)
+        if cut.save is not None:
+            try:
+                target = resolve_in_workspace(live.workspace, cut.save.path)
+                await asyncio.to_thread(atomic_write_text, target, cut.save.text)
+            except (OSError, PathNotAllowed) as err:
+                log.error("cannot save a tool result", extra={"session": live.key, "error": str(err)})
+        await self.store(live, Message(role="tool", content=cut.content, turn=live.ctx.current_turn,
+                                       tool_call_id=call.id, tool_name=call.name, truncation=cut.truncation))
+
+    async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
+        tool = self.s.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self.s.tools.names)
+            return ToolOutput(f"error: there is no tool named {call.name!r}; available: {known}"), "unknown"
+        try:
+            args = json.loads(call.arguments or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+        except (ValueError, TypeError) as err:
+            return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
+                "bad_arguments"
+        ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
+                          services=self.s)
+        try:
+            out = await asyncio.wait_for(tool.run(args, ctx), timeout=TOOL_TIMEOUT_S)
+            return out, "ok"
+        except ToolError as err:
+            return ToolOutput(f"error: {err}"), "error"
+        except TimeoutError:
+            return ToolOutput(f"error: {call.name} did not finish within {TOOL_TIMEOUT_S:.0f} s"), "timeout"
+        except Exception:
+            log.exception("tool failed", extra={"session": live.key, "tool": call.name})
+            return ToolOutput(f"error: {call.name} failed unexpectedly"), "crash"

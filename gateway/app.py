@@ -1,0 +1,300 @@
+"""Builds a running gateway from a config snapshot; starts and stops its parts in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import AbstractAsyncContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from context.tokens import TokenCounter
+from gateway.access import Pairing
+from gateway.agent import Agent
+from gateway.commands import BOT_COMMANDS, Commands
+from gateway.config import Config
+from gateway.http import HttpServer, build_app
+from gateway.keys import memory_scope, workspace_dir
+from gateway.logs import REDACTOR
+from gateway.metrics import Metrics
+from gateway.model import ModelClient
+from gateway.router import Router
+from gateway.services import ConfigHolder, Services
+from gateway.sessions import SessionManager
+from gateway.store import Store, StoreError
+from gateway.summarizer import Summarizer
+from gateway.tools.registry import ToolRegistry
+from gateway.types import Inbound
+
+log = logging.getLogger("gateway.app")
+
+SHUTDOWN_TIMEOUT_S = 20.0
+
+
+class StartupError(Exception):
+    """A problem that makes starting pointless (bad data dir, unreadable database)."""
+
+
+def secret_values(cfg: Config) -> list[str]:
+    values: list[str | None] = []
+    for model in (cfg.model, cfg.summary_model):
+        if model is not None:
+            values.append(model.key_value())
+    t, s, w = cfg.channels.telegram, cfg.channels.slack, cfg.channels.web
+    for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token):
+        if secret is not None:
+            values.append(secret.get_secret_value())
+    return [v for v in values if v]
+
+
+def check_data_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StartupError(f"cannot create the data directory {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupError(f"the data directory {path} is not writable by this user; fix its permissions "
+                           "or set data_dir in config.json")
+
+
+class Gateway:
+    def __init__(self, config: Config, *, config_path: Path | None, base_dir: Path | None = None,
+                 serve_http: bool = True, enable_channels: bool = True) -> None:
+        base = base_dir or (config_path.parent if config_path else Path.cwd())
+        self.holder = ConfigHolder(config, config_path, base)
+        self.serve_http = serve_http
+        self.enable_channels = enable_channels
+        self.channels: dict[str, Any] = {}
+        self.http: HttpServer | None = None
+        self.services: Services | None = None
+        self.scheduler: Any = None
+        self.watcher: Any = None
+        self._started = False
+
+    # -- wiring ------------------------------------------------------------------------
+
+    @property
+    def cfg(self) -> Config:
+        return self.holder.current
+
+    def _models(self, cfg: Config, metrics: Metrics) -> dict[str, ModelClient]:
+        def on_call(record: Any) -> None:
+            metrics.model_calls.labels(getattr(record, "outcome", "ok")).inc()
+            seconds = getattr(record, "seconds", None)
+            if seconds is not None:
+                metrics.model_latency.observe(seconds)
+
+        models = {"main": ModelClient(cfg.model, on_call=on_call)}
+        if cfg.summary_model is not None:
+            models["summary"] = ModelClient(cfg.summary_model, on_call=on_call)
+        return models
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        REDACTOR.set_secrets(secret_values(cfg))
+        data_dir = self.holder.data_dir
+        await asyncio.to_thread(check_data_dir, data_dir)
+        try:
+            store = await Store.open(data_dir / "gateway.sqlite3")
+        except StoreError as err:
+            raise StartupError(str(err)) from None
+        metrics = Metrics()
+        counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
+        services = Services(
+            config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
+            tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
+            model_slots=asyncio.Semaphore(cfg.limits.max_concurrent_model_calls),
+        )
+        services.memory = self._memory(services)
+        self.services = services
+        summarizer = Summarizer(services)
+        self.agent = Agent(services, summarizer)
+        self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing)
+        self.pairing = Pairing(store)
+        self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
+                                 on_config_change=self.apply_config)
+        self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
+
+        if self.enable_channels:
+            self._build_channels(cfg)
+        if self.serve_http:
+            extra = self.channels["web"].routes() if "web" in self.channels else []
+            app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
+                            channel=self.channels.get, extra_routes=extra)
+            self.http = HttpServer(app, cfg.http.host, cfg.http.port)
+            try:
+                await self.http.start()
+            except OSError as err:
+                await store.close()
+                raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
+        for name, channel in list(self.channels.items()):
+            await self._start_channel(name, channel)
+        self._started = True
+        await self.router.resume_pending()
+        await self._start_scheduler()
+        if not services.model.configured:
+            log.warning("no model API key: every chat will answer with setup instructions "
+                        "(set OPENAI_API_KEY or model.api_key in config.json)")
+
+    def _memory(self, services: Services) -> Any:
+        try:
+            from zoneinfo import ZoneInfo
+
+            from gateway.memory import Memory
+        except ImportError:
+            return None
+        tz = ZoneInfo(services.cfg.timezone) if services.cfg.timezone else None
+        return Memory(services.data_dir, tz=tz or _local_tz(), store=services.store)
+
+    async def _start_scheduler(self) -> None:
+        assert self.services is not None
+        try:
+            from gateway.scheduler import Scheduler
+        except ImportError:
+            return
+        s = self.services
+        self.scheduler = Scheduler(
+            s.cfg, store=s.store, memory=s.memory, model=s.summary_model,
+            live_references=self.live_tool_results,
+            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(),
+        )
+        await self.scheduler.start()
+
+    def live_tool_results(self) -> set[Path]:
+        refs: set[Path] = set()
+        for live in self.sessions.live.values():
+            for m in live.ctx.messages:
+                if m.truncation is not None and m.truncation.saved:
+                    refs.add((live.workspace / m.truncation.path).resolve())
+        return refs
+
+    def workspace_for(self, inbound: Inbound) -> Path:
+        path = workspace_dir(self.holder.data_dir, memory_scope(inbound, self.cfg.group_session_scope))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _build_channels(self, cfg: Config) -> None:
+        from channels.web import WebChannel
+
+        if cfg.channels.web.enabled and self.serve_http:
+            token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
+            self.channels["web"] = WebChannel(self.router.handle, token=token or None,
+                                              max_chars=cfg.limits.max_inbound_chars,
+                                              reply_timeout_s=cfg.limits.turn_timeout_s + 15)
+        for name in ("telegram", "slack"):
+            channel = self._make_channel(name, cfg)
+            if channel is not None:
+                self.channels[name] = channel
+
+    def _make_channel(self, name: str, cfg: Config) -> Any:
+        if name == "telegram" and cfg.channels.telegram.enabled:
+            from channels.telegram import TelegramChannel
+
+            return TelegramChannel(cfg.channels.telegram, self.router.handle, workspace_for=self.workspace_for,
+                                   commands=BOT_COMMANDS)
+        if name == "slack" and cfg.channels.slack.enabled:
+            from channels.slack import SlackChannel
+
+            return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for)
+        return None
+
+    async def _start_channel(self, name: str, channel: Any) -> None:
+        try:
+            await asyncio.wait_for(channel.start(), timeout=60)
+        except Exception as err:
+            # One broken channel must not take the others down; /readyz shows it.
+            log.error("channel failed to start", extra={"channel": name, "error": str(err)[:300]})
+
+    async def apply_config(self) -> None:
+        """Apply a new config snapshot: budgets apply by themselves at the next step;
+        model clients and channels whose settings changed are rebuilt alone."""
+        s = self.services
+        if s is None:
+            return
+        cfg = self.cfg
+        REDACTOR.set_secrets(secret_values(cfg))
+        old_models = s.models
+        if (cfg.model, cfg.summary_model) != self._model_cfgs:
+            s.models = self._models(cfg, s.metrics)
+            self._model_cfgs = (cfg.model, cfg.summary_model)
+            for client in old_models.values():
+                s.background.spawn(client.close(), name="close-model")
+        for name in ("telegram", "slack"):
+            section = getattr(cfg.channels, name)
+            current = self.channels.get(name)
+            if current is not None and getattr(current, "cfg", None) == section:
+                continue
+            if current is None and not section.enabled:
+                continue
+            log.info("restarting channel after a config change", extra={"channel": name})
+            if current is not None:
+                await current.stop()
+                del self.channels[name]
+            replacement = self._make_channel(name, cfg)
+            if replacement is not None:
+                self.channels[name] = replacement
+                await self._start_channel(name, replacement)
+
+    @property
+    def _model_cfgs(self) -> tuple[Any, Any]:
+        return getattr(self, "_model_cfg_pair", (self.cfg.model, self.cfg.summary_model))
+
+    @_model_cfgs.setter
+    def _model_cfgs(self, value: tuple[Any, Any]) -> None:
+        self._model_cfg_pair = value
+
+    # -- replies ------------------------------------------------------------------------
+
+    async def deliver(self, inbound: Inbound, text: str) -> None:
+        channel = self.channels.get(inbound.channel)
+        if channel is None:
+            log.warning("reply for a channel that is not running", extra={"channel": inbound.channel})
+            return
+        await channel.send(inbound, text)
+
+    def typing(self, inbound: Inbound) -> AbstractAsyncContextManager[Any]:
+        channel = self.channels.get(inbound.channel)
+        if channel is None:
+            return nullcontext()
+        return channel.typing(inbound)  # type: ignore[no-any-return]
+
+    async def ready(self) -> dict[str, bool]:
+        checks: dict[str, bool] = {}
+        if self.services is not None:
+            checks["database"] = await self.services.store.check_writable()
+        for name, channel in self.channels.items():
+            checks[f"channel:{name}"] = bool(channel.is_ready())
+        return checks
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    async def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop intake, let in-flight turns finish (they are persisted step by step and
+        resumed after a restart otherwise), close channels, flush the database."""
+        if self.services is None:
+            return
+        s = self.services
+        if self.watcher is not None:
+            await self.watcher.stop()
+        await self.sessions.stop(timeout)
+        for name, channel in list(self.channels.items()):
+            try:
+                await asyncio.wait_for(channel.stop(), timeout=10)
+            except Exception as err:
+                log.warning("channel did not stop cleanly", extra={"channel": name, "error": str(err)[:200]})
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self.http is not None:
+            await self.http.stop()
+        await s.background.close(timeout=5)
+        for client in s.models.values():
+            await client.close()
+        await s.store.close()
+        self.services = None
+
+
+def _local_tz() -> Any:
+    from datetime import datetime
+
+    return datetime.now().astimezone().tzinfo

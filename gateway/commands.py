@@ -1,0 +1,200 @@
+"""In-chat commands (SPEC §6), handled without calling the model.
+
+Commands that change a session (/context clear, /new, /compact) run in that session's
+queue, so they never interleave with a turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from context.budget import Budget
+from context.engine import compact, context_stats, format_context_stats
+from gateway.access import Pairing, is_admin
+from gateway.config import ConfigError, atomic_write_text, is_secret_key, parse_config
+from gateway.live import LiveSession
+from gateway.services import Services
+from gateway.sessions import CommandJob, SessionManager
+from gateway.types import Inbound
+
+log = logging.getLogger("gateway.commands")
+
+HELP = """Commands:
+/context: what the live context holds (messages, tokens vs budget, turns, last trim)
+/context clear (or /new): start a fresh context; everything stays stored and searchable
+/compact: summarize the conversation now, keeping the last 2 turns
+/config: show the settings; /config KEY shows one; /config KEY VALUE changes one (admins)
+/approve CODE: approve a pairing code (admins)
+/help: this list"""
+
+BOT_COMMANDS: list[tuple[str, str]] = [
+    ("context", "Show what the live context holds; /context clear to reset"),
+    ("new", "Start a fresh context"),
+    ("compact", "Summarize now, keeping the last 2 turns"),
+    ("config", "Show or change settings"),
+    ("help", "List commands"),
+]
+
+Reply = Callable[[Inbound, str], Awaitable[None]]
+OnConfigChange = Callable[[], Awaitable[None]]
+
+
+def parse_command(text: str) -> tuple[str, list[str]] | None:
+    stripped = text.strip()
+    if not stripped.startswith("/") or len(stripped) < 2:
+        return None
+    head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
+    name = head[1:].split("@", 1)[0].lower()
+    if name not in {"context", "new", "compact", "config", "help", "approve", "start"}:
+        return None
+    return name, rest
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def masked_settings(services: Services) -> dict[str, Any]:
+    flat = flatten(services.cfg.model_dump(mode="json"))
+    return {k: ("***" if is_secret_key(k) and v else v) for k, v in flat.items()}
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class Commands:
+    def __init__(self, services: Services, sessions: SessionManager, pairing: Pairing, *,
+                 reply: Reply, on_config_change: OnConfigChange | None = None) -> None:
+        self.s = services
+        self.sessions = sessions
+        self.pairing = pairing
+        self.reply = reply
+        self.on_config_change = on_config_change
+        self._config_lock = asyncio.Lock()
+
+    async def handle(self, inbound: Inbound, key: str, scope: str) -> bool:
+        """True when `inbound` was a command (answered or queued)."""
+        parsed = parse_command(inbound.text)
+        if parsed is None:
+            return False
+        name, args = parsed
+        if name in ("help", "start"):
+            await self._answer(inbound, HELP)
+        elif name == "config":
+            await self._answer(inbound, await self.config(inbound, args))
+        elif name == "approve":
+            await self._answer(inbound, await self.approve(inbound, args))
+        elif name == "new" or (name == "context" and args[:1] == ["clear"]):
+            await self._queue(inbound, key, scope, self._clear)
+        elif name == "context":
+            await self._queue(inbound, key, scope, self._stats)
+        elif name == "compact":
+            await self._queue(inbound, key, scope, self._compact)
+        return True
+
+    async def _answer(self, inbound: Inbound, text: str) -> None:
+        await self.reply(inbound, text)
+        await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
+
+    async def _queue(self, inbound: Inbound, key: str, scope: str,
+                     run: Callable[[LiveSession], Awaitable[str]]) -> None:
+        if not await self.sessions.submit(key, scope, CommandJob(inbound, run)):
+            await self._answer(inbound, "I'm still working on your earlier messages; try again in a moment.")
+
+    # -- session commands (run inside the session queue) ----------------------------------
+
+    async def _stats(self, live: LiveSession) -> str:
+        cfg = self.s.cfg
+        system = await self.sessions.agent.system_prompt(live, cfg)
+        stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
+                              budget=Budget.from_config(cfg), counter=self.s.counter)
+        return format_context_stats(stats)
+
+    async def _clear(self, live: LiveSession) -> str:
+        turn = max(await self.s.store.last_turn(live.key), live.ctx.current_turn)
+        live.ctx.clear()
+        await self.s.store.set_context_start(live.key, turn + 1)
+        return "Started a fresh context. Earlier messages stay stored and can be found with memory search."
+
+    async def _compact(self, live: LiveSession) -> str:
+        effect = compact(live.ctx, keep_turns=2)
+        if effect is None:
+            return "Nothing to compact yet: the context holds 2 turns or fewer."
+        self.sessions.agent.summarizer.submit(live, effect)
+        return f"Summarizing turns up to {effect.upto_turn}; the last 2 turns stay as they are."
+
+    # -- /config and /approve ---------------------------------------------------------------
+
+    async def config(self, inbound: Inbound, args: list[str]) -> str:
+        settings = masked_settings(self.s)
+        if not args:
+            lines = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in sorted(settings.items())]
+            return "Settings (secrets shown as ***):\n```\n" + "\n".join(lines) + "\n```"
+        key = args[0]
+        if key not in settings:
+            return f"There is no setting {key!r}. Send /config to list them."
+        if len(args) == 1:
+            return f"{key} = {json.dumps(settings[key], ensure_ascii=False)}"
+        if not is_admin(self.s.cfg, inbound.identity):
+            return f"Only admins can change settings (you are {inbound.identity}; see the `admins` setting)."
+        if is_secret_key(key):
+            return f"{key} is a secret: it can only be changed in config.json or the environment, not in chat."
+        return await self._write_setting(key, args[1])
+
+    async def _write_setting(self, key: str, text: str) -> str:
+        holder = self.s.config
+        if holder.path is None:
+            return "This gateway runs without a config file, so settings cannot be changed here."
+        async with self._config_lock:
+            try:
+                raw_text = await asyncio.to_thread(holder.path.read_text, encoding="utf-8")
+                raw = json.loads(raw_text)
+            except (OSError, ValueError) as err:
+                return f"Cannot read {holder.path.name}: {err}"
+            _set_dotted(raw, key, parse_value(text))
+            try:
+                new_cfg = parse_config(raw)
+            except ConfigError as err:
+                return "Not changed: " + "; ".join(err.problems)
+            await asyncio.to_thread(atomic_write_text, holder.path,
+                                    json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+            holder.swap(new_cfg)
+            log.info("setting changed in chat", extra={"key": key})
+        if self.on_config_change is not None:
+            await self.on_config_change()
+        shown = masked_settings(self.s).get(key)
+        return f"{key} = {json.dumps(shown, ensure_ascii=False)} (saved; applies from the next step)"
+
+    async def approve(self, inbound: Inbound, args: list[str]) -> str:
+        if not is_admin(self.s.cfg, inbound.identity):
+            return "Only admins can approve pairing codes."
+        if not args:
+            return "Usage: /approve CODE"
+        identity = await self.pairing.approve(args[0], approved_by=inbound.identity)
+        if identity is None:
+            return "That code is unknown or expired."
+        return f"Approved {identity}."

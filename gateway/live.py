@@ -1,0 +1,27 @@
+"""The in-memory state of one session: a cache over the store, rebuilt at will."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from context.engine import SessionContext, TrimEvent
+
+
+@dataclass
+class LiveSession:
+    key: str
+    scope: str
+    channel: str
+    workspace: Path
+    ctx: SessionContext
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    worker: asyncio.Task[Any] | None = None
+    seq: int = 0  # order of the next message within the current turn
+    archived_upto: int = 0  # dialog/ archive written for turns <= this
+    summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
+    last_event: TrimEvent | None = None
+    busy: bool = False

@@ -1,0 +1,38 @@
+"""Prometheus metrics (SPEC §8). One registry per gateway, so tests stay independent."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.inbound = Counter("gateway_inbound_messages_total", "Inbound messages", ["channel"], registry=r)
+        self.turns = Counter("gateway_turns_total", "Turns finished", ["channel", "outcome"], registry=r)
+        self.model_calls = Counter("gateway_model_calls_total", "Model HTTP attempts", ["outcome"], registry=r)
+        self.model_latency = Histogram(
+            "gateway_model_latency_seconds", "Model call latency", registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.tokens = Counter("gateway_tokens_total", "Tokens reported by the provider", ["direction"], registry=r)
+        self.trims = Counter("gateway_context_trims_total", "Context rules fired", ["strategy"], registry=r)
+        self.compactions = Counter("gateway_compactions_total", "Summaries written", ["reason"], registry=r)
+        self.summary_failures = Counter("gateway_summary_failures_total", "Summaries that fell back", registry=r)
+        self.overflow_recoveries = Counter(
+            "gateway_overflow_recoveries_total", "Overflow recoveries", ["result"], registry=r
+        )
+        self.dedup_hits = Counter("gateway_dedup_hits_total", "Redelivered events dropped", ["channel"], registry=r)
+        self.queue_depth = Gauge("gateway_queue_depth", "Turns waiting in session queues", registry=r)
+        self.live_sessions = Gauge("gateway_live_sessions", "Sessions held in memory", registry=r)
+        self.refused = Counter("gateway_refused_total", "Messages refused by access rules", ["channel", "reason"],
+                               registry=r)
+        self.busy = Counter("gateway_busy_replies_total", "Busy replies (queue full)", registry=r)
+        self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
+        self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,124 @@
+"""Inbound pipeline (SPEC §3): dedup → access → command or queue.
+
+`handle` returns once the event is durably recorded and accepted (or refused), so the
+adapter may then acknowledge it to the platform."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from gateway.access import Pairing, decide
+from gateway.commands import Commands
+from gateway.keys import memory_scope, session_key
+from gateway.services import Services
+from gateway.sessions import SessionManager, TurnJob
+from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
+
+log = logging.getLogger("gateway.router")
+
+Reply = Callable[[Inbound, str], Awaitable[None]]
+
+BUSY_REPLY = "I'm still working on your earlier messages; please wait for my answer before sending more."
+
+
+def clean_text(text: str) -> str:
+    """Platform text can carry lone surrogates or NULs; store only valid text."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
+
+
+class Router:
+    def __init__(self, services: Services, sessions: SessionManager, commands: Commands,
+                 pairing: Pairing, *, reply: Reply) -> None:
+        self.s = services
+        self.sessions = sessions
+        self.commands = commands
+        self.pairing = pairing
+        self.reply = reply
+
+    def keys(self, inbound: Inbound) -> tuple[str, str]:
+        scope_mode = self.s.cfg.group_session_scope
+        return session_key(inbound, scope_mode), memory_scope(inbound, scope_mode)
+
+    async def handle(self, inbound: Inbound) -> None:
+        cfg = self.s.cfg
+        self.s.metrics.inbound.labels(inbound.channel).inc()
+        text = clean_text(inbound.text).strip()
+        too_long = len(text) > cfg.limits.max_inbound_chars
+        if text != inbound.text:
+            inbound = _with_text(inbound, text)
+        key, scope = self.keys(inbound)
+        fresh = await self.s.store.record_event(
+            inbound.channel, inbound.event_id, session_key=key, inbound=inbound_to_dict(inbound)
+        )
+        if not fresh:
+            self.s.metrics.dedup_hits.labels(inbound.channel).inc()
+            log.info("duplicate event dropped", extra={"session": key, "event": inbound.event_id})
+            return
+        approved = False
+        if not inbound.is_group and inbound.channel not in ("web", "terminal"):
+            approved = await self.pairing.is_approved(inbound.identity)
+        decision = decide(cfg, inbound, approved=approved)
+        if decision.action == "ignore":
+            await self.s.store.mark_event(inbound.channel, inbound.event_id, "ignored")
+            return
+        if decision.action in ("refuse", "pair"):
+            self.s.metrics.refused.labels(inbound.channel, decision.reason).inc()
+            await self.s.store.mark_event(inbound.channel, inbound.event_id, "refused")
+            await self._refuse(inbound, decision.action)
+            return
+        if not text and not inbound.attachments:
+            await self.s.store.mark_event(inbound.channel, inbound.event_id, "ignored")
+            return
+        if too_long:
+            await self._answer(inbound, f"That message is too long ({len(text):,} characters; the limit is "
+                                        f"{cfg.limits.max_inbound_chars:,}). Please send it as a file or shorten it.")
+            return
+        if await self.commands.handle(inbound, key, scope):
+            return
+        if not await self.sessions.submit(key, scope, TurnJob(inbound)):
+            await self._answer(inbound, BUSY_REPLY, status="busy")
+
+    async def _answer(self, inbound: Inbound, text: str, status: str = "answered") -> None:
+        await self.reply(inbound, text)
+        await self.s.store.mark_event(inbound.channel, inbound.event_id, status)
+
+    async def _refuse(self, inbound: Inbound, action: str) -> None:
+        if action == "refuse":
+            await self.reply(inbound, "Sorry, this bot is private. Ask its admin to add you.")
+            return
+        code, new = await self.pairing.code_for(inbound.identity)
+        if not code:
+            return  # rate limited: stay quiet rather than flood
+        note = "" if new else " (still valid)"
+        await self.reply(
+            inbound,
+            f"Hi! This bot answers approved people only. Your pairing code is {code}{note}. "
+            f"Send it to the bot's admin, who can approve it with /approve {code}. It expires in 1 hour.",
+        )
+
+    async def resume_pending(self) -> int:
+        """After a restart: answer every turn that was accepted but not answered."""
+        pending = await self.s.store.pending_events()
+        for ev in pending:
+            try:
+                inbound = inbound_from_dict(ev.inbound)
+            except (KeyError, TypeError, ValueError):
+                log.warning("unreadable pending event", extra={"event": ev.event_id})
+                await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
+                continue
+            key, scope = self.keys(inbound)
+            resume = ev.turn if ev.status == "running" else None
+            if resume is None and await self.commands.handle(inbound, key, scope):
+                continue
+            if not await self.sessions.submit(key, scope, TurnJob(inbound, resume_turn=resume)):
+                await self._answer(inbound, BUSY_REPLY, status="busy")
+        if pending:
+            log.info("resumed pending turns", extra={"count": len(pending)})
+        return len(pending)
+
+
+def _with_text(inbound: Inbound, text: str) -> Inbound:
+    data = inbound_to_dict(inbound)
+    data["text"] = text
+    return inbound_from_dict(data)

@@ -1,0 +1,62 @@
+"""The shared services a running gateway hands to its parts (one object, no globals)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.background import Background
+from gateway.config import Config
+from gateway.metrics import Metrics
+from gateway.store import Store
+from gateway.tools.registry import ToolRegistry
+
+if TYPE_CHECKING:
+    from context.tokens import TokenCounter
+    from gateway.model import ModelClient
+
+
+class ConfigHolder:
+    """The running config snapshot; replaced whole on reload, never mutated."""
+
+    def __init__(self, config: Config, path: Path | None, base_dir: Path) -> None:
+        self.current = config
+        self.path = path
+        self.base_dir = base_dir
+        self.version = 1
+
+    def swap(self, config: Config) -> None:
+        self.current = config
+        self.version += 1
+
+    @property
+    def data_dir(self) -> Path:
+        return self.current.data_path(self.base_dir)
+
+
+@dataclass
+class Services:
+    config: ConfigHolder
+    data_dir: Path
+    store: Store
+    metrics: Metrics
+    counter: TokenCounter
+    tools: ToolRegistry
+    models: dict[str, ModelClient] = field(default_factory=dict)  # "main", "summary"
+    memory: Any = None  # gateway.memory.Memory when available
+    background: Background = field(default_factory=lambda: Background("gateway"))
+    model_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
+
+    @property
+    def cfg(self) -> Config:
+        return self.config.current
+
+    @property
+    def model(self) -> ModelClient:
+        return self.models["main"]
+
+    @property
+    def summary_model(self) -> ModelClient:
+        return self.models.get("summary") or self.models["main"]

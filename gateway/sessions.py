@@ -1,0 +1,253 @@
+"""Per-session order (SPEC §3.4): one turn at a time per session key, FIFO, shared by
+every producer; sessions run concurrently; a full queue gets a "busy" reply.
+
+Live sessions are a bounded LRU cache over the store, restored lazily on first use
+(SPEC §4.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from context.engine import SessionContext
+from context.restore import restore_messages
+from gateway.agent import Agent, TurnResult
+from gateway.keys import workspace_dir
+from gateway.live import LiveSession
+from gateway.services import Services
+from gateway.types import Inbound, Message
+
+log = logging.getLogger("gateway.sessions")
+
+Deliver = Callable[[Inbound, str], Awaitable[None]]
+Typing = Callable[[Inbound], AbstractAsyncContextManager[Any]]
+
+CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
+TIMEOUT_REPLY = "Answering took too long and was stopped. Your message is saved; please try again."
+
+
+@dataclass(frozen=True, slots=True)
+class TurnJob:
+    inbound: Inbound
+    resume_turn: int | None = None  # set when re-running a turn accepted before a restart
+
+
+@dataclass(frozen=True, slots=True)
+class CommandJob:
+    """A command that needs the session to itself (/compact, /context clear)."""
+
+    inbound: Inbound
+    run: Callable[[LiveSession], Awaitable[str]]
+
+
+Job = TurnJob | CommandJob
+
+
+def _is_final_reply(msg: Message) -> bool:
+    return msg.role == "assistant" and not msg.tool_calls
+
+
+def _close_open_turn(messages: list[Message]) -> list[Message]:
+    """Give every tool call of an interrupted turn a result, so requests stay well formed."""
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    out: list[Message] = []
+    for m in messages:
+        out.append(m)
+        if m.role == "assistant" and m.tool_calls:
+            for call in m.tool_calls:
+                if call.id not in answered:
+                    out.append(Message(role="tool", content="error: interrupted by a restart; not run",
+                                       turn=m.turn, tool_call_id=call.id, tool_name=call.name))
+    return out
+
+
+class SessionManager:
+    def __init__(self, services: Services, agent: Agent, *, deliver: Deliver, typing: Typing | None = None) -> None:
+        self.s = services
+        self.agent = agent
+        self.deliver = deliver
+        self.typing = typing or (lambda _inbound: nullcontext())
+        self.live: OrderedDict[str, LiveSession] = OrderedDict()
+        self._loading: dict[str, asyncio.Lock] = {}
+        self._last_turns: dict[str, int] = {}
+        self._stopping = False
+
+    # -- live sessions ------------------------------------------------------------------
+
+    async def get_live(self, key: str, scope: str, channel: str) -> LiveSession:
+        live = self.live.get(key)
+        if live is not None:
+            self.live.move_to_end(key)
+            return live
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        async with lock:
+            live = self.live.get(key)
+            if live is None:
+                live = await self._restore(key, scope, channel)
+                self.live[key] = live
+                self._evict()
+        self._loading.pop(key, None)
+        self.s.metrics.live_sessions.set(len(self.live))
+        return live
+
+    async def _restore(self, key: str, scope: str, channel: str) -> LiveSession:
+        cfg = self.s.cfg
+        store = self.s.store
+        row = await store.ensure_session(key, scope, channel)
+        start = row.context_start_turn
+        keep = max(3, cfg.agent_max_context_turns // 6)
+        stored = await store.recent_messages(key, turns=keep + 1, from_turn=start)
+        # An interrupted turn (no final reply) comes back whole, to be resumed.
+        open_turn: list[Message] = []
+        if stored:
+            last = stored[-1].turn
+            tail = [m for m in stored if m.turn == last]
+            if not _is_final_reply(tail[-1]):
+                open_turn = _close_open_turn(tail)
+                stored = [m for m in stored if m.turn != last]
+        restored = restore_messages(stored, cfg.agent_max_context_turns) + open_turn
+        summary = await store.latest_summary(key)
+        use_summary = summary is not None and summary.upto_turn >= start
+        ctx = SessionContext(
+            key, restored,
+            summary=summary.text if use_summary and summary else None,
+            summary_upto_turn=summary.upto_turn if use_summary and summary else 0,
+        )
+        workspace = workspace_dir(self.s.data_dir, scope)
+        await asyncio.to_thread(workspace.mkdir, parents=True, exist_ok=True)
+        live = LiveSession(key=key, scope=scope, channel=channel, workspace=workspace, ctx=ctx,
+                           queue=asyncio.Queue(maxsize=cfg.limits.session_queue_size))
+        live.archived_upto = summary.upto_turn if summary else 0
+        live.seq = len(open_turn)
+        self._last_turns[key] = await store.last_turn(key)
+        log.debug("session restored", extra={"session": key, "messages": len(restored)})
+        return live
+
+    def _evict(self) -> None:
+        limit = self.s.cfg.limits.max_live_sessions
+        if len(self.live) <= limit:
+            return
+        for key in list(self.live):
+            if len(self.live) <= limit:
+                break
+            live = self.live[key]
+            if live.worker is None and live.queue.empty() and not live.summarizing:
+                del self.live[key]
+                self._last_turns.pop(key, None)
+
+    def drop(self, key: str) -> None:
+        """Forget the cached state (it is rebuilt from the store on next use)."""
+        live = self.live.get(key)
+        if live is not None and live.worker is None and live.queue.empty():
+            del self.live[key]
+
+    # -- queueing -----------------------------------------------------------------------
+
+    async def submit(self, key: str, scope: str, job: Job) -> bool:
+        """Queue a job for a session; False when its queue is full (the caller says busy)."""
+        if self._stopping:
+            return False
+        live = await self.get_live(key, scope, job.inbound.channel)
+        try:
+            live.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.s.metrics.busy.inc()
+            return False
+        self.s.metrics.queue_depth.inc()
+        if live.worker is None:
+            live.worker = self.s.background.spawn(self._work(live), name=f"session:{key}")
+        return True
+
+    def queued(self) -> int:
+        return sum(live.queue.qsize() for live in self.live.values())
+
+    async def _work(self, live: LiveSession) -> None:
+        try:
+            while not live.queue.empty():
+                job = live.queue.get_nowait()
+                self.s.metrics.queue_depth.dec()
+                live.busy = True
+                try:
+                    if isinstance(job, TurnJob):
+                        await self._turn(live, job)
+                    else:
+                        await self._command(live, job)
+                finally:
+                    live.busy = False
+        finally:
+            live.worker = None
+
+    async def _command(self, live: LiveSession, job: CommandJob) -> None:
+        inbound = job.inbound
+        try:
+            text = await job.run(live)
+        except Exception:
+            log.exception("command failed", extra={"session": live.key})
+            text = CRASH_REPLY
+        await self._send(inbound, text)
+        await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
+
+    async def _send(self, inbound: Inbound, text: str) -> None:
+        try:
+            await self.deliver(inbound, text)
+        except Exception:
+            log.exception("reply could not be delivered", extra={"channel": inbound.channel})
+
+    async def _turn(self, live: LiveSession, job: TurnJob) -> None:
+        inbound = job.inbound
+        store = self.s.store
+        cfg = self.s.cfg
+        if job.resume_turn is None:
+            turn = max(self._last_turns.get(live.key, 0), live.ctx.current_turn) + 1
+            self._last_turns[live.key] = turn
+            live.seq = 0
+            # Stored before the model is called (SPEC §3 persistence order).
+            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn))
+            await store.mark_event(inbound.channel, inbound.event_id, "running", turn=turn)
+        else:
+            turn = job.resume_turn
+            done = [m for m in live.ctx.messages if m.turn == turn]
+            if done and _is_final_reply(done[-1]):
+                # Answered before the restart but maybe not delivered: deliver it once now.
+                await self._send(inbound, done[-1].content)
+                await store.mark_event(inbound.channel, inbound.event_id, "answered")
+                return
+            if not done:
+                # The turn fell out of the restored window; ask for the message again.
+                await self._send(inbound, "I restarted before I could answer your last message; "
+                                          "please send it again.")
+                await store.mark_event(inbound.channel, inbound.event_id, "answered")
+                return
+        result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s)
+        self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
+        await self._send(inbound, result.text)
+        await store.mark_event(inbound.channel, inbound.event_id, "answered")
+
+    async def _run_agent(self, live: LiveSession, inbound: Inbound, timeout: float) -> TurnResult:
+        try:
+            async with self.typing(inbound):
+                async with asyncio.timeout(timeout):
+                    return await self.agent.run_turn(live)
+        except TimeoutError:
+            log.warning("turn timed out", extra={"session": live.key})
+            return TurnResult(TIMEOUT_REPLY, "timeout")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("turn failed", extra={"session": live.key})
+            return TurnResult(CRASH_REPLY, "crash")
+
+    # -- restart and shutdown -------------------------------------------------------------
+
+    async def stop(self, timeout: float) -> None:
+        """Stop intake; let running turns finish within `timeout` (they are persisted
+        step by step, so a turn cut here is resumed after the restart)."""
+        self._stopping = True
+        workers = [live.worker for live in self.live.values() if live.worker is not None]
+        if workers:
+            await asyncio.wait(workers, timeout=timeout)
