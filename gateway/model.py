@@ -1,0 +1,713 @@
+"""The model client: chat completions with retries, streaming and error kinds (SPEC §4.4, §5).
+
+One `ModelClient.complete()` is one decision step's model call. Transient failures
+(429, 5xx, timeouts, lost connections) are retried here with exponential backoff that
+honours Retry-After; everything else surfaces as a `ModelError` whose `kind` tells the
+agent what to do. `classify_error()` is the pure part: it recognizes context overflow in
+every provider's wording (so the agent can recover, §4.4) and never mistakes another 400
+for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal, get_args
+
+import openai
+from openai.types.chat import ChatCompletion
+
+from gateway.config import ModelConfig
+from gateway.types import ToolCall
+
+try:  # the transport the SDK raises from: httpx2 in openai 3, httpx before
+    import httpx2 as _http
+except ImportError:  # pragma: no cover - older SDKs
+    import httpx as _http  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+
+ErrorKind = Literal["overflow", "rate_limit", "timeout", "server", "connection", "auth",
+                    "bad_request", "invalid_response", "not_configured"]
+
+RETRYABLE_KINDS: frozenset[str] = frozenset({"rate_limit", "timeout", "server", "connection"})
+MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After fails now instead of stalling the turn
+BACKOFF_BASE_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReply:
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]  # arguments are the raw JSON text, valid or not
+    prompt_tokens: int | None  # usage.prompt_tokens when the provider reports it
+    completion_tokens: int | None
+    finish_reason: str | None
+    model: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One HTTP attempt, for metrics."""
+
+    model: str
+    seconds: float
+    outcome: str  # "ok" or an ErrorKind
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    status: int | None = None
+    attempt: int = 0  # 0 for the first try, 1.. for retries
+    stream: bool = False
+
+
+# ----------------------------------------------------------------------------------------
+# Errors
+
+
+class ModelError(Exception):
+    """A model call that did not produce a reply. `detail` is the provider's text (logs)."""
+
+    def __init__(self, kind: ErrorKind, detail: str = "", *, status: int | None = None,
+                 provider_limit: int | None = None, retry_after: float | None = None,
+                 code: str | None = None) -> None:
+        shown = redact(detail)  # str(err) goes to logs
+        super().__init__(f"{kind} (HTTP {status}): {shown}" if status else f"{kind}: {shown}")
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.provider_limit = provider_limit
+        self.retry_after = retry_after
+        self.detail = detail
+        self.code = code  # the provider's error code or type, when it sent one
+
+    @property
+    def quota_exhausted(self) -> bool:
+        """A 429 that waiting will not fix (billing, monthly quota)."""
+        # Only OpenAI's code is unambiguous: Gemini says "quota" for per-minute limits too.
+        return self.kind == "rate_limit" and "insufficient_quota" in f"{self.code} {self.detail}".lower()
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in RETRYABLE_KINDS and not self.quota_exhausted
+
+    def user_message(self) -> str:
+        """What the person in the chat is told: no stack trace, no secrets."""
+        http = f" (HTTP {self.status})" if self.status else ""
+        match self.kind:
+            case "not_configured":
+                return ("The assistant has no model API key configured yet. An admin needs to set "
+                        "`model.api_key` in config.json, or the OPENAI_API_KEY environment variable "
+                        "(servers that need no key, like a local Ollama, accept any placeholder).")
+            case "overflow":
+                return ("This conversation no longer fits into the model's context window. "
+                        "Send /new to start fresh, or /compact to summarize it.")
+            case "rate_limit" if self.quota_exhausted:
+                return ("The model provider's quota or billing limit is used up. An admin needs to "
+                        "check the provider account.")
+            case "rate_limit":
+                wait = (f" in about {math.ceil(self.retry_after)} seconds"
+                        if self.retry_after else " in a minute")
+                return f"The model provider is rate-limiting requests right now. Please try again{wait}."
+            case "timeout":
+                return "The model took too long to answer. Please try again."
+            case "server":
+                return f"The model provider had an internal problem{http}. Please try again shortly."
+            case "connection":
+                return ("The model provider could not be reached. Please try again shortly; if it "
+                        "keeps happening, an admin should check `model.base_url` and the network.")
+            case "auth":
+                return (f"The model provider refused the API key{http}. An admin needs to check "
+                        "`model.api_key` (or the OPENAI_API_KEY environment variable).")
+            case "invalid_response":
+                return ("The model provider sent an answer that could not be understood. Please try "
+                        "again; if it keeps happening, an admin should check `model.base_url`.")
+        if _OUTPUT_LIMIT.search(self.detail):
+            return ("The model rejected the configured answer length. An admin should lower "
+                    "`model.max_output_tokens`.")
+        reason = redact(self.detail)[:200]
+        return f"The model provider rejected the request{http}: {reason}" if reason else (
+            f"The model provider rejected the request{http}.")
+
+
+_SECRET_SHAPES = re.compile(
+    r"(sk-[A-Za-z0-9_\-*]{6,}|Bearer\s+\S+|(?:api[_-]?key|token)[\"']?\s*[:=]\s*[\"']?[^\s\"',}]+)",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """Provider texts sometimes echo (part of) the key; never show it."""
+    return _SECRET_SHAPES.sub("***", text)
+
+
+# ----------------------------------------------------------------------------------------
+# The classifier (pure)
+
+# Texts of one body are joined by newlines and `.` stops there: no match spans two fields.
+_FLAGS = re.IGNORECASE
+_N = r"(\d[\d,]*)"  # a token count, commas allowed
+
+# Input + output over the window. Overflow, unless the requested output alone is
+# already over the window: then no trim helps and it is an output-limit error.
+_SUM_PATTERNS: tuple[tuple[re.Pattern[str], int, int], ...] = (  # (pattern, output group, limit group)
+    # OpenAI (older models), DeepSeek, vLLM: "...(1000 in the messages, 4000 in the completion)"
+    (re.compile(rf"maximum context length is {_N} tokens.*?{_N} in the messages, {_N} in the completion",
+                _FLAGS), 3, 1),
+    # vLLM ≥ 0.8: "'max_tokens' or 'max_completion_tokens' is too large: 4000. This model's
+    # maximum context length is 4096 tokens and your request has 1000 input tokens"
+    (re.compile(rf"max_completion_tokens'? is too large: {_N}.*?maximum context length is {_N}", _FLAGS),
+     1, 2),
+    # Anthropic: "input length and `max_tokens` exceed context limit: 197202 + 21333 > 200000"
+    (re.compile(rf"exceed context limit: {_N} \+ {_N} > {_N}", _FLAGS), 2, 3),
+    # Text Generation Inference: "`inputs` tokens + `max_new_tokens` must be <= 4096. Given: ..."
+    (re.compile(rf"max_new_tokens`? must be <= {_N}\. given: {_N} `?inputs`? tokens and {_N}", _FLAGS),
+     3, 1),
+)
+
+# The answer-length parameter is out of range: a config problem, not overflow.
+_OUTPUT_LIMIT = re.compile(
+    r"\b(?:max_tokens|max_completion_tokens|max_new_tokens|max_output_tokens|maxoutputtokens)\b"
+    r".{0,80}?(?:too large|must be (?:less|smaller|at most|<=)|should be|valid range|range of|"
+    r"maximum allowed number of output tokens|>\s*\d)"
+    r"|supports at most \d[\d,]* completion tokens"
+    r"|range of max_tokens",
+    _FLAGS,
+)
+
+# Overflow wordings; the first group, when present, is the provider's context limit.
+_OVERFLOW_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, _FLAGS) for p in (
+    rf"maximum context length is {_N}",  # OpenAI, DeepSeek, vLLM, OpenRouter, Groq
+    r"prompt (?:is )?too long",  # Anthropic, Ollama ("prompt too long; exceeded max context …")
+    rf"range of input length should be \[\d+, ?{_N}\]",  # Qwen / DashScope
+    rf"input length should be \[\d+, ?{_N}\]",
+    rf"input token count \(\d+\) exceeds the maximum number of tokens allowed \({_N}\)",  # Gemini
+    rf"exceeds the available context size(?: \({_N} tokens\))?",  # llama.cpp
+    r"exceeded max context length by \d+ tokens",  # Ollama
+    r"input length exceeds the (?:maximum |model'?s? )?(?:context )?length",  # Ollama, Qwen
+    rf"too large for model with {_N} maximum context length",  # Mistral
+    rf"maximum prompt length is {_N}",  # xAI
+    rf"longer than the model'?s context length \({_N} tokens\)",  # Together
+    rf"exceeded model token limit: {_N}",  # Moonshot / Kimi
+    r"(?:input|request|prompt|messages?)\b.{0,40}exceeds? the (?:model'?s )?context (?:window|limit|length)",
+    r"context[_ ]length[_ ]exceeded|context[_ ]window[_ ]exceeded",
+    r"maximum context length",  # the same wordings without a number
+    r"input is too long for (?:the )?requested model",  # AWS Bedrock
+    rf"`?inputs`? must have less than {_N} tokens",  # Text Generation Inference
+    r"invalidparameter\b.{0,80}\binput\b.{0,30}\b(?:length|tokens?)\b.{0,40}(?:exceed|too long|should be)",
+    r"超(?:过|出).{0,12}上下文",  # Chinese providers: "…超过模型最大上下文长度"
+))
+# llama.cpp's limit is reported twice: in the text and as `n_ctx`.
+_PROMPT_TOO_LONG_LIMIT = re.compile(rf"prompt is too long: {_N} tokens > {_N}", _FLAGS)
+# A request larger than the per-minute token limit (OpenAI 429, Groq 413): waiting never helps,
+# a smaller request does.
+_TOO_LARGE_FOR_RATE = re.compile(rf"request too large for .*?limit {_N}, requested {_N}", _FLAGS)
+
+_OVERFLOW_CODES = frozenset({"context_length_exceeded", "model_context_window_exceeded",
+                             "exceed_context_size_error", "context_window_exceeded"})
+
+
+@dataclass(slots=True)
+class _Facts:
+    """What an error body says, whatever its shape (dict, list, nested JSON text)."""
+
+    text: str = ""
+    codes: set[str] = field(default_factory=set)
+    numeric_code: int | None = None
+    n_ctx: int | None = None
+
+
+def _facts(body: object, message: str) -> _Facts:
+    facts = _Facts()
+    texts: list[str] = [" ".join(message.split())] if message else []
+
+    def walk(value: object, key: str, depth: int) -> None:
+        if depth > 6:
+            return
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, str(k).lower(), depth + 1)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v, key, depth + 1)
+        elif isinstance(value, bool):
+            return
+        elif isinstance(value, int):
+            if key == "code" and 100 <= value <= 599 and facts.numeric_code is None:
+                facts.numeric_code = value
+            elif key == "n_ctx":
+                facts.n_ctx = value
+        elif isinstance(value, str):
+            if value[:1] in "{[" and len(value) < 100_000:  # JSON inside text (OpenRouter's raw)
+                try:
+                    walk(json.loads(value), key, depth + 1)
+                    return
+                except ValueError:
+                    pass
+            texts.append(" ".join(value.split()))
+            if key in {"code", "type", "status", "error"} and len(value) <= 80:
+                facts.codes.add(value.strip().lower())
+
+    walk(body, "", 0)
+    facts.text = "\n".join(texts)
+    return facts
+
+
+def _count(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _context_verdict(facts: _Facts) -> tuple[Literal["overflow", "output_limit"] | None, int | None]:
+    text = facts.text
+    for pattern, output_group, limit_group in _SUM_PATTERNS:
+        found = pattern.search(text)
+        if found:
+            output, limit = _count(found.group(output_group)), _count(found.group(limit_group))
+            return ("output_limit", None) if output >= limit else ("overflow", limit)
+    if _OUTPUT_LIMIT.search(text):
+        return "output_limit", None
+    too_large = _TOO_LARGE_FOR_RATE.search(text)
+    if too_large and _count(too_large.group(2)) > _count(too_large.group(1)):
+        return "overflow", _count(too_large.group(1))
+    prompt_too_long = _PROMPT_TOO_LONG_LIMIT.search(text)
+    if prompt_too_long:
+        return "overflow", _count(prompt_too_long.group(2))
+    for pattern in _OVERFLOW_PATTERNS:
+        found = pattern.search(text)
+        if found:
+            limit = next((_count(g) for g in found.groups() if g), None)
+            return "overflow", limit if limit is not None else facts.n_ctx
+    if facts.codes & _OVERFLOW_CODES:
+        return "overflow", facts.n_ctx
+    return None, None
+
+
+def classify_error(status: int | None, body: object, message: str = "") -> tuple[ErrorKind, int | None]:
+    """The kind of a provider error, and the context limit it reported (when parseable).
+
+    `body` is the error body in any shape the providers use (OpenAI's `{"error": {...}}`
+    or its inner object, Gemini's list, plain text, HTML); `message` any extra text."""
+    facts = _facts(body, message)
+    if status is None:
+        status = facts.numeric_code
+    verdict, limit = _context_verdict(facts)
+    if verdict == "overflow":
+        return "overflow", limit
+    if status == 413:
+        return "overflow", None
+    if verdict == "output_limit":
+        return "bad_request", None
+    if status in (401, 403):
+        return "auth", None
+    if status == 408:
+        return "timeout", None
+    if status == 429:
+        return "rate_limit", None
+    if status is None or status >= 500 or status == 409:  # 409: lock contention, transient
+        return "server", None
+    return "bad_request", None
+
+
+# ----------------------------------------------------------------------------------------
+# Retry timing
+
+
+def parse_retry_after(headers: Mapping[str, str] | None, now: float | None = None) -> float | None:
+    """Seconds to wait from `retry-after-ms`, or `retry-after` in seconds or as an HTTP date."""
+    if not headers:
+        return None
+    lowered = {str(k).lower(): str(v) for k, v in headers.items()}
+    millis = _finite(lowered.get("retry-after-ms"))
+    if millis is not None:
+        return max(0.0, millis / 1000)
+    value = lowered.get("retry-after")
+    if value is None:
+        return None
+    seconds = _finite(value)
+    if seconds is not None:
+        return max(0.0, seconds)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    current = time.time() if now is None else now
+    return max(0.0, when.timestamp() - current)
+
+
+def _finite(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def retry_delay(attempt: int, retry_after: float | None, jitter: float) -> float | None:
+    """Wait before retry number `attempt + 1`; None when the provider asks for too long.
+
+    Exponential (0.5 s, 1 s, 2 s, … capped) scaled by 50–100 % so that many sessions hit
+    by the same outage do not come back in lockstep."""
+    if retry_after is not None:
+        return retry_after if retry_after <= MAX_RETRY_WAIT_S else None
+    step = min(MAX_RETRY_WAIT_S, BACKOFF_BASE_S * 2 ** attempt)
+    return step * (0.5 + jitter / 2)
+
+
+# ----------------------------------------------------------------------------------------
+# Turning SDK results into ModelReply
+
+
+def _error_from_exception(exc: BaseException) -> ModelError:
+    if isinstance(exc, openai.APITimeoutError | TimeoutError | _http.TimeoutException):
+        return ModelError("timeout", "the request timed out")
+    if isinstance(exc, openai.APIStatusError):
+        body, message = exc.body, exc.message
+        kind, limit = classify_error(exc.status_code, body, message)
+        return ModelError(kind, _detail(body, message), status=exc.status_code, provider_limit=limit,
+                          retry_after=parse_retry_after(exc.response.headers), code=_code(body))
+    if isinstance(exc, openai.APIConnectionError | _http.TransportError):
+        return ModelError("connection", str(exc) or type(exc).__name__)
+    if isinstance(exc, openai.APIError):  # an error event inside a stream, no HTTP status
+        kind, limit = classify_error(None, exc.body, exc.message)
+        return ModelError(kind, _detail(exc.body, exc.message), provider_limit=limit, code=_code(exc.body))
+    return ModelError("invalid_response", f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _detail(body: object, message: str) -> str:
+    if isinstance(body, Mapping):
+        inner = body.get("error", body)
+        if isinstance(inner, Mapping) and isinstance(inner.get("message"), str):
+            return inner["message"]
+        if isinstance(inner, str):
+            return inner
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:500]
+    return message
+
+
+def _code(body: object) -> str | None:
+    if isinstance(body, Mapping):
+        inner = body.get("error", body)
+        if isinstance(inner, Mapping):
+            for key in ("code", "type"):
+                if isinstance(inner.get(key), str):
+                    return inner[key]
+    return None
+
+
+def _new_call_id() -> str:
+    # Some local servers omit ids; the tool result needs one to pair with.
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _usage(usage: Any) -> tuple[int | None, int | None]:
+    if usage is None:
+        return None, None
+    prompt, completion = getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
+    return (prompt if isinstance(prompt, int) else None,
+            completion if isinstance(completion, int) else None)
+
+
+def reply_from_completion(completion: object) -> ModelReply:
+    """Validate a non-streamed response; anything unusable is an invalid_response."""
+    if not isinstance(completion, ChatCompletion):
+        snippet = " ".join(str(completion).split())[:200]
+        raise ModelError("invalid_response", f"not a chat.completion body: {snippet!r}")
+    choices = completion.choices
+    if not choices:
+        error = (completion.model_extra or {}).get("error")
+        if error:  # some gateways answer errors with HTTP 200
+            kind, limit = classify_error(None, error)
+            raise ModelError(kind, _detail({"error": error}, ""), provider_limit=limit, code=_code(error))
+        raise ModelError("invalid_response", "the response has no choices")
+    choice = choices[0]
+    message = getattr(choice, "message", None)
+    if message is None:
+        raise ModelError("invalid_response", "the response's choice has no message")
+    calls = []
+    for call in getattr(message, "tool_calls", None) or []:
+        function = getattr(call, "function", None)
+        name = getattr(function, "name", None)
+        if not name:
+            raise ModelError("invalid_response", "a tool call has no function name")
+        arguments = getattr(function, "arguments", None)
+        calls.append(ToolCall(id=getattr(call, "id", None) or _new_call_id(), name=name,
+                              arguments=arguments if isinstance(arguments, str) else ""))
+    content = message.content if isinstance(message.content, str) else None
+    prompt, completion_tokens = _usage(completion.usage)
+    return ModelReply(content=content or None, tool_calls=tuple(calls), prompt_tokens=prompt,
+                      completion_tokens=completion_tokens, finish_reason=choice.finish_reason,
+                      model=completion.model)
+
+
+@dataclass(slots=True)
+class _PartialCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamAssembly:
+    """Accumulates streamed chunks into the same ModelReply a plain response gives."""
+
+    text: list[str] = field(default_factory=list)
+    calls: list[_PartialCall] = field(default_factory=list)
+    by_index: dict[int, _PartialCall] = field(default_factory=dict)
+    finish_reason: str | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    saw_choice: bool = False
+
+    def add(self, chunk: Any) -> str:
+        """Take one chunk; returns the text it adds (possibly "")."""
+        self.model = getattr(chunk, "model", None) or self.model
+        if getattr(chunk, "usage", None) is not None:
+            self.prompt_tokens, self.completion_tokens = _usage(chunk.usage)
+        added = []
+        for choice in getattr(chunk, "choices", None) or []:
+            if getattr(choice, "index", 0) not in (0, None):
+                continue  # we ask for one choice
+            self.saw_choice = True
+            delta = getattr(choice, "delta", None)
+            if delta is not None:
+                if isinstance(delta.content, str) and delta.content:
+                    added.append(delta.content)
+                for call in delta.tool_calls or []:
+                    self._merge(call)
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+        text = "".join(added)
+        if text:
+            self.text.append(text)
+        return text
+
+    def _merge(self, delta: Any) -> None:
+        index, call_id = getattr(delta, "index", None), getattr(delta, "id", None)
+        function = getattr(delta, "function", None)
+        slot: _PartialCall | None
+        if index is not None:
+            slot = self.by_index.get(index)
+        elif call_id:
+            slot = next((c for c in self.calls if c.id == call_id), None)
+        else:
+            slot = self.calls[-1] if self.calls else None
+        if slot is not None and call_id and slot.id and call_id != slot.id:
+            slot = None  # some providers number every parallel call 0: a new id is a new call
+        if slot is None:
+            slot = _PartialCall()
+            self.calls.append(slot)
+            if index is not None:
+                self.by_index[index] = slot
+        if call_id:
+            slot.id = call_id
+        name = getattr(function, "name", None)
+        if name and name != slot.name:
+            slot.name = name if not slot.name else slot.name + name
+        arguments = getattr(function, "arguments", None)
+        if isinstance(arguments, str):
+            slot.arguments.append(arguments)
+
+    def reply(self) -> ModelReply:
+        if not self.saw_choice:
+            raise ModelError("invalid_response", "the stream ended without any choice")
+        calls = []
+        for call in self.calls:
+            if not call.name:
+                raise ModelError("invalid_response", "a streamed tool call has no function name")
+            calls.append(ToolCall(id=call.id or _new_call_id(), name=call.name,
+                                  arguments="".join(call.arguments)))
+        return ModelReply(content="".join(self.text) or None, tool_calls=tuple(calls),
+                          prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                          finish_reason=self.finish_reason, model=self.model)
+
+
+# ----------------------------------------------------------------------------------------
+# The client
+
+# What the SDK or its transport may raise while a call is in flight.
+_CALL_FAILURES = (openai.OpenAIError, _http.HTTPError, TimeoutError, ValueError)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    streamed_text: bool = False  # text already went to on_text: a retry would repeat it
+
+
+class ModelClient:
+    """Calls one configured model. Create one per ModelConfig snapshot; close() it when done."""
+
+    def __init__(self, cfg: ModelConfig, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 on_call: Callable[[CallRecord], None] | None = None) -> None:
+        self._cfg = cfg
+        self._sleep = sleep
+        self._on_call = on_call
+        self._random = random.Random()
+        self._client: openai.AsyncOpenAI | None = None
+        self._client_lock = asyncio.Lock()
+        # Request shape learned from the provider's 400s (each flips at most once).
+        self._stream_usage = True
+        self._max_tokens_key = "max_tokens"
+        self._send_temperature = True
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._cfg
+
+    @property
+    def configured(self) -> bool:
+        return self._cfg.key_value() is not None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def complete(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                       on_text: Callable[[str], Awaitable[None]] | None = None,
+                       max_tokens: int | None = None) -> ModelReply:
+        """One model call, retried on transient failures.
+
+        With on_text the reply is streamed and every text delta is passed on as it comes;
+        a failure after text was passed on is raised, not retried (it would repeat)."""
+        if not self.configured:
+            raise ModelError("not_configured", "no API key: set model.api_key or OPENAI_API_KEY")
+        client = await self._ensure_client()
+        retries = 0
+        while True:
+            attempt = _Attempt()
+            started = time.monotonic()
+            try:
+                reply = await self._call(client, messages, tools, on_text, max_tokens, attempt)
+            except ModelError as err:
+                self._record(started, err.kind, retries, on_text is not None, status=err.status)
+                if self._adapt(err, streaming=on_text is not None):
+                    continue
+                if not err.retryable or retries >= self._cfg.max_retries or attempt.streamed_text:
+                    raise
+                delay = retry_delay(retries, err.retry_after, self._random.random())
+                if delay is None:
+                    raise
+                log.warning("model call failed (%s, HTTP %s); retry %d/%d in %.1fs", err.kind,
+                            err.status, retries + 1, self._cfg.max_retries, delay)
+                retries += 1
+                await self._sleep(delay)
+                continue
+            self._record(started, "ok", retries, on_text is not None,
+                         prompt=reply.prompt_tokens, completion=reply.completion_tokens)
+            return reply
+
+    # -- one attempt -------------------------------------------------------------------------
+
+    async def _call(self, client: openai.AsyncOpenAI, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None,
+                    on_text: Callable[[str], Awaitable[None]] | None, max_tokens: int | None,
+                    attempt: _Attempt) -> ModelReply:
+        params: dict[str, Any] = {"model": self._cfg.name, "messages": messages,
+                                  self._max_tokens_key: max_tokens or self._cfg.max_output_tokens}
+        if tools:
+            params["tools"] = tools
+        if self._cfg.temperature is not None and self._send_temperature:
+            params["temperature"] = self._cfg.temperature
+        if on_text is None:
+            try:
+                # The transport's timeout covers silence; this one covers a slow trickle.
+                async with asyncio.timeout(self._cfg.timeout_s):
+                    completion = await client.chat.completions.create(**params)
+            except _CALL_FAILURES as exc:
+                raise _error_from_exception(exc) from exc
+            return reply_from_completion(completion)
+
+        params["stream"] = True
+        if self._stream_usage:
+            params["stream_options"] = {"include_usage": True}
+        assembly = StreamAssembly()
+        try:
+            stream = await client.chat.completions.create(**params)
+        except _CALL_FAILURES as exc:
+            raise _error_from_exception(exc) from exc
+        try:
+            chunks = stream.__aiter__()
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except _CALL_FAILURES as exc:
+                    raise _error_from_exception(exc) from exc
+                text = assembly.add(chunk)
+                if text:
+                    attempt.streamed_text = True
+                    await on_text(text)
+        finally:
+            await stream.close()
+        return assembly.reply()
+
+    def _adapt(self, err: ModelError, *, streaming: bool) -> bool:
+        """Drop what a provider says it does not support, once; True to resend at once."""
+        if err.kind != "bad_request":
+            return False
+        detail = err.detail.lower()
+        if streaming and self._stream_usage and "stream_options" in detail:
+            self._stream_usage = False
+            log.info("provider rejects stream_options; streaming without usage")
+            return True
+        if self._max_tokens_key == "max_tokens" and "max_completion_tokens" in detail and (
+            "unsupported" in detail or "not supported" in detail
+        ):
+            self._max_tokens_key = "max_completion_tokens"
+            log.info("provider wants max_completion_tokens instead of max_tokens")
+            return True
+        if self._send_temperature and self._cfg.temperature is not None and "temperature" in detail and (
+            "unsupported" in detail or "not support" in detail or "only the default" in detail
+        ):
+            self._send_temperature = False
+            log.info("provider rejects temperature; using its default")
+            return True
+        return False
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _ensure_client(self) -> openai.AsyncOpenAI:
+        async with self._client_lock:
+            if self._client is None:
+                # Building the HTTP client loads CA certificates from disk: off the loop.
+                try:
+                    self._client = await asyncio.to_thread(self._build_client)
+                except (openai.OpenAIError, _http.InvalidURL, ValueError) as exc:
+                    raise ModelError("connection", f"cannot use model.base_url: {exc}") from exc
+            return self._client
+
+    def _build_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(api_key=self._cfg.key_value(), base_url=self._cfg.base_url,
+                                  timeout=self._cfg.timeout_s, max_retries=0)
+
+    def _record(self, started: float, outcome: str, attempt: int, stream: bool, *,
+                status: int | None = None, prompt: int | None = None,
+                completion: int | None = None) -> None:
+        if self._on_call is None:
+            return
+        record = CallRecord(model=self._cfg.name, seconds=time.monotonic() - started, outcome=outcome,
+                            prompt_tokens=prompt, completion_tokens=completion, status=status,
+                            attempt=attempt, stream=stream)
+        try:
+            self._on_call(record)
+        except Exception:  # metrics must never break a turn
+            log.exception("on_call hook failed")
+
+
+def iter_error_kinds() -> Iterator[str]:
+    """Every ErrorKind, e.g. to pre-register metric labels."""
+    yield from get_args(ErrorKind)
