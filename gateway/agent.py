@@ -38,7 +38,8 @@ OVERFLOW_CLEARED = (
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
-    outcome: str  # ok | model_error | overflow_cleared | notice
+    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash
+    tokens: int = 0  # prompt + completion tokens the provider reported for this turn
 
 
 def today_line(cfg: Config) -> str:
@@ -96,6 +97,7 @@ class Agent:
         """Run the current turn (its user message is already stored) to a final reply."""
         recovered = False
         step = 0
+        live.turn_tokens = 0
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
             step += 1
@@ -122,6 +124,7 @@ class Agent:
                 if reply_or_none is None:
                     return await self._clear_after_overflow(live)
                 reply, prepared = reply_or_none
+            live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
             if reply.prompt_tokens:
                 live.ctx.calibrate(prepared.tokens, reply.prompt_tokens)
                 self.s.metrics.tokens.labels("in").inc(reply.prompt_tokens)

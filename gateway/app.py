@@ -26,6 +26,7 @@ from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
 from gateway.tools.registry import ToolRegistry
 from gateway.types import Inbound
+from gateway.usage import Usage
 
 log = logging.getLogger("gateway.app")
 
@@ -107,6 +108,7 @@ class Gateway:
             model_slots=asyncio.Semaphore(cfg.limits.max_concurrent_model_calls),
         )
         services.memory = self._memory(services)
+        services.usage = Usage(store)
         self.services = services
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)

@@ -111,7 +111,12 @@ class Commands:
         elif name == "new" or (name == "context" and args[:1] == ["clear"]):
             await self._queue(inbound, key, scope, self._clear)
         elif name == "context":
-            await self._queue(inbound, key, scope, self._stats)
+            identity = inbound.identity
+
+            async def stats(live: LiveSession) -> str:
+                return await self._stats(live, identity)
+
+            await self._queue(inbound, key, scope, stats)
         elif name == "compact":
             await self._queue(inbound, key, scope, self._compact)
         return True
@@ -127,12 +132,18 @@ class Commands:
 
     # -- session commands (run inside the session queue) ----------------------------------
 
-    async def _stats(self, live: LiveSession) -> str:
+    async def _stats(self, live: LiveSession, identity: str) -> str:
         cfg = self.s.cfg
         system = await self.sessions.agent.system_prompt(live, cfg)
         stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
                               budget=Budget.from_config(cfg), counter=self.s.counter)
-        return format_context_stats(stats)
+        text = format_context_stats(stats)
+        runs = await self.s.store.job_runs(limit=3)
+        if runs:
+            text += "\nLast jobs: " + ", ".join(f"{r.job} {r.slot} {r.outcome}" for r in runs)
+        if self.s.usage is not None:
+            text += "\n" + await self.s.usage.describe(cfg, identity)
+        return text
 
     async def _clear(self, live: LiveSession) -> str:
         turn = max(await self.s.store.last_turn(live.key), live.ctx.current_turn)

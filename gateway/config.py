@@ -12,8 +12,17 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -180,6 +189,24 @@ class Config(_Strict):
     tools: ToolsConfig = ToolsConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r} (use an IANA name like 'Europe/Berlin')") from None
+        return value
+
+    @field_validator("memory_consolidation_cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        if len(value.split()) != 5:
+            raise ValueError("a cron expression needs 5 fields: minute hour day month weekday")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Config:
         web = self.channels.web
@@ -196,7 +223,11 @@ class Config(_Strict):
 
 
 def _secret(value: SecretStr | None) -> bool:
-    return value is not None and bool(value.get_secret_value().strip())
+    """Set, non-empty, and not an unexpanded `${VAR}` (an unset environment variable)."""
+    if value is None:
+        return False
+    text = value.get_secret_value().strip()
+    return bool(text) and not _ENV_REF.fullmatch(text)
 
 
 class ConfigError(Exception):

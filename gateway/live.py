@@ -25,3 +25,4 @@ class LiveSession:
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     busy: bool = False
+    turn_tokens: int = 0  # provider-reported tokens of the turn running now

@@ -86,6 +86,14 @@ MIGRATIONS: list[str] = [
         approved_by TEXT NOT NULL,
         approved_at REAL NOT NULL
     );
+
+    CREATE TABLE usage (
+        identity TEXT NOT NULL,
+        day TEXT NOT NULL,
+        turns INTEGER NOT NULL DEFAULT 0,
+        tokens INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (identity, day)
+    ) WITHOUT ROWID;
     """,
     # 2: full-text search (SPEC §4.6, §5 memory_search): the session's stored messages
     # (external content + triggers, so the index follows every insert and purge) and each

@@ -76,6 +76,13 @@ class Router:
             return
         if await self.commands.handle(inbound, key, scope):
             return
+        if self.s.usage is not None:
+            over = await self.s.usage.refusal(cfg, inbound.identity)
+            if over is not None:
+                self.s.metrics.refused.labels(inbound.channel, "daily budget").inc()
+                await self._answer(inbound, over, status="refused")
+                return
+            await self.s.usage.add(cfg, inbound.identity, turns=1)
         if not await self.sessions.submit(key, scope, TurnJob(inbound)):
             await self._answer(inbound, BUSY_REPLY, status="busy")
 

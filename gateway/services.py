@@ -46,6 +46,7 @@ class Services:
     tools: ToolRegistry
     models: dict[str, ModelClient] = field(default_factory=dict)  # "main", "summary"
     memory: Any = None  # gateway.memory.Memory when available
+    usage: Any = None  # gateway.usage.Usage
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
 

@@ -58,7 +58,8 @@ class ReadFile:
             raise ToolError(str(err)) from None
         text = await asyncio.to_thread(_read, target)
         window, start_offset, first_line = read_window(text, offset=offset, start_line=start_line)
-        rel_path = target.relative_to(Path(ctx.workspace).resolve()).as_posix()
+        root = await asyncio.to_thread(Path(ctx.workspace).resolve)
+        rel_path = target.relative_to(root).as_posix()
         ref = FileRef(path=rel_path, start_offset=start_offset, start_line=first_line,
                       protected=rel_path.lower().endswith(".md"))
         return ToolOutput(window, file_ref=ref)

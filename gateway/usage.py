@@ -1,0 +1,58 @@
+"""Per-user daily budgets (`limits.turns_per_user_per_day`, `limits.tokens_per_user_per_day`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+from gateway.config import Config
+from gateway.store import Store
+
+
+def today(cfg: Config) -> str:
+    tz = ZoneInfo(cfg.timezone) if cfg.timezone else None
+    return (datetime.now(tz) if tz else datetime.now().astimezone()).strftime("%Y-%m-%d")
+
+
+class Usage:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def add(self, cfg: Config, identity: str, *, turns: int = 0, tokens: int = 0) -> None:
+        db = self.store.connection
+        await db.execute(
+            "INSERT INTO usage(identity, day, turns, tokens) VALUES (?,?,?,?) ON CONFLICT(identity, day) "
+            "DO UPDATE SET turns=turns+excluded.turns, tokens=tokens+excluded.tokens",
+            (identity, today(cfg), turns, tokens),
+        )
+        await db.commit()
+
+    async def get(self, cfg: Config, identity: str) -> tuple[int, int]:
+        async with self.store.connection.execute(
+            "SELECT turns, tokens FROM usage WHERE identity=? AND day=?", (identity, today(cfg))
+        ) as cur:
+            row = await cur.fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    async def refusal(self, cfg: Config, identity: str) -> str | None:
+        """A polite reply when the person used up today's budget; None when within it."""
+        limits = cfg.limits
+        if limits.turns_per_user_per_day is None and limits.tokens_per_user_per_day is None:
+            return None
+        if identity in cfg.admins:
+            return None
+        turns, tokens = await self.get(cfg, identity)
+        if limits.turns_per_user_per_day is not None and turns >= limits.turns_per_user_per_day:
+            return (f"You have reached today's limit of {limits.turns_per_user_per_day} messages. "
+                    "It resets at midnight; see you tomorrow!")
+        if limits.tokens_per_user_per_day is not None and tokens >= limits.tokens_per_user_per_day:
+            return (f"You have used today's budget of {limits.tokens_per_user_per_day:,} tokens. "
+                    "It resets at midnight; see you tomorrow!")
+        return None
+
+    async def describe(self, cfg: Config, identity: str) -> str:
+        turns, tokens = await self.get(cfg, identity)
+        limits = cfg.limits
+        t_lim = f" of {limits.turns_per_user_per_day}" if limits.turns_per_user_per_day else ""
+        k_lim = f" of {limits.tokens_per_user_per_day:,}" if limits.tokens_per_user_per_day else ""
+        return f"Your usage today: {turns}{t_lim} messages, {tokens:,}{k_lim} tokens."

@@ -1,0 +1,78 @@
+"""Shared fixtures: the fake model server and a gateway factory on top of it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+
+from gateway.app import Gateway
+from gateway.config import load_config
+from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)
+
+GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def write_config(tmp_path: Path, fake: FakeModel, **overrides: Any) -> Path:
+    raw: dict[str, Any] = {
+        "data_dir": "data",
+        "http": {"host": "127.0.0.1", "port": 0},
+        "model": fake.model_settings(max_retries=2, timeout_s=10),
+        "summary_timeout_s": 10,
+    }
+    raw = deep_merge(raw, overrides)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw, indent=2), encoding="utf-8")
+    return path
+
+
+@pytest_asyncio.fixture
+async def make_gateway(tmp_path: Path, fake_model: FakeModel) -> AsyncIterator[GatewayFactory]:  # noqa: F811
+    """Start gateways on the fake model; `await make_gateway(**config_overrides)`."""
+    running: list[Gateway] = []
+
+    async def make(**overrides: Any) -> Gateway:
+        path = write_config(tmp_path, fake_model, **overrides)
+        gw = Gateway(load_config(path), config_path=path)
+        await gw.start()
+        running.append(gw)
+        return gw
+
+    yield make
+    for gw in running:
+        await gw.stop(timeout=5)
+
+
+async def post_chat(gw: Gateway, payload: Any, *, token: str | None = None,
+                    raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    assert gw.http is not None
+    url = f"http://127.0.0.1:{gw.http.port}/api/chat"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as http:
+        if raw is not None:
+            headers["Content-Type"] = "application/json"
+            resp = await http.post(url, data=raw, headers=headers)
+        else:
+            resp = await http.post(url, json=payload, headers=headers)
+        async with resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def chat(gw: Gateway, session: str, text: str) -> str:
+    status, body = await post_chat(gw, {"session": session, "text": text})
+    assert status == 200, body
+    return str(body["reply"])

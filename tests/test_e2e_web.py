@@ -1,0 +1,166 @@
+"""End to end through the web API: the real gateway, the real openai SDK, a fake model."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from gateway.app import Gateway
+from tests.conftest import GatewayFactory, chat, post_chat
+from tests.fakes.openai_server import FakeModel
+
+
+def _texts(request: dict) -> list[str]:
+    return [m.get("content") or "" for m in request["messages"]]
+
+
+async def test_round_trip_reaches_the_model(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.reply("Hello, Alice!")
+    assert await chat(gw, "alice", "hi there") == "Hello, Alice!"
+    (request,) = await fake_model.wait_requests(1)
+    assert request["messages"][0]["role"] == "system"
+    assert request["messages"][-1] == {"role": "user", "content": "hi there"}
+    assert {t["function"]["name"] for t in request["tools"]} >= {"read_file", "current_time"}
+
+
+async def test_tool_calling_turn(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.tool_call("current_time", {}, call_id="call_t1")
+    fake_model.reply("It is late.")
+    assert await chat(gw, "bob", "what time is it?") == "It is late."
+    _first, second = await fake_model.wait_requests(2)
+    tool_msgs = [m for m in second["messages"] if m["role"] == "tool"]
+    assert len(tool_msgs) == 1 and tool_msgs[0]["tool_call_id"] == "call_t1"
+    assert "(" in tool_msgs[0]["content"]  # an ISO time with the weekday in brackets
+    assistant = [m for m in second["messages"] if m["role"] == "assistant"]
+    assert assistant[-1]["tool_calls"][0]["function"]["name"] == "current_time"
+
+
+async def test_unknown_tool_and_bad_arguments_get_error_results(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    gw = await make_gateway()
+    fake_model.tool_calls([("no_such_tool", {}), ("read_file", "{not json")])
+    fake_model.reply("recovered")
+    assert await chat(gw, "carol", "go") == "recovered"
+    _, second = await fake_model.wait_requests(2)
+    results = [m["content"] for m in second["messages"] if m["role"] == "tool"]
+    assert results[0].startswith("error: there is no tool named 'no_such_tool'")
+    assert results[1].startswith("error: the arguments are not a valid JSON object")
+
+
+async def test_step_cap_asks_for_a_final_answer_without_tools(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    gw = await make_gateway(agent_max_steps=3)
+    for _ in range(5):
+        fake_model.tool_call("current_time", {})
+    reply = await chat(gw, "dave", "loop forever")
+    requests = fake_model.requests
+    assert len(requests) == 3
+    assert requests[0].get("tools") and requests[1].get("tools")
+    assert not requests[2].get("tools")
+    # The third scripted reply was a tool call; without tools the agent answers with text.
+    assert reply
+
+
+async def test_rate_limit_then_success(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.error(429, {"error": {"message": "Rate limit reached", "type": "requests",
+                                     "code": "rate_limit_exceeded"}}, headers={"Retry-After": "0"})
+    fake_model.reply("after the wait")
+    assert await chat(gw, "erin", "hello") == "after the wait"
+    assert len(fake_model.requests) == 2
+
+
+async def test_model_timeout_gives_a_clear_reply(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway(model=fake_model.model_settings(timeout_s=0.3, max_retries=0))
+    fake_model.hang(5)
+    reply = await chat(gw, "frank", "are you there?")
+    assert "time" in reply.lower()
+    assert "Traceback" not in reply
+
+
+async def test_missing_api_key_names_the_setting(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway(model=fake_model.model_settings(api_key="${SURELY_UNSET_GATEWAY_KEY}"))
+    reply = await chat(gw, "gina", "hello?")
+    assert "OPENAI_API_KEY" in reply or "model.api_key" in reply
+    assert fake_model.requests == []
+
+
+async def test_restart_keeps_messages_and_restores_context(
+    make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path
+) -> None:
+    gw = await make_gateway()
+    fake_model.reply("Noted: your cat is Miso.")
+    await chat(gw, "hana", "my cat is called Miso")
+    await gw.stop()
+    gw2 = await make_gateway()
+    assert gw2.services is not None
+    assert await gw2.services.store.count_messages("web:hana") == 2
+    fake_model.reply("Miso!")
+    assert await chat(gw2, "hana", "what is my cat called?") == "Miso!"
+    last = fake_model.requests[-1]
+    assert "my cat is called Miso" in " ".join(_texts(last))
+
+
+async def test_bad_input_gets_clear_http_errors_and_leaves_session_intact(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    gw: Gateway = await make_gateway(channels={"web": {"token": "sekret-token"}})
+    fake_model.reply("first answer")
+    status, body = await post_chat(gw, {"session": "ivy", "text": "hello"}, token="sekret-token")
+    assert status == 200 and body["reply"] == "first answer"
+    assert gw.services is not None
+    before = await gw.services.store.messages("web:ivy")
+
+    cases = [
+        ({"session": "ivy", "text": ""}, None, 400),
+        ({"session": "ivy", "text": "x" * 1_000_000}, None, 413),
+        ({"session": "../etc", "text": "hi"}, None, 400),
+        ({"session": "ivy"}, None, 400),
+        (None, b"{not json", 400),
+        (None, b"[1, 2]", 400),
+    ]
+    for payload, raw, expected in cases:
+        status, body = await post_chat(gw, payload, token="sekret-token", raw=raw)
+        assert status == expected, (payload, raw, body)
+        assert body["error"]
+    status, body = await post_chat(gw, {"session": "ivy", "text": "hi"}, token="wrong")
+    assert status == 401 and "token" in body["error"]
+    status, body = await post_chat(gw, {"session": "ivy", "text": "hi"})
+    assert status == 401
+
+    assert await gw.services.store.messages("web:ivy") == before
+    fake_model.reply("still here")
+    status, body = await post_chat(gw, {"session": "ivy", "text": "again"}, token="sekret-token")
+    assert status == 200 and body["reply"] == "still here"
+    assert "hello" in " ".join(_texts(fake_model.requests[-1]))
+
+
+async def test_health_ready_and_metrics(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.reply("ok")
+    await chat(gw, "jo", "ping")
+    assert gw.http is not None
+    base = f"http://127.0.0.1:{gw.http.port}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(base + "/healthz") as resp:
+            assert resp.status == 200
+        async with http.get(base + "/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 200 and body["checks"]["database"] is True
+        async with http.get(base + "/metrics") as resp:
+            text = await resp.text()
+    assert 'gateway_inbound_messages_total{channel="web"} 1.0' in text
+    assert 'gateway_turns_total{channel="web",outcome="ok"} 1.0' in text
+    assert "test-key" not in text
+
+
+async def test_sessions_do_not_see_each_other(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.reply("one")
+    fake_model.reply("two")
+    await chat(gw, "kim", "secret of kim: 4242")
+    await chat(gw, "lee", "hello")
+    assert "4242" not in " ".join(_texts(fake_model.requests[1]))
