@@ -1,0 +1,686 @@
+"""The Telegram channel: python-telegram-bot's `Bot` for the Bot API, our own update loop.
+
+Exactly-once (SPEC §3.1): an update is handed to the router and awaited *before* its
+update_id is confirmed (the next getUpdates offset, or the webhook's 200). PTB's
+Application/Updater confirm a batch before handlers finish, so we poll ourselves.
+
+Parsing (`parse_update`) is pure and never raises: anything odd is dropped with a debug
+log line. Attachments are fetched afterwards (getFile + download) into the session's
+workspace, because only then do we know whose workspace it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+import time
+import unicodedata
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from telegram import Bot, BotCommand, MessageEntity, ReplyParameters, Update
+from telegram.constants import ChatAction
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
+from telegram.request import HTTPXRequest
+
+from channels.base import InboundHandler
+from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
+from gateway.config import TelegramConfig
+from gateway.types import Attachment, Inbound
+from gateway.workspace import resolve_in_workspace
+
+log = logging.getLogger(__name__)
+
+ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not turns
+MAX_FILE_BYTES = 20 * 1024 * 1024  # the Bot API's own getFile limit
+TYPING_INTERVAL_S = 4.0  # Telegram shows "typing" for ~5 s
+MAX_RETRY_WAIT_S = 60.0  # longest flood-control wait we honour in one go
+SEND_ATTEMPTS = 5
+HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after this
+READY_SLACK_S = 15.0
+POLL_READ_SLACK_S = 10.0  # HTTP read timeout beyond the long-poll timeout
+STOP_TIMEOUT_S = 5.0
+SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True, slots=True)
+class BotIdentity:
+    """Who we are, from getMe: needed to see mentions, replies and our own messages."""
+
+    id: int
+    username: str
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFile:
+    """A photo or document still on Telegram's servers."""
+
+    file_id: str
+    name: str
+    mime: str | None = None
+    size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedMessage:
+    inbound: Inbound  # text without the file notes; attachments added after download
+    file: PendingFile | None = None
+
+
+def parse_update(raw: Any, me: BotIdentity, bot: Bot | None = None) -> ParsedMessage | None:
+    """One Bot API update (decoded JSON) as a normalized message, or None when it is not a
+    person's message we answer (logged at debug). Never raises."""
+    if not isinstance(raw, dict):
+        return _dropped(None, "not a JSON object")
+    update_id = raw.get("update_id")
+    if not _is_int(update_id):
+        return _dropped(None, "no update_id")
+    if not isinstance(raw.get("message"), dict):
+        kinds = sorted(str(k) for k in raw if k != "update_id")[:3]
+        return _dropped(update_id, f"ignored update kind {kinds}")
+    try:
+        update = Update.de_json(raw, bot)
+        return _from_message(update_id, update, me)
+    except Exception as exc:  # hostile or malformed input: drop, never crash
+        return _dropped(update_id, f"unparsable ({type(exc).__name__}: {exc})")
+
+
+def _from_message(update_id: int, update: Update, me: BotIdentity) -> ParsedMessage | None:
+    msg = update.message
+    if msg is None:
+        return _dropped(update_id, "no message")
+    chat = msg.chat
+    chat_type = str(chat.type)
+    if chat_type not in ("private", "group", "supergroup"):
+        return _dropped(update_id, f"chat type {chat_type!r}")
+    user = msg.from_user
+    if user is None or not _is_int(user.id):
+        return _dropped(update_id, "no sender")
+    if user.is_bot is not False:  # ourselves, other bots, anonymous admins, channel relays
+        return _dropped(update_id, "sent by a bot")
+    if not _is_int(msg.message_id) or not _is_int(chat.id):
+        return _dropped(update_id, "bad ids")
+
+    text: str | None = msg.text if isinstance(msg.text, str) else None
+    entities: Sequence[MessageEntity] = msg.entities or ()
+    if text is None:
+        text = msg.caption if isinstance(msg.caption, str) else None
+        entities = msg.caption_entities or ()
+    pending = _pending_file(msg)
+    if text is None and pending is None:
+        # stickers, polls, voice, locations, service messages (joins, pins, topics …)
+        return _dropped(update_id, "no text, photo or document")
+
+    clean, mentioned, for_other_bot = _address(sanitize_text(text or ""), entities, me)
+    if for_other_bot:
+        return _dropped(update_id, "a command addressed to another bot")
+
+    thread_id: str | None = None
+    if msg.is_topic_message is True and _is_int(msg.message_thread_id):
+        thread_id = str(msg.message_thread_id)
+
+    reply_to_bot = False
+    parent = msg.reply_to_message
+    if parent is not None and parent.from_user is not None and parent.from_user.id == me.id:
+        # In a forum topic every message "replies" to the topic's creation message.
+        topic_root = parent.forum_topic_created is not None or (
+            thread_id is not None and parent.message_id == msg.message_thread_id
+        )
+        reply_to_bot = not topic_root
+
+    inbound = Inbound(
+        channel="telegram",
+        chat_id=str(chat.id),
+        user_id=str(user.id),
+        text=clean,
+        event_id=str(update_id),
+        message_id=str(msg.message_id),
+        thread_id=thread_id,
+        is_group=chat_type != "private",
+        mentioned=mentioned,
+        reply_to_bot=reply_to_bot,
+        user_name=_display_name(user.first_name, user.last_name, user.username),
+        extra={"chat_type": chat_type},
+    )
+    return ParsedMessage(inbound, pending)
+
+
+def _address(text: str, entities: Sequence[MessageEntity], me: BotIdentity) -> tuple[str, bool, bool]:
+    """Find mentions of us; returns (text without "@ourname", mentioned, for another bot).
+
+    `/cmd@ourname args` becomes `/cmd args`; `/cmd@otherbot` is someone else's command."""
+    offsets = utf16_offsets(text)
+    index = {u: i for i, u in enumerate(offsets)}
+    ours = "@" + me.username.lower() if me.username else None
+    mentioned = for_other_bot = False
+    edits: list[tuple[int, int, str]] = []  # (start, end, replacement) in Python indices
+    for ent in entities:
+        if not isinstance(ent, MessageEntity) or not _is_int(ent.offset) or not _is_int(ent.length):
+            continue
+        start, end = index.get(ent.offset), index.get(ent.offset + ent.length)
+        if start is None or end is None or end <= start:
+            continue
+        piece = text[start:end]
+        kind = str(ent.type)
+        if kind == "mention" and ours is not None and piece.lower() == ours:
+            mentioned = True
+            edits.append((start, end, ""))
+        elif kind == "text_mention" and ent.user is not None and ent.user.id == me.id:
+            mentioned = True
+        elif kind == "bot_command" and start == 0 and "@" in piece:
+            command, _, target = piece.partition("@")
+            if ours is not None and "@" + target.lower() == ours:
+                mentioned = True
+                edits.append((start, end, command))
+            else:
+                for_other_bot = True
+    for start, end, replacement in sorted(edits, reverse=True):
+        before, after = text[:start], text[end:]
+        if not replacement and (not before or before[-1].isspace()) and after[:1] == " ":
+            after = after[1:]  # "hi @bot there" → "hi there", not "hi  there"
+        text = before + replacement + after
+    return text.strip(), mentioned, for_other_bot
+
+
+def _pending_file(msg: Any) -> PendingFile | None:
+    photos = msg.photo
+    if photos:
+        best = max(photos, key=_photo_rank)
+        if isinstance(best.file_id, str) and best.file_id:
+            return PendingFile(best.file_id, "photo.jpg", "image/jpeg", _int_or(best.file_size, None))
+    doc = msg.document
+    if doc is not None and isinstance(doc.file_id, str) and doc.file_id:
+        name = doc.file_name if isinstance(doc.file_name, str) and doc.file_name else "document"
+        mime = doc.mime_type if isinstance(doc.mime_type, str) else None
+        return PendingFile(doc.file_id, name, mime, _int_or(doc.file_size, None))
+    return None
+
+
+def _photo_rank(photo: Any) -> tuple[int, int]:
+    return _int_or(photo.file_size, 0), _int_or(photo.width, 0) * _int_or(photo.height, 0)
+
+
+def _display_name(first: Any, last: Any, username: Any) -> str | None:
+    parts = [p for p in (first, last) if isinstance(p, str) and p.strip()]
+    name = " ".join(parts) or (username if isinstance(username, str) else "")
+    name = " ".join(sanitize_text(name).split())[:128]
+    return name or None
+
+
+def safe_file_name(name: str, limit: int = 100) -> str:
+    """A file name that is safe on any filesystem and cannot leave its directory."""
+    name = unicodedata.normalize("NFC", sanitize_text(name)).replace("\\", "/").rsplit("/", 1)[-1]
+    name = re.sub(r"[^\w.\-]+", "_", name).strip("._") or "file"
+    if len(name) > limit:
+        root, ext = os.path.splitext(name)
+        ext = ext[:16]
+        name = root[: limit - len(ext)] + ext
+    return name
+
+
+def _dropped(update_id: Any, reason: str) -> None:
+    log.debug("telegram update %s ignored: %s", update_id, reason)
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_or(value: Any, default: Any) -> Any:
+    return value if _is_int(value) else default
+
+
+# ---------------------------------------------------------------------------- channel
+
+
+class _Bot(Bot):
+    """PTB's Bot plus raw getUpdates: `Bot.get_updates` parses the whole batch at once, so
+    one malformed update would fail every poll and block the queue forever."""
+
+    async def fetch_raw_updates(self, *, offset: int, wait_s: int) -> list[Any]:
+        data = {"offset": offset or None, "timeout": wait_s, "allowed_updates": list(ALLOWED_UPDATES)}
+        result = await self._post("getUpdates", data, read_timeout=wait_s + POLL_READ_SLACK_S)
+        return result if isinstance(result, list) else []
+
+
+class _FileRefused(Exception):
+    """An attachment we will not save (too large, unavailable)."""
+
+
+class TelegramChannel:
+    """Telegram via the Bot API, long polling or webhook (implements `Channel` and
+    `WebhookChannel`)."""
+
+    name = "telegram"
+    webhook_path = "/telegram/webhook"
+
+    def __init__(
+        self,
+        cfg: TelegramConfig,
+        handler: InboundHandler,
+        *,
+        workspace_for: Callable[[Inbound], Path],
+        commands: Sequence[tuple[str, str]] = (),
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._cfg = cfg
+        self._handler = handler
+        self._workspace_for = workspace_for
+        self._commands = [(str(c), str(d)) for c, d in commands]
+        self._sleep = sleep  # waits while sending (flood control, retries); injectable for tests
+        self._bot: _Bot | None = None
+        self._me: BotIdentity | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._typing_tasks: set[asyncio.Task[None]] = set()
+        self._offset = 0
+        self._handler_failures: dict[int, int] = {}
+        self._in_handler = False
+        self._stopping = False
+        self._last_poll_ok: float | None = None
+        self._webhook_ok = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the bot and connect (getMe, webhook setup, commands). A bad token raises
+        InvalidToken; other failures are retried in the background."""
+        if self._task is not None:
+            return
+        token = self._cfg.token.get_secret_value().strip() if self._cfg.token else ""
+        self._bot = _Bot(
+            token,
+            base_url=self._cfg.base_url,
+            base_file_url=self._file_url(),
+            request=HTTPXRequest(connection_pool_size=16, read_timeout=20, write_timeout=20),
+            get_updates_request=HTTPXRequest(
+                connection_pool_size=1, read_timeout=self._cfg.poll_timeout_s + POLL_READ_SLACK_S
+            ),
+        )
+        self._stopping = False
+        connected = False
+        try:
+            await self._connect()
+            connected = True
+        except InvalidToken:
+            await self._close_bot()
+            raise
+        except Exception as exc:
+            log.warning("telegram: cannot connect yet (%s); retrying in the background", exc)
+        self._task = asyncio.create_task(self._run(connected), name="telegram-channel")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        task, self._task = self._task, None
+        for typing_task in list(self._typing_tasks):
+            typing_task.cancel()
+        if task is not None:
+            if not self._in_handler:
+                task.cancel()  # idle in a long poll: nothing to lose
+            done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+            if not done:
+                task.cancel()
+                await asyncio.wait({task}, timeout=1)
+        if task is not None and self._cfg.mode == "polling" and self._offset and self._bot is not None:
+            # Confirm what the router already recorded, so a restart is not redelivered it.
+            try:
+                await asyncio.wait_for(self._bot.fetch_raw_updates(offset=self._offset, wait_s=0), 2)
+            except Exception as exc:
+                log.debug("telegram: final offset confirmation failed: %s", exc)
+        await self._close_bot()
+        self._last_poll_ok = None
+        self._webhook_ok = False
+
+    def is_ready(self) -> bool:
+        if self._task is None or self._stopping or self._me is None:
+            return False
+        if self._cfg.mode == "webhook":
+            return self._webhook_ok
+        if self._last_poll_ok is None:
+            return False
+        return time.monotonic() - self._last_poll_ok <= 2 * self._cfg.poll_timeout_s + READY_SLACK_S
+
+    @property
+    def identity(self) -> BotIdentity | None:
+        return self._me
+
+    def _file_url(self) -> str:
+        if self._cfg.base_file_url:
+            return self._cfg.base_file_url
+        base = self._cfg.base_url
+        head, sep, tail = base.rpartition("/bot")
+        if sep:  # ".../bot" or ".../bot{token}" → ".../file/bot…"
+            return f"{head}/file/bot{tail}"
+        log.warning("telegram: cannot derive the file URL from base_url; set base_file_url")
+        return "https://api.telegram.org/file/bot"
+
+    async def _close_bot(self) -> None:
+        bot, self._bot = self._bot, None
+        if bot is None:
+            return
+        try:
+            await asyncio.wait_for(bot.shutdown(), STOP_TIMEOUT_S)
+        except Exception as exc:
+            log.debug("telegram: shutdown: %s", exc)
+
+    async def _connect(self) -> None:
+        bot = self._require_bot()
+        await bot.initialize()  # getMe
+        user = bot.bot
+        self._me = BotIdentity(user.id, user.username or "")
+        if self._cfg.mode == "polling":
+            await bot.delete_webhook(drop_pending_updates=False)
+        else:
+            secret = self._cfg.webhook_secret.get_secret_value() if self._cfg.webhook_secret else None
+            if not secret:
+                log.warning("telegram: webhook without webhook_secret: anyone can post updates")
+            await bot.set_webhook(
+                url=self._cfg.webhook_url or "",
+                secret_token=secret or None,
+                allowed_updates=list(ALLOWED_UPDATES),
+            )
+            self._webhook_ok = True
+        await self._sync_commands(bot)
+        log.info("telegram: connected as @%s (%s mode)", self._me.username, self._cfg.mode)
+
+    async def _sync_commands(self, bot: Bot) -> None:
+        """setMyCommands only when Telegram's list differs: it is rate limited."""
+        try:
+            current = [(c.command, c.description) for c in await bot.get_my_commands()]
+            if current == self._commands:
+                return
+            if self._commands:
+                await bot.set_my_commands([BotCommand(c, d) for c, d in self._commands])
+            else:
+                await bot.delete_my_commands()
+        except TelegramError as exc:
+            log.warning("telegram: cannot update the command list: %s", exc)
+
+    async def _run(self, connected: bool) -> None:
+        backoff = 1.0
+        while not connected and not self._stopping:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 60.0)
+            try:
+                await self._connect()
+                connected = True
+            except Exception as exc:
+                log.warning("telegram: connect failed (%s); retrying in %.0f s", exc, backoff)
+        if self._cfg.mode == "polling":
+            await self._poll_forever()
+
+    # ------------------------------------------------------------ polling
+
+    async def _poll_forever(self) -> None:
+        bot = self._require_bot()
+        backoff = 1.0
+        while not self._stopping:
+            try:
+                batch = await bot.fetch_raw_updates(offset=self._offset, wait_s=self._cfg.poll_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except RetryAfter as exc:
+                await asyncio.sleep(_retry_seconds(exc))
+                continue
+            except Exception as exc:  # network down, 5xx, 409 conflict, revoked token …
+                log.warning("telegram: getUpdates failed (%s); retrying in %.0f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self._last_poll_ok = time.monotonic()
+            backoff = 1.0
+            start_offset, retry = self._offset, False
+            for raw in batch:
+                if self._stopping:
+                    return
+                if not await self._consume(raw):
+                    retry = True  # fetched again after the pause below
+                    break
+            if retry or (batch and self._offset == start_offset):
+                await asyncio.sleep(1.0)  # a router failure, or nothing confirmable: don't spin
+            elif not batch and self._cfg.poll_timeout_s == 0:
+                await asyncio.sleep(1.0)  # short polling
+
+    async def _consume(self, raw: Any) -> bool:
+        """Process one polled update and move the offset past it; False when the router
+        failed and the update should be fetched again."""
+        update_id = raw.get("update_id") if isinstance(raw, dict) else None
+        if not _is_int(update_id):
+            log.debug("telegram: update without a usable update_id skipped")
+            return True
+        if update_id < self._offset:
+            return True
+        if not await self._process(raw):
+            failures = self._handler_failures.get(update_id, 0) + 1
+            self._handler_failures[update_id] = failures
+            if failures < HANDLER_ATTEMPTS:
+                return False
+            log.error("telegram: update %s dropped after %d failed attempts", update_id, failures)
+        self._handler_failures.pop(update_id, None)
+        self._offset = update_id + 1
+        return True
+
+    async def _process(self, raw: Any) -> bool:
+        """Parse, fetch attachments, await the router. False only when the router failed."""
+        me = self._me
+        if me is None:
+            return False
+        parsed = parse_update(raw, me, self._bot)
+        if parsed is None:
+            return True
+        self._in_handler = True
+        try:
+            inbound = await self._with_files(parsed)
+            await self._handler(inbound)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("telegram: handling update %s failed", parsed.inbound.event_id)
+            return False
+        finally:
+            self._in_handler = False
+        return True
+
+    # ------------------------------------------------------------ webhook
+
+    async def handle_webhook(self, request: web.Request) -> web.StreamResponse:
+        if self._cfg.mode != "webhook":
+            return web.Response(status=404, text="telegram webhook is not enabled")
+        secret = self._cfg.webhook_secret.get_secret_value() if self._cfg.webhook_secret else ""
+        if secret:
+            given = request.headers.get(SECRET_HEADER, "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), secret.encode("utf-8")):
+                return web.Response(status=403, text="forbidden")
+        if self._me is None or self._stopping:
+            return web.Response(status=503, text="not connected yet")
+        try:
+            raw = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            return web.Response(status=400, text="invalid JSON")
+        if not isinstance(raw, dict):
+            return web.Response(status=400, text="an update must be a JSON object")
+        if not await self._process(raw):
+            return web.Response(status=500, text="try again")  # Telegram redelivers
+        return web.Response(text="ok")
+
+    # ------------------------------------------------------------ attachments
+
+    async def _with_files(self, parsed: ParsedMessage) -> Inbound:
+        inbound, pending = parsed.inbound, parsed.file
+        if pending is None:
+            return inbound
+        attachments: tuple[Attachment, ...] = ()
+        try:
+            attachment = await self._save_file(inbound, pending)
+            attachments = (attachment,)
+            note = f"[file: {attachment.name}, {attachment.path}]"
+        except Exception as exc:  # the message still counts, without its file
+            log.warning("telegram: file of message %s not saved: %s", inbound.message_id, exc)
+            reason = str(exc) if isinstance(exc, _FileRefused) else "the download failed"
+            note = f"[file: {safe_file_name(pending.name)}, not saved: {reason}]"
+        text = f"{inbound.text}\n{note}" if inbound.text else note
+        return replace(inbound, text=text, attachments=attachments)
+
+    async def _save_file(self, inbound: Inbound, pending: PendingFile) -> Attachment:
+        if pending.size is not None and pending.size > MAX_FILE_BYTES:
+            raise _FileRefused("larger than 20 MB")
+        tg_file = await self._require_bot().get_file(pending.file_id)
+        if _is_int(tg_file.file_size) and tg_file.file_size > MAX_FILE_BYTES:
+            raise _FileRefused("larger than 20 MB")
+        data = bytes(await tg_file.download_as_bytearray())
+        if len(data) > MAX_FILE_BYTES:
+            raise _FileRefused("larger than 20 MB")
+        name = safe_file_name(pending.name)
+        relative = f"files/{safe_file_name(inbound.message_id or 'msg')}_{name}"
+        await asyncio.to_thread(_store_file, self._workspace_for, inbound, relative, data)
+        return Attachment(name=name, path=relative, mime=pending.mime, size=len(data))
+
+    # ------------------------------------------------------------ sending
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        """Send a Markdown reply in chunks; raises TelegramError when a chunk cannot be
+        delivered after the retries (earlier chunks stay sent)."""
+        bot = self._require_bot()
+        chunks = render_markdown(text)
+        if not chunks:
+            log.debug("telegram: empty reply to %s not sent", inbound.event_id)
+            return
+        chat: int | str = _chat_ref(inbound.chat_id)
+        thread = _int_or_none(inbound.thread_id)
+        reply_to = _int_or_none(inbound.message_id) if inbound.is_group else None
+        for i, chunk in enumerate(chunks):
+            chat = await self._send_chunk(bot, chat, chunk, thread, reply_to if i == 0 else None)
+
+    async def _send_chunk(
+        self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None
+    ) -> int | str:
+        """Returns the chat id to use from now on (a group may have become a supergroup)."""
+        entities = [MessageEntity.de_json(e, bot) for e in chunk.entities]
+        reply = ReplyParameters(reply_to, allow_sending_without_reply=True) if reply_to else None
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await bot.send_message(
+                    chat_id=chat,
+                    text=chunk.text,
+                    entities=entities or None,
+                    message_thread_id=thread,
+                    reply_parameters=reply,
+                )
+                return chat
+            except RetryAfter as exc:
+                if attempt >= SEND_ATTEMPTS:
+                    log.warning("telegram: still rate limited after %d attempts", attempt)
+                    raise
+                await self._sleep(_retry_seconds(exc))
+            except ChatMigrated as exc:
+                if attempt >= SEND_ATTEMPTS:
+                    raise
+                chat = exc.new_chat_id
+            except BadRequest as exc:
+                if entities and _is_format_error(exc):
+                    log.info("telegram: formatting rejected (%s); sending plain text", exc)
+                    entities = []
+                    continue
+                log.warning("telegram: message to %s refused: %s", chat, exc)
+                raise
+            except (Forbidden, InvalidToken) as exc:
+                log.warning("telegram: cannot send to %s: %s", chat, exc)
+                raise
+            except NetworkError as exc:
+                if attempt >= SEND_ATTEMPTS:
+                    log.warning("telegram: sending to %s failed %d times: %s", chat, attempt, exc)
+                    raise
+                await self._sleep(min(2.0 ** (attempt - 1), 30.0))
+
+    @asynccontextmanager
+    async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._keep_typing(inbound), name="telegram-typing")
+        self._typing_tasks.add(task)
+        try:
+            yield
+        finally:
+            task.cancel()
+            self._typing_tasks.discard(task)
+            await asyncio.wait({task}, timeout=1)
+
+    async def _keep_typing(self, inbound: Inbound) -> None:
+        chat = _chat_ref(inbound.chat_id)
+        thread = _int_or_none(inbound.thread_id)
+        while self._bot is not None and not self._stopping:
+            try:
+                await self._bot.send_chat_action(chat, ChatAction.TYPING, message_thread_id=thread)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a missing indicator is not worth a failure
+                log.debug("telegram: typing indicator failed: %s", exc)
+            await asyncio.sleep(TYPING_INTERVAL_S)
+
+    def _require_bot(self) -> _Bot:
+        if self._bot is None:
+            raise RuntimeError("the telegram channel is not started")
+        return self._bot
+
+
+def _store_file(
+    workspace_for: Callable[[Inbound], Path], inbound: Inbound, relative: str, data: bytes
+) -> None:
+    """Write an attachment inside the session's workspace (runs in a worker thread)."""
+    workspace = workspace_for(inbound)
+    target = resolve_in_workspace(workspace, relative)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+
+
+def _retry_seconds(exc: RetryAfter) -> float:
+    with warnings.catch_warnings():  # PTB warns that the int form is deprecated
+        warnings.simplefilter("ignore")
+        value = exc.retry_after
+    seconds = value if isinstance(value, int | float) else value.total_seconds()
+    return max(0.0, min(float(seconds), MAX_RETRY_WAIT_S))
+
+
+def _is_format_error(exc: BadRequest) -> bool:
+    text = str(exc).lower()
+    return "parse" in text or "entit" in text
+
+
+def _chat_ref(chat_id: str) -> int | str:
+    try:
+        return int(chat_id)
+    except ValueError:
+        return chat_id  # "@channelname"
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None

@@ -1,0 +1,448 @@
+"""A fake Telegram Bot API server for tests: real python-telegram-bot talks to it over
+HTTP on 127.0.0.1 (`Bot(base_url=fake.base_url)`), no network, no mocks.
+
+Routes: `POST /bot<TOKEN>/<method>` (JSON, urlencoded or multipart bodies, like the real
+API) and `GET /file/bot<TOKEN>/<file_path>`. Every call is recorded; tests wait on
+events with timeouts and script failures:
+
+    fake.push_message(chat_id=1, user_id=1, text="hi")
+    sent = await fake.wait_sent(1)
+    fake.fail_next("sendMessage", 429, retry_after=1)
+    fake.reject_formatting()             # next formatted sendMessage → "can't parse entities"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+DEFAULT_TOKEN = "123456:TEST-fake-token"
+TEXT_LIMIT = 4096
+
+# Form fields that stay strings even when they look like JSON numbers.
+_STRING_FIELDS = frozenset(
+    {"text", "caption", "secret_token", "url", "description", "file_id", "action", "parse_mode"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    status: int
+    description: str
+    retry_after: int | None
+
+
+def utf16_len(text: str) -> int:
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+
+
+class FakeTelegram:
+    """The fake server. Start with `await start()` (or the `fake_telegram` fixture)."""
+
+    def __init__(
+        self,
+        token: str = DEFAULT_TOKEN,
+        *,
+        bot_id: int = 7_000_001,
+        bot_username: str = "gateway_test_bot",
+    ) -> None:
+        self.token = token
+        self.bot_id = bot_id
+        self.bot_username = bot_username
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.sent: list[dict[str, Any]] = []  # sendMessage params that succeeded, in order
+        self.confirmed_offset = 0  # highest offset a getUpdates call confirmed
+        self.commands: list[dict[str, Any]] = []  # what setMyCommands stored
+        self.webhook: dict[str, Any] | None = None  # setWebhook params, None when deleted
+        self.chat_actions: list[dict[str, Any]] = []
+        self.edits: list[dict[str, Any]] = []
+        self.port = 0
+        self._updates: list[dict[str, Any]] = []  # pending (not yet confirmed), by update_id
+        self._next_update_id = 1
+        self._next_message_id = 1
+        self._files: dict[str, tuple[bytes, str]] = {}  # file_id → (content, file_path)
+        self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
+        self._reject_formatting = 0
+        self._cursors: dict[str, int] = defaultdict(int)  # wait_call position per method
+        self._changed = asyncio.Event()
+        self._closing = False
+        self._runner: web.AppRunner | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def base_url(self) -> str:
+        """PTB's `base_url` (the token is appended by PTB)."""
+        return f"http://127.0.0.1:{self.port}/bot"
+
+    @property
+    def base_file_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/file/bot"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/bot{token}/{method}", self._on_method)
+        app.router.add_get("/bot{token}/{method}", self._on_method)
+        app.router.add_get("/file/bot{token}/{path:.+}", self._on_file)
+        self._runner = web.AppRunner(app, shutdown_timeout=1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._notify()  # long polls return at once
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---------------------------------------------------------------- test API
+
+    def push_message(
+        self,
+        *,
+        chat_id: int,
+        user_id: int,
+        text: str = "",
+        chat_type: str = "private",
+        thread_id: int | None = None,
+        reply_to_bot: bool = False,
+        entities: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> int:
+        """Queue a `message` update from a person; returns its update_id. `extra` is merged
+        into the message (e.g. `photo=[...]`, `caption=...`, `sticker={...}`)."""
+        message_id = self._new_message_id()
+        chat: dict[str, Any] = {"id": chat_id, "type": chat_type}
+        if chat_type == "private":
+            chat["first_name"] = f"User{user_id}"
+        else:
+            chat["title"] = f"Group {chat_id}"
+        person = {"id": user_id, "is_bot": False, "first_name": f"User{user_id}",
+                  "username": f"user{user_id}"}
+        message: dict[str, Any] = {
+            "message_id": message_id,
+            "date": int(time.time()),
+            "chat": chat,
+            "from": person,
+        }
+        if text:
+            message["text"] = text
+        if entities:
+            message["entities"] = entities
+        if thread_id is not None:
+            chat["is_forum"] = True
+            message["message_thread_id"] = thread_id
+            message["is_topic_message"] = True
+            # In a topic every message "replies" to the topic's creation message.
+            message["reply_to_message"] = {
+                "message_id": thread_id,
+                "date": int(time.time()) - 60,
+                "chat": chat,
+                "from": person,
+                "message_thread_id": thread_id,
+                "is_topic_message": True,
+                "forum_topic_created": {"name": "Topic", "icon_color": 7322096},
+            }
+        if reply_to_bot:
+            message["reply_to_message"] = {
+                "message_id": self._new_message_id(),
+                "date": int(time.time()) - 30,
+                "chat": chat,
+                "from": self.bot_user(),
+                "text": "an earlier reply",
+            }
+        message.update(extra)
+        return self.push_update({"message": message})
+
+    def push_update(self, update: dict[str, Any]) -> int:
+        """Queue any update (junk included); an update_id is assigned unless it has an int."""
+        update = dict(update)
+        uid = update.get("update_id")
+        if not isinstance(uid, int) or isinstance(uid, bool) or uid < self._next_update_id:
+            uid = self._next_update_id
+            update["update_id"] = uid
+        self._next_update_id = uid + 1
+        self._updates.append(update)
+        self._notify()
+        return uid
+
+    def add_file(self, file_id: str, content: bytes, file_path: str) -> None:
+        self._files[file_id] = (content, file_path)
+
+    def fail_next(
+        self, method: str, status: int, description: str = "", retry_after: int | None = None
+    ) -> None:
+        """The next call of `method` answers with this error (queued: call again for more)."""
+        if not description:
+            description = "Too Many Requests: retry later" if status == 429 else f"Error {status}"
+        self._failures[method.lower()].append(_Failure(status, description, retry_after))
+
+    def reject_formatting(self, times: int = 1) -> None:
+        """The next `times` sendMessage calls that carry entities or parse_mode get
+        400 "Bad Request: can't parse entities"."""
+        self._reject_formatting += times
+
+    def bot_user(self) -> dict[str, Any]:
+        return {"id": self.bot_id, "is_bot": True, "first_name": "Gateway",
+                "username": self.bot_username}
+
+    def calls_of(self, method: str) -> list[dict[str, Any]]:
+        return [params for name, params in self.calls if name.lower() == method.lower()]
+
+    @property
+    def pending_updates(self) -> list[int]:
+        return [u["update_id"] for u in self._updates]
+
+    async def wait_sent(self, n: int, timeout: float = 5) -> list[dict[str, Any]]:
+        """Wait until at least `n` messages were sent; returns all sent so far."""
+        await self._wait_for(lambda: len(self.sent) >= n, timeout, f"{n} sent messages")
+        return list(self.sent)
+
+    async def wait_call(self, method: str, timeout: float = 5) -> dict[str, Any]:
+        """The params of the next call of `method` not returned by an earlier wait_call
+        (the first call on the first wait, the second on the second …)."""
+        key = method.lower()
+        index = self._cursors[key]
+        await self._wait_for(lambda: len(self.calls_of(method)) > index, timeout, f"call {method}")
+        self._cursors[key] = index + 1
+        return self.calls_of(method)[index]
+
+    async def wait_confirmed(self, offset: int, timeout: float = 5) -> None:
+        """Wait until getUpdates confirmed every update below `offset`."""
+        await self._wait_for(lambda: self.confirmed_offset >= offset, timeout, f"offset {offset}")
+
+    # ---------------------------------------------------------------- internals
+
+    def _new_message_id(self) -> int:
+        mid = self._next_message_id
+        self._next_message_id += 1
+        return mid
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def _wait_for(self, ready: Callable[[], bool], within: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closing:
+                raise TimeoutError(f"fake telegram: timed out waiting for {what}")
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    async def _params(self, request: web.Request) -> dict[str, Any]:
+        params: dict[str, Any] = dict(request.query)
+        if request.content_type == "application/json":
+            body = await request.read()
+            if body:
+                data = json.loads(body)
+                if not isinstance(data, dict):
+                    raise ValueError("the body must be a JSON object")
+                params.update(data)
+        elif request.method == "POST":
+            form = await request.post()
+            for key, value in form.items():
+                params[key] = _form_value(key, value) if isinstance(value, str) else str(value)
+        return params
+
+    async def _on_method(self, request: web.Request) -> web.Response:
+        if request.match_info["token"] != self.token:
+            return _error(401, "Unauthorized")
+        method = request.match_info["method"]
+        try:
+            params = await self._params(request)
+        except ValueError as exc:
+            return _error(400, f"Bad Request: {exc}")
+        self.calls.append((method, params))
+        self._notify()
+        failures = self._failures.get(method.lower())
+        if failures:
+            failure = failures.popleft()
+            return _error(failure.status, failure.description, failure.retry_after)
+        handler = getattr(self, f"_api_{method.lower()}", None)
+        if handler is None:
+            return _error(404, "Not Found: method not found")
+        try:
+            return await handler(params)
+        except (KeyError, TypeError, ValueError) as exc:
+            return _error(400, f"Bad Request: {exc}")
+
+    async def _on_file(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["token"] != self.token:
+            return _error(401, "Unauthorized")
+        path = request.match_info["path"]
+        for content, file_path in self._files.values():
+            if file_path == path:
+                return web.Response(body=content, content_type="application/octet-stream")
+        return _error(404, "Not Found")
+
+    # Bot API methods (lower-case names: Telegram's method names are case-insensitive)
+
+    async def _api_getme(self, params: dict[str, Any]) -> web.Response:
+        me = self.bot_user() | {"can_join_groups": True, "can_read_all_group_messages": False,
+                                "supports_inline_queries": False}
+        return _ok(me)
+
+    async def _api_getupdates(self, params: dict[str, Any]) -> web.Response:
+        offset = params.get("offset")
+        if isinstance(offset, int) and offset > 0:
+            self._updates = [u for u in self._updates if u["update_id"] >= offset]
+            if offset > self.confirmed_offset:
+                self.confirmed_offset = offset
+                self._notify()
+        timeout = params.get("timeout") or 0
+        limit = params.get("limit") or 100
+        if not self._updates and timeout > 0:
+            try:
+                await self._wait_for(lambda: bool(self._updates), float(timeout), "updates")
+            except TimeoutError:
+                pass
+        return _ok(self._updates[: int(limit)])
+
+    async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
+        chat_id = params["chat_id"]
+        text = params.get("text")
+        if not isinstance(text, str) or not text.strip():
+            return _error(400, "Bad Request: message text is empty")
+        if utf16_len(text) > TEXT_LIMIT:
+            return _error(400, "Bad Request: message is too long")
+        entities = params.get("entities") or []
+        formatted = bool(entities) or bool(params.get("parse_mode"))
+        if formatted and self._reject_formatting > 0:
+            self._reject_formatting -= 1
+            return _error(400, "Bad Request: can't parse entities: unsupported start tag at byte offset 0")
+        problem = _check_entities(text, entities)
+        if problem:
+            return _error(400, f"Bad Request: can't parse entities: {problem}")
+        self.sent.append(params)
+        self._notify()
+        message: dict[str, Any] = {
+            "message_id": self._new_message_id(),
+            "date": int(time.time()),
+            "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+            "from": self.bot_user(),
+            "text": text,
+        }
+        if entities:
+            message["entities"] = entities
+        if params.get("message_thread_id") is not None:
+            message["message_thread_id"] = params["message_thread_id"]
+        return _ok(message)
+
+    async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
+        text = params.get("text")
+        if not isinstance(text, str) or not text.strip():
+            return _error(400, "Bad Request: message text is empty")
+        if utf16_len(text) > TEXT_LIMIT:
+            return _error(400, "Bad Request: message is too long")
+        self.edits.append(params)
+        self._notify()
+        chat_id = params["chat_id"]
+        return _ok({
+            "message_id": params["message_id"],
+            "date": int(time.time()),
+            "edit_date": int(time.time()),
+            "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+            "from": self.bot_user(),
+            "text": text,
+        })
+
+    async def _api_sendchataction(self, params: dict[str, Any]) -> web.Response:
+        self.chat_actions.append(params)
+        return _ok(True)
+
+    async def _api_setmycommands(self, params: dict[str, Any]) -> web.Response:
+        commands = params.get("commands")
+        if not isinstance(commands, list):
+            return _error(400, "Bad Request: commands must be a list")
+        self.commands = [{"command": c["command"], "description": c["description"]} for c in commands]
+        return _ok(True)
+
+    async def _api_getmycommands(self, params: dict[str, Any]) -> web.Response:
+        return _ok(self.commands)
+
+    async def _api_deletemycommands(self, params: dict[str, Any]) -> web.Response:
+        self.commands = []
+        return _ok(True)
+
+    async def _api_deletewebhook(self, params: dict[str, Any]) -> web.Response:
+        self.webhook = None
+        return _ok(True)
+
+    async def _api_setwebhook(self, params: dict[str, Any]) -> web.Response:
+        if not params.get("url"):
+            return _error(400, "Bad Request: bad webhook: an HTTPS URL must be provided")
+        self.webhook = params
+        return _ok(True)
+
+    async def _api_getwebhookinfo(self, params: dict[str, Any]) -> web.Response:
+        url = self.webhook.get("url", "") if self.webhook else ""
+        return _ok({"url": url, "has_custom_certificate": False,
+                    "pending_update_count": len(self._updates)})
+
+    async def _api_getfile(self, params: dict[str, Any]) -> web.Response:
+        file_id = params.get("file_id")
+        if file_id not in self._files:
+            return _error(400, "Bad Request: invalid file_id")
+        content, path = self._files[file_id]
+        return _ok({"file_id": file_id, "file_unique_id": f"u-{file_id}",
+                    "file_size": len(content), "file_path": path})
+
+
+def _form_value(key: str, value: str) -> Any:
+    if key in _STRING_FIELDS:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _check_entities(text: str, entities: Any) -> str | None:
+    if not isinstance(entities, list):
+        return "entities must be a list"
+    total = utf16_len(text)
+    for ent in entities:
+        if not isinstance(ent, dict) or not isinstance(ent.get("type"), str):
+            return "an entity has no type"
+        off, length = ent.get("offset"), ent.get("length")
+        if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length <= 0:
+            return f"bad entity range {off!r}+{length!r}"
+        if off + length > total:
+            return f"entity {ent['type']} ends after the text ({off}+{length} > {total})"
+    return None
+
+
+def _ok(result: Any) -> web.Response:
+    return web.json_response({"ok": True, "result": result})
+
+
+def _error(status: int, description: str, retry_after: int | None = None) -> web.Response:
+    body: dict[str, Any] = {"ok": False, "error_code": status, "description": description}
+    if retry_after is not None:
+        body["parameters"] = {"retry_after": retry_after}
+    return web.json_response(body, status=status)
+
+
+@pytest.fixture
+async def fake_telegram() -> AsyncIterator[FakeTelegram]:
+    fake = FakeTelegram()
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()

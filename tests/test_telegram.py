@@ -1,0 +1,689 @@
+"""The Telegram channel against a fake Bot API server, with the real python-telegram-bot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from telegram import Bot, Message
+from telegram.error import InvalidToken
+from telegramify_markdown import convert
+
+from channels.base import Channel, WebhookChannel
+from channels.telegram import BotIdentity, TelegramChannel, parse_update, safe_file_name
+from channels.telegram_format import (
+    MAX_ENTITIES,
+    TELEGRAM_TEXT_LIMIT,
+    render_markdown,
+    split_chunks,
+    utf16_len,
+)
+from gateway.config import TelegramConfig
+from gateway.keys import memory_scope, scope_dirname, session_key
+from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
+from tests.fakes import telegram_server
+from tests.fakes.telegram_server import FakeTelegram
+
+fake_telegram = telegram_server.fake_telegram  # the fixture
+
+ME = BotIdentity(id=7_000_001, username="gateway_test_bot")
+WEBHOOK_SECRET = "s3cret-token_value"
+
+
+class Recorder:
+    """The in-test router: records every Inbound, optionally answers or fails."""
+
+    def __init__(self) -> None:
+        self.inbounds: list[Inbound] = []
+        self.answer: Callable[[Inbound], str] | None = None
+        self.fail_times = 0
+        self.channel: TelegramChannel | None = None
+        self.probe: Callable[[], Any] | None = None  # sampled at every call
+        self.probed: list[Any] = []
+        self.gate: asyncio.Event | None = None  # when set, calls wait for it
+        self.entered = asyncio.Event()
+        self._changed = asyncio.Event()
+
+    async def __call__(self, inbound: Inbound) -> None:
+        if self.probe is not None:
+            self.probed.append(self.probe())
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            raise RuntimeError("router hiccup")
+        self.inbounds.append(inbound)
+        self._changed.set()
+        if self.answer is not None and self.channel is not None:
+            await self.channel.send(inbound, self.answer(inbound))
+
+    async def wait(self, n: int, timeout: float = 5) -> list[Inbound]:
+        async with asyncio.timeout(timeout):
+            while len(self.inbounds) < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return list(self.inbounds)
+
+
+class SleepLog:
+    """Injected sleep: records the requested waits and returns at once."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        await asyncio.sleep(0)
+
+
+def workspace_for(root: Path) -> Callable[[Inbound], Path]:
+    return lambda inbound: root / scope_dirname(memory_scope(inbound))
+
+
+def config(fake: FakeTelegram, **overrides: Any) -> TelegramConfig:
+    values: dict[str, Any] = {
+        "enabled": True,
+        "token": fake.token,
+        "base_url": fake.base_url,
+        "poll_timeout_s": 1,
+    }
+    values.update(overrides)
+    return TelegramConfig(**values)
+
+
+Starter = Callable[..., Awaitable[tuple[TelegramChannel, Recorder]]]
+
+
+@pytest.fixture
+async def start_channel(
+    fake_telegram: FakeTelegram, tmp_path: Path
+) -> AsyncIterator[Starter]:
+    started: list[TelegramChannel] = []
+
+    async def start(
+        *, commands: tuple[tuple[str, str], ...] = (), sleep: SleepLog | None = None, **cfg: Any
+    ) -> tuple[TelegramChannel, Recorder]:
+        recorder = Recorder()
+        channel = TelegramChannel(
+            config(fake_telegram, **cfg),
+            recorder,
+            workspace_for=workspace_for(tmp_path / "scopes"),
+            commands=commands,
+            sleep=sleep or SleepLog(),
+        )
+        recorder.channel = channel
+        await channel.start()
+        started.append(channel)
+        return channel, recorder
+
+    yield start
+    for channel in started:
+        await channel.stop()
+
+
+def dm_inbound(chat_id: int = 42, message_id: int = 1) -> Inbound:
+    return Inbound(channel="telegram", chat_id=str(chat_id), user_id=str(chat_id), text="hi",
+                   event_id="1", message_id=str(message_id))
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+async def test_dm_round_trip(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    channel, recorder = await start_channel()
+    assert isinstance(channel, Channel) and isinstance(channel, WebhookChannel)
+    assert fake_telegram.calls_of("deleteWebhook"), "polling mode removes any webhook"
+    recorder.answer = lambda inbound: f"**Hello**, {inbound.user_name}!"
+
+    update_id = fake_telegram.push_message(chat_id=42, user_id=42, text="hello there")
+    [inbound] = await recorder.wait(1)
+    [sent] = await fake_telegram.wait_sent(1)
+
+    assert inbound.channel == "telegram"
+    assert (inbound.chat_id, inbound.user_id, inbound.text) == ("42", "42", "hello there")
+    assert inbound.event_id == str(update_id)
+    assert inbound.message_id is not None and inbound.message_id.isdigit()
+    assert not inbound.is_group and inbound.thread_id is None
+    assert inbound.user_name == "User42"
+    assert session_key(inbound) == "telegram:dm:42"
+    assert inbound_from_dict(json.loads(json.dumps(inbound_to_dict(inbound)))) == inbound
+
+    assert sent["chat_id"] == 42
+    assert sent["text"] == "Hello, User42!"
+    assert sent["entities"] == [{"type": "bold", "offset": 0, "length": 5}]
+    assert "reply_parameters" not in sent, "DMs are answered without quoting"
+
+    await fake_telegram.wait_confirmed(update_id + 1)
+    assert channel.is_ready()
+    await channel.stop()
+    assert not channel.is_ready()
+
+
+async def test_update_is_confirmed_only_after_the_router_returns(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    _, recorder = await start_channel()
+    recorder.fail_times = 1  # the router fails once: the update must come back
+    recorder.probe = lambda: fake_telegram.confirmed_offset
+    update_id = fake_telegram.push_message(chat_id=5, user_id=5, text="once")
+    [inbound] = await recorder.wait(1)
+    assert inbound.event_id == str(update_id)
+    assert len(recorder.probed) == 2 and all(offset <= update_id for offset in recorder.probed)
+    await fake_telegram.wait_confirmed(update_id + 1)
+    assert len(recorder.inbounds) == 1
+
+
+async def test_stop_lets_the_update_in_hand_finish_and_confirms_it(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, recorder = await start_channel()
+    recorder.gate = asyncio.Event()
+    update_id = fake_telegram.push_message(chat_id=5, user_id=5, text="in flight")
+    await asyncio.wait_for(recorder.entered.wait(), 5)
+    stopping = asyncio.create_task(channel.stop())
+    await asyncio.sleep(0)
+    assert not stopping.done()
+    recorder.gate.set()
+    await asyncio.wait_for(stopping, 5)
+    assert [i.event_id for i in recorder.inbounds] == [str(update_id)]
+    assert fake_telegram.confirmed_offset == update_id + 1
+    assert not channel.is_ready()
+
+
+async def test_polling_survives_server_errors(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    channel, recorder = await start_channel()
+    fake_telegram.fail_next("getUpdates", 502, "Bad Gateway")
+    await fake_telegram.wait_call("getUpdates")
+    fake_telegram.push_message(chat_id=5, user_id=5, text="still here")
+    [inbound] = await recorder.wait(1)
+    assert inbound.text == "still here" and channel.is_ready()
+    await channel.stop()
+    await channel.stop()  # idempotent
+    with pytest.raises(RuntimeError):
+        await channel.send(inbound, "after stop")
+
+
+async def test_group_messages_set_mention_flags_and_strip_the_mention(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, recorder = await start_channel()
+    group = -100123
+    fake_telegram.push_message(chat_id=group, user_id=7, chat_type="supergroup", text="just chatting")
+    text = "hey @gateway_test_bot what's up"
+    fake_telegram.push_message(
+        chat_id=group, user_id=7, chat_type="supergroup", text=text,
+        entities=[{"type": "mention", "offset": 4, "length": 17}],
+    )
+    fake_telegram.push_message(
+        chat_id=group, user_id=8, chat_type="group", text="/context@gateway_test_bot clear",
+        entities=[{"type": "bot_command", "offset": 0, "length": 25}],
+    )
+    fake_telegram.push_message(  # someone else's bot: not for us
+        chat_id=group, user_id=8, chat_type="group", text="/help@other_bot",
+        entities=[{"type": "bot_command", "offset": 0, "length": 15}],
+    )
+    fake_telegram.push_message(
+        chat_id=group, user_id=9, chat_type="supergroup", text="🙂 @Gateway_Test_Bot",
+        entities=[{"type": "mention", "offset": 3, "length": 17}],  # offsets in UTF-16 units
+    )
+    plain, mention, command, emoji = await recorder.wait(4)
+
+    assert plain.is_group and not plain.mentioned and plain.text == "just chatting"
+    assert session_key(plain) == f"telegram:group:{group}:user:7"
+    assert mention.mentioned and mention.text == "hey what's up"
+    assert command.mentioned and command.text == "/context clear"
+    assert emoji.mentioned and emoji.text == "🙂"
+    await asyncio.sleep(0)
+    assert len(recorder.inbounds) == 4
+
+    await channel.send(mention, "sure")
+    [sent] = await fake_telegram.wait_sent(1)
+    assert sent["chat_id"] == group
+    assert sent["reply_parameters"] == {
+        "message_id": int(mention.message_id or 0), "allow_sending_without_reply": True,
+    }
+
+
+async def test_reply_to_the_bot(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    _, recorder = await start_channel()
+    fake_telegram.push_message(chat_id=-5, user_id=3, chat_type="group", text="and then?",
+                               reply_to_bot=True)
+    [inbound] = await recorder.wait(1)
+    assert inbound.reply_to_bot and not inbound.mentioned
+
+
+async def test_forum_topic_gets_its_own_session(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, recorder = await start_channel()
+    fake_telegram.push_message(chat_id=-1005, user_id=3, chat_type="supergroup", text="in a topic",
+                               thread_id=5)
+    # A topic the bot created: the implicit "reply" to its creation message is not a reply.
+    root = {"message_id": 9, "date": 0, "chat": {"id": -1005, "type": "supergroup", "is_forum": True},
+            "from": fake_telegram.bot_user(), "message_thread_id": 9, "is_topic_message": True,
+            "forum_topic_created": {"name": "Bot topic", "icon_color": 7322096}}
+    fake_telegram.push_message(chat_id=-1005, user_id=3, chat_type="supergroup", text="hi",
+                               thread_id=9, reply_to_message=root)
+    first, second = await recorder.wait(2)
+
+    assert first.thread_id == "5"
+    assert session_key(first) == "telegram:group:-1005:topic:5"
+    assert session_key(first, "group") == "telegram:group:-1005:topic:5"
+    assert second.thread_id == "9" and not second.reply_to_bot
+
+    async with channel.typing(first):
+        action = await fake_telegram.wait_call("sendChatAction")
+    assert action == {"chat_id": -1005, "action": "typing", "message_thread_id": 5}
+    assert not channel._typing_tasks
+
+    await channel.send(first, "topic answer")
+    [sent] = await fake_telegram.wait_sent(1)
+    assert sent["message_thread_id"] == 5
+
+
+# ---------------------------------------------------------------------------- sending
+
+
+def long_reply() -> tuple[str, list[str]]:
+    """About 10,000 characters: prose, a short code block, and one longer than a message."""
+    prose = " ".join(f"Word{i} **bold{i}** and _it{i}_ 🚀." for i in range(120))
+    short_code = "\n".join(f"x_{i} = {i}  # short" for i in range(40))
+    long_code = "\n".join(f"    value_{i} = compute({i}, 'ü')  # 🧪 line {i}" for i in range(150))
+    md = (f"# Report\n\n{prose}\n\n```python\n{short_code}\n```\n\n{prose[:2000]}\n\n"
+          f"```python\n{long_code}\n```\n\nThe end.")
+    return md, [short_code, long_code]
+
+
+async def test_long_reply_arrives_in_chunks_with_code_blocks_intact(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, _ = await start_channel()
+    md, code_blocks = long_reply()
+    assert len(md) >= 10_000
+    await channel.send(dm_inbound(), md)
+    expected = render_markdown(md)
+    sent = await fake_telegram.wait_sent(len(expected))
+    assert len(sent) >= 3
+
+    for message in sent:
+        assert utf16_len(message["text"]) <= TELEGRAM_TEXT_LIMIT
+        for ent in message.get("entities", []):
+            assert ent["offset"] + ent["length"] <= utf16_len(message["text"])
+
+    full_text, _ = convert(md)
+    joined = "".join(m["text"] for m in sent)
+    assert re.sub(r"\s", "", joined) == re.sub(r"\s", "", full_text), "no text lost or reordered"
+
+    code_text = ""
+    for message in sent:
+        units = message["text"].encode("utf-16-le")
+        for ent in message.get("entities", []):
+            if ent["type"] == "pre":
+                assert ent.get("language") == "python"
+                piece = units[2 * ent["offset"]: 2 * (ent["offset"] + ent["length"])].decode("utf-16-le")
+                code_text += piece + "\n"
+    got_lines = [line for line in code_text.splitlines() if line.strip()]
+    want_lines = [line for block in code_blocks for line in block.splitlines()]
+    assert [g.strip() for g in got_lines] == [w.strip() for w in want_lines]
+    # The short block was never cut: it is one closed block in one message.
+    assert any(
+        ent["type"] == "pre" and ent["length"] == utf16_len(code_blocks[0])
+        for m in sent for ent in m.get("entities", [])
+    )
+
+
+async def test_rejected_formatting_resends_the_same_chunk_as_plain_text(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, _ = await start_channel()
+    fake_telegram.reject_formatting()
+    await channel.send(dm_inbound(), "Some **bold** and a [link](https://example.org)")
+    [sent] = await fake_telegram.wait_sent(1)
+    attempts = fake_telegram.calls_of("sendMessage")
+    assert len(attempts) == 2
+    assert attempts[0]["entities"] and "entities" not in attempts[1]
+    assert attempts[0]["text"] == attempts[1]["text"] == sent["text"] == "Some bold and a link"
+
+
+async def test_malformed_markdown_is_still_delivered(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    channel, _ = await start_channel()
+    await channel.send(dm_inbound(), "**unclosed `code [link](http:// ```py\nx\ud800 = 1")
+    [sent] = await fake_telegram.wait_sent(1)
+    assert "unclosed" in sent["text"] and "\ufffd" in sent["text"]
+
+
+async def test_flood_control_is_waited_out(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    sleep = SleepLog()
+    channel, _ = await start_channel(sleep=sleep)
+    fake_telegram.fail_next("sendMessage", 429, retry_after=3)
+    await channel.send(dm_inbound(), "after the flood")
+    [sent] = await fake_telegram.wait_sent(1)
+    assert sent["text"] == "after the flood"
+    assert sleep.waits == [3.0]
+    assert len(fake_telegram.calls_of("sendMessage")) == 2
+
+
+async def test_server_errors_are_retried_a_bounded_number_of_times(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    sleep = SleepLog()
+    channel, _ = await start_channel(sleep=sleep)
+    fake_telegram.fail_next("sendMessage", 502)
+    await channel.send(dm_inbound(), "eventually")
+    await fake_telegram.wait_sent(1)
+    for _ in range(10):
+        fake_telegram.fail_next("sendMessage", 500)
+    with pytest.raises(Exception, match="500"):
+        await channel.send(dm_inbound(), "never")
+    assert len(fake_telegram.calls_of("sendMessage")) == 2 + 5
+
+
+async def test_empty_reply_sends_nothing(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    channel, _ = await start_channel()
+    await channel.send(dm_inbound(), "  \n\n ")
+    assert not fake_telegram.calls_of("sendMessage")
+
+
+# ---------------------------------------------------------------------------- webhook
+
+
+@pytest.fixture
+async def webhook_client(start_channel: Starter) -> AsyncIterator[tuple[TestClient, Recorder]]:
+    channel, recorder = await start_channel(
+        mode="webhook", webhook_url="https://bot.example.org/telegram/webhook",
+        webhook_secret=WEBHOOK_SECRET,
+    )
+    app = web.Application()
+    app.router.add_post(channel.webhook_path, channel.handle_webhook)
+    client = TestClient(TestServer(app, host="127.0.0.1", port=0))
+    await client.start_server()
+    try:
+        yield client, recorder
+    finally:
+        await client.close()
+
+
+def text_update(update_id: int, text: str, chat_id: int = 77) -> dict[str, Any]:
+    return {"update_id": update_id, "message": {
+        "message_id": update_id, "date": 0, "chat": {"id": chat_id, "type": "private"},
+        "from": {"id": chat_id, "is_bot": False, "first_name": "Web"}, "text": text}}
+
+
+async def test_webhook_checks_the_secret(
+    fake_telegram: FakeTelegram, webhook_client: tuple[TestClient, Recorder]
+) -> None:
+    client, recorder = webhook_client
+    assert fake_telegram.webhook is not None
+    assert fake_telegram.webhook["url"] == "https://bot.example.org/telegram/webhook"
+    assert fake_telegram.webhook["secret_token"] == WEBHOOK_SECRET
+    channel = recorder.channel
+    assert channel is not None and channel.is_ready()
+
+    body = json.dumps(text_update(500, "via webhook"))
+    for headers in ({}, {"X-Telegram-Bot-Api-Secret-Token": "wrong"}):
+        resp = await client.post("/telegram/webhook", data=body, headers=headers)
+        assert resp.status == 403
+    assert recorder.inbounds == []
+
+    good = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+    resp = await client.post("/telegram/webhook", data="{not json", headers=good)
+    assert resp.status == 400
+    resp = await client.post("/telegram/webhook", data=body, headers=good)
+    assert resp.status == 200
+    [inbound] = recorder.inbounds
+    assert inbound.text == "via webhook" and inbound.event_id == "500"
+
+
+async def test_webhook_answers_500_when_the_router_fails(
+    webhook_client: tuple[TestClient, Recorder],
+) -> None:
+    client, recorder = webhook_client
+    recorder.fail_times = 1
+    good = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+    body = json.dumps(text_update(600, "retry me"))
+    assert (await client.post("/telegram/webhook", data=body, headers=good)).status == 500
+    assert (await client.post("/telegram/webhook", data=body, headers=good)).status == 200
+    assert [i.event_id for i in recorder.inbounds] == ["600"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=json_values, message_junk=st.dictionaries(
+    st.sampled_from(["text", "chat", "from", "entities", "photo", "document", "caption",
+                     "message_id", "reply_to_message", "message_thread_id", "is_topic_message"]),
+    json_values, max_size=5))
+async def test_webhook_junk_never_breaks_the_channel(
+    webhook_client: tuple[TestClient, Recorder], junk: Any, message_junk: dict[str, Any]
+) -> None:
+    client, recorder = webhook_client
+    good = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+    near_valid = text_update(900, "x")
+    near_valid["message"].update(message_junk)
+    for body in (junk, {"update_id": 901, "message": junk}, near_valid):
+        resp = await client.post("/telegram/webhook", data=json.dumps(body), headers=good)
+        assert resp.status in (200, 400)
+    for inbound in recorder.inbounds:
+        assert isinstance(inbound.text, str) and isinstance(inbound.chat_id, str)
+        assert isinstance(inbound.user_id, str) and inbound.event_id.isdigit()
+
+
+# ---------------------------------------------------------------------------- files
+
+
+async def test_photo_and_document_are_saved_in_the_workspace(
+    fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
+) -> None:
+    _, recorder = await start_channel()
+    photo_bytes = b"\x89PNG fake image bytes"
+    fake_telegram.add_file("big", photo_bytes, "photos/file_1.jpg")
+    fake_telegram.add_file("doc", b"%PDF-1.4 report", "documents/file_2.pdf")
+    fake_telegram.add_file("evil", b"root:x:0:0", "documents/file_3")
+    photo_mid = fake_telegram._next_message_id
+    fake_telegram.push_message(
+        chat_id=42, user_id=42, caption="look at this",
+        photo=[{"file_id": "small", "file_unique_id": "s", "width": 90, "height": 90, "file_size": 10},
+               {"file_id": "big", "file_unique_id": "b", "width": 800, "height": 600,
+                "file_size": len(photo_bytes)}],
+    )
+    fake_telegram.push_message(chat_id=42, user_id=42, document={
+        "file_id": "doc", "file_unique_id": "d", "file_name": "report 2024.pdf",
+        "mime_type": "application/pdf", "file_size": 15})
+    fake_telegram.push_message(chat_id=42, user_id=42, document={
+        "file_id": "evil", "file_unique_id": "e", "file_name": "../../etc/passwd"})
+    fake_telegram.push_message(chat_id=42, user_id=42, caption="huge", document={
+        "file_id": "huge", "file_unique_id": "h", "file_name": "big.iso", "file_size": 30 * 2**20})
+    photo, doc, evil, huge = await recorder.wait(4)
+
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(photo))
+    assert photo.text == f"look at this\n[file: photo.jpg, files/{photo_mid}_photo.jpg]"
+    [att] = photo.attachments
+    assert (att.path, att.mime, att.size) == (f"files/{photo_mid}_photo.jpg", "image/jpeg", len(photo_bytes))
+    assert (workspace / att.path).read_bytes() == photo_bytes
+
+    [doc_att] = doc.attachments
+    assert doc_att.name == "report_2024.pdf" and doc_att.mime == "application/pdf"
+    assert doc.text == f"[file: report_2024.pdf, {doc_att.path}]"
+    assert (workspace / doc_att.path).read_bytes() == b"%PDF-1.4 report"
+
+    [evil_att] = evil.attachments
+    assert evil_att.path == f"files/{evil.message_id}_passwd"
+    assert (workspace / evil_att.path).read_bytes() == b"root:x:0:0"
+
+    assert huge.attachments == ()
+    assert huge.text.startswith("huge\n[file: big.iso, not saved: larger than 20 MB]")
+    assert not fake_telegram.calls_of("getFile")[3:], "the oversized file was never fetched"
+
+
+async def test_fake_accepts_json_bodies_and_edits(fake_telegram: FakeTelegram) -> None:
+    bot = Bot(fake_telegram.token, base_url=fake_telegram.base_url)
+    async with bot:
+        message = await bot.send_message(chat_id=42, text="draft")
+        edited = await bot.edit_message_text("final", chat_id=42, message_id=message.message_id)
+    assert isinstance(edited, Message) and edited.text == "final"
+    assert fake_telegram.edits[0]["text"] == "final"
+    async with aiohttp.ClientSession() as http:
+        url = f"{fake_telegram.base_url}{fake_telegram.token}/sendMessage"
+        async with http.post(url, json={"chat_id": 42, "text": "x" * 4097}) as resp:
+            assert resp.status == 400 and "too long" in (await resp.json())["description"]
+        async with http.post(url, json={"chat_id": 42, "text": "json body"}) as resp:
+            assert (await resp.json())["ok"] is True
+    assert fake_telegram.sent[-1] == {"chat_id": 42, "text": "json body"}
+
+
+def test_safe_file_names() -> None:
+    assert safe_file_name("../../etc/passwd") == "passwd"
+    assert safe_file_name("C:\\Users\\x\\notes.txt") == "notes.txt"
+    assert safe_file_name("..") == "file"
+    assert safe_file_name("отчёт 1.pdf") == "отчёт_1.pdf"
+    long = safe_file_name("a" * 300 + ".tar.gz")
+    assert len(long) == 100 and long.endswith(".gz")
+
+
+# ---------------------------------------------------------------------------- ignored updates
+
+
+async def test_unsupported_updates_are_ignored(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
+    _, recorder = await start_channel()
+    chat = {"id": 42, "type": "private", "first_name": "A"}
+    person = {"id": 42, "is_bot": False, "first_name": "A"}
+    base = {"date": 0, "chat": chat, "from": person}
+    fake_telegram.push_message(chat_id=42, user_id=42, sticker={
+        "file_id": "st", "file_unique_id": "st", "type": "regular", "width": 1, "height": 1,
+        "is_animated": False, "is_video": False})
+    fake_telegram.push_update({"edited_message": {"message_id": 1, "edit_date": 1, "text": "edit", **base}})
+    fake_telegram.push_update({"channel_post": {"message_id": 2, "date": 0, "text": "news",
+                                                "chat": {"id": -1009, "type": "channel"}}})
+    fake_telegram.push_update({"message": {"message_id": 3, "new_chat_members": [person], **base}})
+    fake_telegram.push_update({"message": {"message_id": 4, "text": "bot talk", "date": 0, "chat": chat,
+                                           "from": {"id": 99, "is_bot": True, "first_name": "B"}}})
+    fake_telegram.push_update({"message": {"message_id": 5, "text": "echo", "date": 0, "chat": chat,
+                                           "from": fake_telegram.bot_user()}})
+    fake_telegram.push_update({"message": {"message_id": 6, "poll": {"id": "p"}, **base}})
+    fake_telegram.push_update({"message": {"message_id": 7, "text": 12345, **base}})
+    fake_telegram.push_update({"message": "junk"})
+    fake_telegram.push_update({"message": {"message_id": 8, "text": "x"}})  # no chat, no date
+    fake_telegram.push_update({"callback_query": {"id": "1"}})
+    last = fake_telegram.push_message(chat_id=42, user_id=42, text="sentinel")
+
+    [inbound] = await recorder.wait(1)
+    assert inbound.text == "sentinel"
+    await fake_telegram.wait_confirmed(last + 1)
+    assert len(recorder.inbounds) == 1
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+async def test_commands_are_set_only_when_they_change(
+    fake_telegram: FakeTelegram, start_channel: Starter
+) -> None:
+    commands = (("help", "List commands"), ("context", "Context statistics"))
+    first, _ = await start_channel(commands=commands)
+    await first.stop()
+    second, _ = await start_channel(commands=commands)
+    await second.stop()
+    assert len(fake_telegram.calls_of("getMyCommands")) == 2
+    assert len(fake_telegram.calls_of("setMyCommands")) == 1
+    assert fake_telegram.commands == [{"command": c, "description": d} for c, d in commands]
+
+
+async def test_bad_token_fails_start(fake_telegram: FakeTelegram, tmp_path: Path) -> None:
+    channel = TelegramChannel(
+        config(fake_telegram, token="999:wrong"), Recorder(), workspace_for=workspace_for(tmp_path)
+    )
+    with pytest.raises(InvalidToken):
+        await channel.start()
+    assert not channel.is_ready()
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def message_update(**message: Any) -> dict[str, Any]:
+    base = {"message_id": 1, "date": 0, "chat": {"id": 42, "type": "private"},
+            "from": {"id": 42, "is_bot": False, "first_name": "A"}}
+    return {"update_id": 10, "message": base | message}
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=json_values, fields=st.dictionaries(st.text(max_size=12), json_values, max_size=6),
+       text=st.text(max_size=60), offset=st.integers(-5, 80), length=st.integers(-5, 80),
+       kind=st.sampled_from(["mention", "bot_command", "text_mention", "bold", "junk"]))
+def test_parse_update_never_raises(
+    raw: Any, fields: dict[str, Any], text: str, offset: int, length: int, kind: str
+) -> None:
+    candidates = [
+        raw,
+        {"update_id": 1, "message": raw},
+        message_update(**fields),
+        message_update(text=text, entities=[{"type": kind, "offset": offset, "length": length,
+                                             "user": {"id": ME.id, "is_bot": True, "first_name": "G"}}]),
+    ]
+    for candidate in candidates:
+        parsed = parse_update(candidate, ME)
+        if parsed is not None:
+            inbound = parsed.inbound
+            assert isinstance(inbound.text, str)
+            inbound.text.encode("utf-8")  # no lone surrogates survive
+            assert inbound.chat_id.lstrip("-").isdigit() and inbound.user_id.lstrip("-").isdigit()
+
+
+entity_types = st.sampled_from(["bold", "italic", "code", "pre", "blockquote", "text_link"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from(["\n", " ", "😀", "a"]),
+                 max_size=400),
+    raw_entities=st.lists(st.tuples(entity_types, st.integers(0, 500), st.integers(1, 120)), max_size=30),
+    limit=st.integers(8, 120),
+)
+def test_split_chunks_respects_limits_and_keeps_text(
+    text: str, raw_entities: list[tuple[str, int, int]], limit: int
+) -> None:
+    total = utf16_len(text)
+    entities = [{"type": t, "offset": o, "length": min(n, total - o)}
+                for t, o, n in raw_entities if o < total]
+    chunks = split_chunks(text, entities, limit)
+    for chunk in chunks:
+        size = utf16_len(chunk.text)
+        assert 0 < size <= limit and chunk.text.strip()
+        assert len(chunk.entities) <= MAX_ENTITIES
+        for ent in chunk.entities:
+            assert ent["length"] > 0 and ent["offset"] >= 0 and ent["offset"] + ent["length"] <= size
+    assert re.sub(r"\s", "", "".join(c.text for c in chunks)) == re.sub(r"\s", "", text)
+
+
+def test_entities_are_not_split_when_a_boundary_exists() -> None:
+    para = "word " * 30
+    text = f"{para}\n\n**{' '.join(['bold'] * 10)}**\n\n{para}"
+    chunks = render_markdown(text, limit=200)
+    bold = [e for c in chunks for e in c.entities if e["type"] == "bold"]
+    assert len(bold) == 1, "the bold run fits in one message, so it is never cut"
+
+
+def test_many_entities_are_spread_over_messages() -> None:
+    md = " ".join(f"**b{i}**" for i in range(250))
+    chunks = render_markdown(md)
+    assert len(chunks) >= 3
+    assert all(len(c.entities) <= MAX_ENTITIES for c in chunks)
+    assert sum(len(c.entities) for c in chunks) == 250
