@@ -1,0 +1,778 @@
+"""The Slack channel: slack-bolt in Socket Mode or HTTP mode (SPEC §3, §6, §9).
+
+Inbound: DMs (`message`, channel_type "im"), mentions (`app_mention`), and `message`
+events in channels when the app subscribes to them (the router's group trigger decides).
+A `message`/`app_mention` twin of one post and Slack's retries all map to the same
+`Inbound.event_id` (`<channel>:<ts>`), so the router's dedup keeps one turn. The bolt app
+runs with `process_before_response`, so an event is acknowledged only after the router's
+handler returned (exactly-once, SPEC §3.1); a handler error leaves it unacknowledged and
+Slack redelivers.
+
+Replies: in a channel, the reply goes into the thread of the message (its thread_ts, or
+its own ts), so a thread is a session; in a DM, straight into the DM. Slash commands
+(`/context`, `/config`, …) are acknowledged at once (Slack's 3 s deadline) and answered
+ephemerally, only to the person who ran them: through the command's `response_url`
+(no channel membership needed; at most 5 posts within 30 minutes), falling back to
+`chat.postEphemeral` when the URL is used up, expired or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from slack_bolt.adapter.socket_mode.async_internals import send_async_response
+from slack_bolt.adapter.socket_mode.internals import build_headers
+from slack_bolt.app.async_app import AsyncApp
+from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_bolt.context.async_context import AsyncBoltContext
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_bolt.response import BoltResponse
+from slack_sdk.errors import SlackApiError
+from slack_sdk.socket_mode.aiohttp import SocketModeClient
+from slack_sdk.socket_mode.request import SocketModeRequest
+from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
+
+from channels.base import InboundHandler
+from channels.slack_format import clean_text, slack_to_text, split_message, to_mrkdwn
+from gateway.config import SlackConfig
+from gateway.types import Attachment, Inbound
+from gateway.workspace import PathNotAllowed, resolve_in_workspace
+
+log = logging.getLogger(__name__)
+
+SLASH_COMMANDS = ("/context", "/config", "/compact", "/help", "/new")
+WORKING_REACTION = "hourglass_flowing_sand"
+MAX_FILE_BYTES = 20 * 1024 * 1024
+SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are replays
+RATE_LIMIT_RETRIES = 3
+MAX_RETRY_AFTER_S = 60.0
+RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
+API_TIMEOUT_S = 15
+SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
+
+# Message subtypes that are a person's new post; every other subtype (edits, deletes,
+# joins, bot messages, …) is not something to answer.
+_ANSWERED_SUBTYPES = frozenset({None, "file_share", "thread_broadcast"})
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_COMMAND = re.compile(r"/[a-z0-9_.-]{1,32}")
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+# Set in a request's bolt context when the event must stay unacknowledged (Slack redelivers).
+_DEFER = "gateway_defer_ack"
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+# ---------------------------------------------------------------------------- pure parsing
+
+
+@dataclass(frozen=True, slots=True)
+class SlackFile:
+    """A file shared with a message, as Slack describes it (downloaded later)."""
+
+    id: str
+    name: str
+    url: str
+    size: int
+    mime: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedEvent:
+    inbound: Inbound
+    files: tuple[SlackFile, ...] = ()
+
+
+def _ident(value: Any) -> str | None:
+    """A Slack id or timestamp, or None for anything else (junk never reaches keys or paths)."""
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    return None
+
+
+def _profile_name(profile: Any) -> str | None:
+    if not isinstance(profile, dict):
+        return None
+    for key in ("display_name", "real_name", "name"):
+        value = profile.get(key)
+        if isinstance(value, str) and value.strip():
+            return clean_text(value.strip())[:80]
+    return None
+
+
+def _files(raw: Any) -> tuple[SlackFile, ...]:
+    if not isinstance(raw, list):
+        return ()
+    found = []
+    for item in raw[:20]:
+        if not isinstance(item, dict) or item.get("mode") in ("tombstone", "hidden_by_limit"):
+            continue
+        file_id = _ident(item.get("id"))
+        url = item.get("url_private_download") or item.get("url_private")
+        if file_id is None or not isinstance(url, str):
+            continue
+        name = item.get("name")
+        size = item.get("size")
+        mime = item.get("mimetype")
+        found.append(
+            SlackFile(
+                id=file_id,
+                # One line: a name must not be able to fake another "[file: …]" note.
+                name=" ".join(clean_text(name).split())[:200] if isinstance(name, str) and name.strip() else file_id,
+                url=url,
+                size=size if isinstance(size, int) and size >= 0 else 0,
+                mime=mime if isinstance(mime, str) else None,
+            )
+        )
+    return tuple(found)
+
+
+def parse_event(event: Any, *, bot_user_id: str | None, bot_id: str | None = None) -> ParsedEvent | None:
+    """One Events API `event` → what the router gets, or None when it is not a person's
+    new message to us (the caller logs and acknowledges)."""
+    if not isinstance(event, dict):
+        return None
+    kind = event.get("type")
+    if kind not in ("message", "app_mention"):
+        return None
+    subtype = event.get("subtype")
+    if not (subtype is None or (isinstance(subtype, str) and subtype in _ANSWERED_SUBTYPES)):
+        return None
+    if event.get("bot_id") or event.get("bot_profile"):
+        return None  # any bot, ours included
+    user, channel, ts = _ident(event.get("user")), _ident(event.get("channel")), _ident(event.get("ts"))
+    if user is None or channel is None or ts is None:
+        return None
+    if user in (bot_user_id, bot_id):
+        return None
+    raw_text = event.get("text")
+    text, mentioned = slack_to_text(raw_text if isinstance(raw_text, str) else "", bot_user_id)
+    files = _files(event.get("files"))
+    if not text and not files:
+        return None
+    channel_type = event.get("channel_type")
+    is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
+    parent_user = event.get("parent_user_id")
+    inbound = Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=text,
+        # Not Slack's event_id: the `message` and `app_mention` twins of one post have
+        # different event ids, but the same channel and ts.
+        event_id=f"{channel}:{ts}",
+        message_id=ts,
+        thread_id=_ident(event.get("thread_ts")),
+        is_group=not is_dm,
+        mentioned=mentioned or kind == "app_mention",
+        reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
+        user_name=_profile_name(event.get("user_profile")),
+    )
+    return ParsedEvent(inbound, files)
+
+
+def parse_command(payload: Any) -> Inbound | None:
+    """A slash-command payload → an Inbound whose text is `/command args`."""
+    if not isinstance(payload, dict):
+        return None
+    command = payload.get("command")
+    user, channel = _ident(payload.get("user_id")), _ident(payload.get("channel_id"))
+    trigger = payload.get("trigger_id")
+    if not isinstance(command, str) or not _COMMAND.fullmatch(command):
+        return None
+    if user is None or channel is None or not isinstance(trigger, str) or not trigger:
+        return None
+    raw_args = payload.get("text")
+    args, _ = slack_to_text(raw_args if isinstance(raw_args, str) else "", None)
+    extra: dict[str, Any] = {"command": command}
+    response_url = payload.get("response_url")
+    if isinstance(response_url, str) and response_url.startswith(("https://", "http://")):
+        extra["response_url"] = response_url
+    user_name = payload.get("user_name")
+    return Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=f"{command} {args}".strip(),
+        event_id="cmd:" + clean_text(trigger)[:100],
+        is_group=not channel.startswith("D"),
+        mentioned=True,  # a slash command is addressed to the bot by definition
+        user_name=clean_text(user_name)[:80] if isinstance(user_name, str) and user_name else None,
+        extra=extra,
+    )
+
+
+def verify_signature(
+    secret: str, body: bytes, timestamp: str | None, signature: str | None, *, now: float,
+    max_age: float = SIGNATURE_MAX_AGE_S,
+) -> bool:
+    """Slack's request signature: `v0=` HMAC-SHA256 of `v0:{timestamp}:{body}`."""
+    if not secret or not timestamp or not signature:
+        return False
+    try:
+        sent_at = int(timestamp)
+    except ValueError:
+        return False
+    if abs(now - sent_at) > max_age:
+        return False
+    base = b"v0:" + timestamp.encode() + b":" + body
+    expected = "v0=" + hmac.new(secret.encode(), base, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace"))
+
+
+def reply_thread(inbound: Inbound) -> str | None:
+    """Where a reply goes: the message's thread in a channel (a new one on the message
+    itself when it was not in a thread); in a DM only a thread the person chose."""
+    if inbound.is_group:
+        return inbound.thread_id or inbound.message_id
+    return inbound.thread_id
+
+
+def _retry_after(headers: Any) -> float:
+    value = None
+    if headers is not None:
+        with contextlib.suppress(Exception):
+            value = headers.get("Retry-After") or headers.get("retry-after")
+    try:
+        delay = float(value) if value is not None else 1.0
+    except (TypeError, ValueError):
+        delay = 1.0
+    return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
+
+
+# ---------------------------------------------------------------------------- the channel
+
+
+@dataclass
+class _InFlight:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class SlackChannel:
+    """Slack through slack-bolt; implements channels.base.Channel and WebhookChannel."""
+
+    name = "slack"
+    webhook_path = "/slack/events"
+
+    def __init__(
+        self,
+        cfg: SlackConfig,
+        handler: InboundHandler,
+        *,
+        workspace_for: Callable[[Inbound], Path],
+        sleep: Sleep = asyncio.sleep,  # waits out Retry-After; tests inject their own
+        start_timeout_s: float = 15.0,
+        ping_interval_s: float = 10.0,
+    ) -> None:
+        self._cfg = cfg
+        self._handler = handler
+        self._workspace_for = workspace_for
+        self._sleep = sleep
+        self._start_timeout_s = start_timeout_s
+        self._ping_interval_s = ping_interval_s
+        self._bot_token = cfg.bot_token.get_secret_value() if cfg.bot_token else ""
+        self._trusted_hosts = {"slack.com", urlsplit(cfg.base_url).hostname or "slack.com"}
+        self._session: aiohttp.ClientSession | None = None
+        self._client: AsyncWebClient | None = None
+        self._app: AsyncApp | None = None
+        self._socket: SocketModeClient | None = None
+        self._connect_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[str, _InFlight] = {}
+        self._user_names: dict[str, tuple[str | None, float]] = {}
+        self.bot_user_id: str | None = None
+        self.bot_id: str | None = None
+        self._running = False
+
+    @property
+    def cfg(self) -> SlackConfig:
+        """The settings this instance runs with (the gateway restarts it when they change)."""
+        return self._cfg
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        if self._running:
+            return
+        self._session = aiohttp.ClientSession()
+        self._client = AsyncWebClient(
+            token=self._bot_token, base_url=self._cfg.base_url, session=self._session, timeout=API_TIMEOUT_S
+        )
+        try:
+            auth = await asyncio.wait_for(self._client.auth_test(), self._start_timeout_s)
+        except Exception as err:  # bad token, unreachable base_url, …: the caller logs it
+            await self._close_session()
+            raise RuntimeError(f"slack: auth.test failed: {_describe(err)}") from None
+        self.bot_user_id = _ident(auth.get("user_id"))
+        self.bot_id = _ident(auth.get("bot_id"))
+        self._app = self._build_app(self._client)
+        self._running = True
+        log.info("slack: signed in as %s (%s mode)", self.bot_user_id, self._cfg.mode)
+        if self._cfg.mode == "socket":
+            await self._start_socket()
+
+    async def _start_socket(self) -> None:
+        assert self._app is not None
+        app_token = self._cfg.app_token.get_secret_value() if self._cfg.app_token else ""
+        self._socket = SocketModeClient(
+            app_token=app_token, web_client=self._client, ping_interval=self._ping_interval_s,
+            logger=logging.getLogger(f"{__name__}.socket"),
+        )
+        self._socket.socket_mode_request_listeners.append(self._on_socket_request)
+        # The client retries a failed connect forever; it runs as our task, so a Slack
+        # outage at start leaves us "not ready" and still trying instead of stuck here.
+        self._connect_task = asyncio.create_task(self._socket.connect(), name="slack-connect")
+        done, _ = await asyncio.wait({self._connect_task}, timeout=self._start_timeout_s)
+        if not done:
+            log.warning("slack: socket mode not connected after %.0fs; still trying", self._start_timeout_s)
+            return
+        err = self._connect_task.exception()
+        if err is not None:
+            await self.stop()
+            raise RuntimeError(f"slack: socket mode connect failed: {_describe(err)}")
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [t for t in (self._connect_task, *self._tasks) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        self._tasks.clear()
+        self._connect_task = None
+        if self._socket is not None:
+            socket, self._socket = self._socket, None
+            try:
+                await asyncio.wait_for(socket.close(), 5)
+            except Exception as err:  # closing a dead socket must not stop the shutdown
+                log.debug("slack: socket close: %s", _describe(err))
+        await self._close_session()
+        self._app = None
+
+    async def _close_session(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(session.close(), 5)
+
+    def is_ready(self) -> bool:
+        if not self._running:
+            return False
+        if self._cfg.mode == "http":
+            return self.bot_user_id is not None
+        if self._socket is None:
+            return False
+        client = self._socket
+        ws = client.current_session
+        if client.closed or client.stale or ws is None or ws.closed:
+            return False
+        # Pongs answer our pings every ping_interval; none for long means a dead link.
+        last = client.last_ping_pong_time
+        return last is None or time.time() - last < self._ping_interval_s * 4 + 5
+
+    # -- bolt wiring
+
+    def _build_app(self, client: AsyncWebClient) -> AsyncApp:
+        app = AsyncApp(
+            client=client,
+            name="gateway",
+            logger=logging.getLogger(f"{__name__}.bolt"),
+            # Listeners finish (the router has recorded the event) before the ack goes out.
+            process_before_response=True,
+            # handle_webhook verifies signatures itself (401 for bad or stale ones).
+            request_verification_enabled=False,
+        )
+        app.event("message")(self._on_event)
+        app.event("app_mention")(self._on_event)
+        app.event(re.compile(".*"))(self._on_other_event)  # acknowledged, never answered
+        app.command(re.compile(r"^/"))(self._on_command)
+        return app
+
+    async def _on_socket_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
+        started = time.time()
+        response = await self._dispatch(
+            lambda: AsyncBoltRequest(mode="socket_mode", body=req.payload, headers=build_headers(req))
+        )
+        if response is not None:
+            await send_async_response(client, req, response, started)
+
+    async def _dispatch(self, make_request: Callable[[], AsyncBoltRequest]) -> BoltResponse | None:
+        """Run bolt; None when the request must stay unacknowledged, so Slack redelivers it:
+        our handler failed, we are stopping, bolt's authorization (auth.test) or another
+        middleware failed (5xx). What can never succeed is acknowledged: a payload bolt
+        cannot even parse, and kinds we have no listener for (404)."""
+        app = self._app
+        if app is None or not self._running:
+            return None
+        try:
+            request = make_request()
+        except Exception as err:
+            log.warning("slack: dropped a payload bolt cannot parse (%s)", _describe(err))
+            return BoltResponse(status=200, body="")
+        response = await app.async_dispatch(request)
+        # Bolt answers an auth.test failure with a 200 "user-facing" message: not an ack.
+        authorized = request.context.authorize_result is not None or request.body.get("type") in (
+            "url_verification", "ssl_check",
+        )
+        if request.context.get(_DEFER) or not authorized or response.status >= 500:
+            return None
+        if response.status >= 400:
+            log.info("slack: acknowledged a request bolt answered %s", response.status)
+            return BoltResponse(status=200, body="")
+        return response
+
+    async def _on_other_event(self, body: dict[str, Any]) -> None:
+        log.debug("slack: ignored event type %r", _event_type(body))
+
+    async def _on_event(self, body: dict[str, Any], context: AsyncBoltContext) -> None:
+        if not self._running:
+            # Unacknowledged: Slack redelivers to the instance that replaces us.
+            context[_DEFER] = True
+            return
+        try:
+            parsed = parse_event(body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id)
+        except Exception:
+            log.warning("slack: dropped a malformed event", exc_info=True)
+            return
+        if parsed is None:
+            log.debug("slack: ignored %r event", _event_type(body))
+            return
+        # Twins and retries of one post arrive together; one at a time lets the router's
+        # dedup see the first before the second (and files are fetched once).
+        async with self._one_at_a_time(parsed.inbound.event_id):
+            inbound = await self._complete(parsed)
+            try:
+                await self._handler(inbound)
+            except Exception:
+                log.exception("slack: handler failed for %s; left unacknowledged", inbound.event_id)
+                context[_DEFER] = True
+
+    async def _on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()  # Slack's 3 s deadline; the reply comes later, ephemerally
+        try:
+            inbound = parse_command(body)
+        except Exception:
+            log.warning("slack: dropped a malformed slash command", exc_info=True)
+            return
+        if inbound is None:
+            log.debug("slack: ignored slash command payload")
+            return
+        self._spawn(self._deliver(inbound), name=f"slack-command-{inbound.event_id}")
+
+    async def _deliver(self, inbound: Inbound) -> None:
+        try:
+            await self._handler(inbound)
+        except Exception:
+            log.exception("slack: handler failed for %s", inbound.event_id)
+
+    def _spawn(self, coro: Awaitable[None], *, name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @asynccontextmanager
+    async def _one_at_a_time(self, event_id: str) -> AsyncIterator[None]:
+        entry = self._inflight.setdefault(event_id, _InFlight())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                self._inflight.pop(event_id, None)
+
+    # -- enrichment: names and files (best effort, never blocks delivery)
+
+    async def _complete(self, parsed: ParsedEvent) -> Inbound:
+        inbound = parsed.inbound
+        if inbound.user_name is None:
+            name = await self._user_name(inbound.user_id)
+            if name:
+                inbound = replace(inbound, user_name=name)
+        if parsed.files:
+            try:
+                inbound = await self._attach(inbound, parsed.files)
+            except Exception:
+                log.warning("slack: could not save files of %s", inbound.event_id, exc_info=True)
+        return inbound
+
+    async def _user_name(self, user_id: str) -> str | None:
+        cached = self._user_names.get(user_id)
+        if cached is not None and (cached[0] is not None or time.monotonic() - cached[1] < 600):
+            return cached[0]
+        name: str | None = None
+        try:
+            assert self._client is not None
+            resp = await asyncio.wait_for(self._client.users_info(user=user_id), SIDE_CALL_TIMEOUT_S)
+            user = resp.get("user")
+            if isinstance(user, dict):
+                name = _profile_name(user.get("profile")) or _profile_name(user)
+        except Exception as err:  # needs users:read; a missing name is fine
+            log.debug("slack: users.info %s: %s", user_id, _describe(err))
+        if len(self._user_names) > 5000:
+            self._user_names.clear()
+        self._user_names[user_id] = (name, time.monotonic())
+        return name
+
+    async def _attach(self, inbound: Inbound, files: tuple[SlackFile, ...]) -> Inbound:
+        workspace = await asyncio.to_thread(self._workspace_for, inbound)
+        attachments: list[Attachment] = []
+        notes: list[str] = []
+        used: set[str] = set()
+        for f in files:
+            rel = self._file_path(inbound.message_id or "0", f, used)
+            if f.size > MAX_FILE_BYTES:
+                notes.append(f"[file: {f.name} (not saved: larger than {MAX_FILE_BYTES // 2**20} MB)]")
+                continue
+            try:
+                data = await self._download(f)
+                await asyncio.to_thread(_write_file, workspace, rel, data)
+            except (PathNotAllowed, OSError, aiohttp.ClientError, TimeoutError, _DownloadRefused) as err:
+                log.warning("slack: file %s of %s not saved: %s", f.id, inbound.event_id, _describe(err))
+                notes.append(f"[file: {f.name} (could not be downloaded)]")
+                continue
+            attachments.append(Attachment(name=f.name, path=rel, mime=f.mime, size=len(data)))
+            notes.append(f"[file: {f.name}, {rel}]")
+        text = "\n".join([inbound.text, *notes]).strip()
+        return replace(inbound, text=text, attachments=inbound.attachments + tuple(attachments))
+
+    @staticmethod
+    def _file_path(message_id: str, f: SlackFile, used: set[str]) -> str:
+        safe = _SAFE_NAME.sub("_", f.name).lstrip("._")[:100] or f.id
+        rel = f"files/{message_id}_{safe}"
+        if rel in used:
+            rel = f"files/{message_id}_{f.id}_{safe}"
+        used.add(rel)
+        return rel
+
+    async def _download(self, f: SlackFile) -> bytes:
+        if not self._trusted(f.url):
+            # The bot token goes along: never to a host that is not Slack's (or base_url's).
+            raise _DownloadRefused(f"untrusted host in {f.url[:80]!r}")
+        assert self._session is not None
+        headers = {"Authorization": f"Bearer {self._bot_token}"}
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with self._session.get(f.url, headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise _DownloadRefused(f"HTTP {resp.status}")
+            if resp.content_type == "text/html" and f.mime != "text/html":
+                raise _DownloadRefused("got a login page (token lacks files:read?)")
+            data = bytearray()
+            async for block in resp.content.iter_chunked(65536):
+                data += block
+                if len(data) > MAX_FILE_BYTES:
+                    raise _DownloadRefused("larger than the size cap")
+        return bytes(data)
+
+    def _trusted(self, url: str) -> bool:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            return False
+        host = (parts.hostname or "").lower()
+        if parts.scheme not in ("https", "http") or not host:
+            return False
+        return host in self._trusted_hosts or host.endswith(".slack.com")
+
+    # -- replies
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        chunks = split_message(to_mrkdwn(text))
+        if not chunks:
+            log.debug("slack: empty reply to %s not sent", inbound.event_id)
+            return
+        if inbound.extra.get("command"):
+            await self._send_ephemeral(inbound, chunks)
+            return
+        thread_ts = reply_thread(inbound)
+        for chunk in chunks:
+            await self._post_chunk(inbound.chat_id, chunk, thread_ts)
+
+    async def _post_chunk(self, channel: str, chunk: str, thread_ts: str | None) -> None:
+        client = self._require_client()
+        params: dict[str, Any] = {"channel": channel, "text": chunk}
+        if thread_ts:
+            params["thread_ts"] = thread_ts
+        try:
+            await self._call(client.chat_postMessage, **params)
+        except SlackApiError as err:
+            if _error_code(err) in _PERMANENT_ERRORS:
+                raise
+            # Formatting rejected (or an odd error): the same words, unformatted, once.
+            log.warning("slack: chat.postMessage failed (%s); retrying as plain text", _error_code(err))
+            await self._call(client.chat_postMessage, **params, mrkdwn=False)
+
+    async def _send_ephemeral(self, inbound: Inbound, chunks: list[str]) -> None:
+        client = self._require_client()
+        url = inbound.extra.get("response_url")
+        use_url = isinstance(url, str) and self._trusted(url)
+        for i, chunk in enumerate(chunks):
+            if use_url and i < RESPONSE_URL_USES and await self._post_response_url(str(url), chunk):
+                continue
+            use_url = False  # used up or refused: the rest go the other way, in order
+            await self._call(
+                client.chat_postEphemeral, channel=inbound.chat_id, user=inbound.user_id, text=chunk
+            )
+
+    async def _post_response_url(self, url: str, chunk: str) -> bool:
+        assert self._session is not None
+        body = {"response_type": "ephemeral", "text": chunk}
+        try:
+            timeout = aiohttp.ClientTimeout(total=API_TIMEOUT_S)
+            async with self._session.post(url, json=body, timeout=timeout) as resp:
+                if resp.status == 200:
+                    return True
+                log.info("slack: response_url answered HTTP %s; using chat.postEphemeral", resp.status)
+        except (aiohttp.ClientError, TimeoutError) as err:
+            log.info("slack: response_url failed (%s); using chat.postEphemeral", _describe(err))
+        return False
+
+    async def _call(
+        self, method: Callable[..., Awaitable[AsyncSlackResponse]], **params: Any
+    ) -> AsyncSlackResponse:
+        """A Web API call that waits out rate limits (Retry-After, capped) a bounded number of times."""
+        for attempt in range(RATE_LIMIT_RETRIES + 1):
+            try:
+                return await method(**params)
+            except SlackApiError as err:
+                if err.response.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
+                    raise
+                delay = _retry_after(err.response.headers)
+                log.info("slack: rate limited; retrying in %.1fs", delay)
+                await self._sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _require_client(self) -> AsyncWebClient:
+        if self._client is None:
+            raise RuntimeError("slack channel is not started")
+        return self._client
+
+    # -- typing: a reaction on the person's message while the agent works
+
+    def typing(self, inbound: Inbound) -> AbstractAsyncContextManager[None]:
+        return self._working(inbound)
+
+    @asynccontextmanager
+    async def _working(self, inbound: Inbound) -> AsyncIterator[None]:
+        added = False
+        if inbound.message_id and self._client is not None:
+            added = await self._react("reactions_add", inbound)
+        try:
+            yield
+        finally:
+            if added:
+                await self._react("reactions_remove", inbound)
+
+    async def _react(self, method: str, inbound: Inbound) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        call = getattr(client, method)
+        try:
+            await asyncio.wait_for(
+                call(channel=inbound.chat_id, timestamp=inbound.message_id, name=WORKING_REACTION),
+                SIDE_CALL_TIMEOUT_S,
+            )
+        except SlackApiError as err:
+            code = _error_code(err)
+            log.debug("slack: %s: %s", method, code)
+            return code == "already_reacted"
+        except Exception as err:  # a reaction is decoration; never fail a turn for it
+            log.debug("slack: %s: %s", method, _describe(err))
+            return False
+        return True
+
+    # -- HTTP mode
+
+    async def handle_webhook(self, request: web.Request) -> web.StreamResponse:
+        app = self._app
+        if app is None or not self._running or self._cfg.mode != "http":
+            return web.Response(status=503, text="slack channel not running in http mode")
+        body = await request.read()
+        secret = self._cfg.signing_secret.get_secret_value() if self._cfg.signing_secret else ""
+        if not verify_signature(
+            secret, body,
+            request.headers.get("X-Slack-Request-Timestamp"),
+            request.headers.get("X-Slack-Signature"),
+            now=time.time(),
+        ):
+            log.warning("slack: refused a request with a bad or stale signature")
+            return web.Response(status=401, text="invalid signature")
+        text = body.decode("utf-8", "replace")
+        if request.content_type == "application/json":
+            challenge = _url_verification(text)
+            if challenge is not None:
+                return web.json_response({"challenge": challenge})
+        query, headers = request.query_string, dict(request.headers)
+        resp = await self._dispatch(
+            lambda: AsyncBoltRequest(body=text, query=query, headers=headers, mode="http")
+        )
+        if resp is None:  # Slack retries a failed delivery (X-Slack-Retry-Num)
+            return web.Response(status=500, text="not processed")
+        return web.Response(
+            status=resp.status, body=resp.body.encode(), headers=resp.first_headers_without_set_cookie()
+        )
+
+
+class _DownloadRefused(Exception):
+    pass
+
+
+_PERMANENT_ERRORS = frozenset({
+    "channel_not_found", "not_in_channel", "is_archived", "invalid_auth", "not_authed",
+    "token_revoked", "account_inactive", "missing_scope", "ratelimited", "restricted_action",
+})
+
+
+def _write_file(workspace: Path, rel: str, data: bytes) -> None:
+    target = resolve_in_workspace(workspace, rel)  # a file name never leaves the workspace
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+
+
+def _url_verification(text: str) -> str | None:
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(payload, dict) and payload.get("type") == "url_verification":
+        challenge = payload.get("challenge")
+        return challenge if isinstance(challenge, str) else ""
+    return None
+
+
+def _event_type(body: Any) -> Any:
+    event = body.get("event") if isinstance(body, dict) else None
+    return event.get("type") if isinstance(event, dict) else None
+
+
+def _error_code(err: SlackApiError) -> str:
+    with contextlib.suppress(Exception):
+        code = err.response.get("error")
+        if isinstance(code, str):
+            return code
+    return "unknown"
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SlackApiError):
+        return f"Slack error {_error_code(err)}"
+    return f"{type(err).__name__}: {err}"[:300]
