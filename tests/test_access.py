@@ -61,7 +61,10 @@ async def test_pairing_codes(tmp_path: Path) -> None:
 
         late, _ = await pairing.code_for("slack:U9", now=5000)
         assert await pairing.approve(late, "telegram:1", now=5000 + PAIRING_TTL_S + 1) is None
-        # Rate limited: no fresh code within a minute of the last one.
-        assert (await pairing.code_for("slack:U9", now=5000 + PAIRING_TTL_S + 2))[0] == ""
+        fresh, new = await pairing.code_for("slack:U9", now=5000 + PAIRING_TTL_S + 2)
+        assert new and fresh != late  # an expired code is never handed out again
+        assert await pairing.approve(fresh, "telegram:1", now=5000 + PAIRING_TTL_S + 3) == "slack:U9"
+        # Rate limited: no new code within a minute of the last one.
+        assert (await pairing.code_for("slack:U9", now=5000 + PAIRING_TTL_S + 10))[0] == ""
     finally:
         await store.close()

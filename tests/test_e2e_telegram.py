@@ -1,0 +1,125 @@
+"""The whole gateway with the real python-telegram-bot against the fake Bot API:
+pairing, group triggers, exactly-once replies across redelivery and restarts."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import aiohttp
+
+from gateway.app import Gateway
+from tests.conftest import GatewayFactory
+from tests.fakes import telegram_server
+from tests.fakes.openai_server import FakeModel
+from tests.fakes.telegram_server import FakeTelegram
+
+fake_telegram = telegram_server.fake_telegram  # the fixture
+
+ADMIN = 1
+SECRET = "hook-secret-123"
+
+
+def telegram_section(fake: FakeTelegram, **extra: Any) -> dict[str, Any]:
+    return {"telegram": {"enabled": True, "token": fake.token, "base_url": fake.base_url,
+                         "base_file_url": fake.base_file_url, "poll_timeout_s": 1, **extra}}
+
+
+async def test_pairing_then_served(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                   fake_telegram: FakeTelegram) -> None:
+    await make_gateway(admins=[f"telegram:{ADMIN}"], channels=telegram_section(fake_telegram))
+    fake_telegram.push_message(chat_id=7, user_id=7, text="hello?")
+    (refusal,) = await fake_telegram.wait_sent(1)
+    code = re.search(r"pairing code is ([A-Z0-9]{8})", refusal["text"])
+    assert code and refusal["chat_id"] == 7
+    assert fake_model.requests == []  # refused users never reach the model
+
+    fake_telegram.push_message(chat_id=ADMIN, user_id=ADMIN, text="/approve WRONG000")
+    fake_telegram.push_message(chat_id=ADMIN, user_id=ADMIN, text=f"/approve {code.group(1)}")
+    sent = await fake_telegram.wait_sent(3)
+    assert "unknown or expired" in sent[1]["text"]
+    assert "Approved telegram:7" in sent[2]["text"]
+
+    fake_model.reply("Welcome aboard!")
+    fake_telegram.push_message(chat_id=7, user_id=7, text="hello again")
+    sent = await fake_telegram.wait_sent(4)
+    assert sent[3]["chat_id"] == 7 and "Welcome aboard" in sent[3]["text"]
+    assert fake_model.requests[-1]["messages"][-1]["content"] == "hello again"
+
+
+async def test_group_trigger_and_per_user_sessions(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                   fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(access={"allow_from": ["*"]}, channels=telegram_section(fake_telegram))
+    bot = f"@{fake_telegram.bot_username}"
+    mention = [{"type": "mention", "offset": 0, "length": len(bot)}]
+    fake_telegram.push_message(chat_id=-100, user_id=5, text="just chatting", chat_type="supergroup")
+    fake_model.reply("hi five")
+    fake_telegram.push_message(chat_id=-100, user_id=5, text=f"{bot} hello", chat_type="supergroup",
+                               entities=mention)
+    fake_model.reply("hi six")
+    fake_telegram.push_message(chat_id=-100, user_id=6, text=f"{bot} hello", chat_type="supergroup",
+                               entities=mention)
+    sent = await fake_telegram.wait_sent(2)
+    assert sorted(s["text"] for s in sent) == ["hi five", "hi six"]
+    assert len(fake_model.requests) == 2  # the unaddressed message never reached the model
+    assert fake_model.requests[0]["messages"][-1]["content"] == "hello"  # mention stripped
+    assert gw.services is not None
+    assert await gw.services.store.count_messages("telegram:group:-100:user:5") == 2
+    assert await gw.services.store.count_messages("telegram:group:-100:user:6") == 2
+
+
+async def _post_webhook(gw: Gateway, update: dict[str, Any], secret: str) -> int:
+    assert gw.http is not None
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gw.http.port}/telegram/webhook", data=json.dumps(update),
+                             headers={"X-Telegram-Bot-Api-Secret-Token": secret,
+                                      "Content-Type": "application/json"}) as resp:
+            return resp.status
+
+
+def _update(update_id: int, text: str, user: int = 9) -> dict[str, Any]:
+    return {"update_id": update_id, "message": {
+        "message_id": update_id, "date": 1_700_000_000, "text": text,
+        "chat": {"id": user, "type": "private", "first_name": "P"},
+        "from": {"id": user, "is_bot": False, "first_name": "P"}}}
+
+
+async def test_webhook_redelivery_gives_one_reply(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                  fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=telegram_section(
+        fake_telegram, mode="webhook", webhook_url="https://bot.example/telegram/webhook", webhook_secret=SECRET))
+    fake_model.reply("only once")
+    assert await _post_webhook(gw, _update(500, "hi"), "wrong-secret") == 403
+    assert await _post_webhook(gw, _update(500, "hi"), SECRET) == 200
+    assert await _post_webhook(gw, _update(500, "hi"), SECRET) == 200  # Telegram retried
+    await fake_telegram.wait_sent(1)
+    assert gw.services is not None
+    await gw.services.background.wait_idle(5)
+    assert [s["text"] for s in fake_telegram.sent] == ["only once"]
+    assert len(fake_model.requests) == 1
+    assert 'gateway_dedup_hits_total{channel="telegram"} 1.0' in gw.services.metrics.render().decode()
+
+
+async def test_restart_in_the_middle_of_a_turn_answers_exactly_once(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
+) -> None:
+    section = telegram_section(fake_telegram)
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=section)
+    fake_model.hang(30)  # the model never answers before the "crash"
+    fake_telegram.push_message(chat_id=8, user_id=8, text="long question")
+    await fake_model.wait_requests(1)
+    assert gw.services is not None
+    assert await gw.services.store.count_messages("telegram:dm:8") == 1  # stored before the model call
+    await gw.stop(timeout=0)  # no grace: the turn is cut mid-call
+
+    fake_model.reply("the answer, after a restart")
+    gw2 = await make_gateway(access={"dm_policy": "open"}, channels=section)
+    (reply,) = await fake_telegram.wait_sent(1)
+    assert reply["text"] == "the answer, after a restart" and reply["chat_id"] == 8
+    assert gw2.services is not None
+    await gw2.services.background.wait_idle(5)
+    assert len(fake_telegram.sent) == 1
+    rows = await gw2.services.store.messages("telegram:dm:8")
+    assert [m.role for m in rows] == ["user", "assistant"]
+    assert rows[0].content == "long question"
