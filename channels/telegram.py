@@ -298,6 +298,11 @@ class TelegramChannel:
         self._offset = 0
         self._handler_failures: dict[int, int] = {}
         self._in_handler = False
+
+    @property
+    def cfg(self) -> TelegramConfig:
+        """The settings this instance runs with (the gateway restarts it when they change)."""
+        return self._cfg
         self._stopping = False
         self._last_poll_ok: float | None = None
         self._webhook_ok = False

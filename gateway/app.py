@@ -115,7 +115,7 @@ class Gateway:
         self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
-                                 on_config_change=self.apply_config)
+                                 on_config_change=self._apply_config_later)
         self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
 
         if self.enable_channels:
@@ -207,6 +207,12 @@ class Gateway:
         except Exception as err:
             # One broken channel must not take the others down; /readyz shows it.
             log.error("channel failed to start", extra={"channel": name, "error": str(err)[:300]})
+
+    async def _apply_config_later(self) -> None:
+        # Not inline: the change may come from a command inside a channel's own handler,
+        # and restarting that channel must not wait on itself.
+        if self.services is not None:
+            self.services.background.spawn(self.apply_config(), name="apply-config")
 
     async def apply_config(self) -> None:
         """Apply a new config snapshot: budgets apply by themselves at the next step;
