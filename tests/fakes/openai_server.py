@@ -244,7 +244,7 @@ class FakeModel:
         """Scripted replies not consumed yet."""
         return len(self._script)
 
-    async def wait_requests(self, n: int, timeout: float = 5) -> list[dict[str, Any]]:  # noqa: ASYNC109
+    async def wait_requests(self, n: int, timeout: float = 5) -> list[dict[str, Any]]:
         """The first n requests, once they have arrived."""
         async with self._arrived:
             try:
