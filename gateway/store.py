@@ -357,3 +357,71 @@ class Store:
             rows = await cur.fetchall()
         return [JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
                        outcome=r["outcome"], detail=r["detail"]) for r in rows]
+
+    async def job_run(self, job: str, slot: str) -> JobRun | None:
+        async with self._db.execute("SELECT * FROM job_runs WHERE job=? AND slot=?", (job, slot)) as cur:
+            r = await cur.fetchone()
+        if r is None:
+            return None
+        return JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
+                      outcome=r["outcome"], detail=r["detail"])
+
+    # -- purge (SPEC §7): small statements, each its own commit, so a chat's write waits
+    # -- for one batch at most, never for the whole purge --------------------------------
+
+    async def expired_session_keys(self, before: float, *, limit: int) -> list[str]:
+        """Sessions whose last activity is before `before` (oldest first)."""
+        async with self._db.execute(
+            "SELECT key FROM sessions WHERE updated_at < ? ORDER BY updated_at LIMIT ?", (before, limit)
+        ) as cur:
+            return [r[0] for r in await cur.fetchall()]
+
+    async def _delete(self, sql: str, args: Iterable[Any]) -> int:
+        cur = await self._db.execute(sql, tuple(args))
+        count = cur.rowcount
+        await cur.close()
+        await self._db.commit()
+        return max(count, 0)
+
+    async def delete_session_messages(self, keys: list[str], *, before: float, limit: int) -> int:
+        """Delete up to `limit` messages (created before `before`) of these sessions."""
+        if not keys:
+            return 0
+        marks = ",".join("?" * len(keys))
+        return await self._delete(
+            f"DELETE FROM messages WHERE id IN (SELECT id FROM messages WHERE session_key IN ({marks}) "
+            "AND created_at < ? LIMIT ?)",
+            (*keys, before, limit),
+        )
+
+    async def delete_session_summaries(self, keys: list[str], *, limit: int) -> int:
+        if not keys:
+            return 0
+        marks = ",".join("?" * len(keys))
+        return await self._delete(
+            f"DELETE FROM summaries WHERE id IN (SELECT id FROM summaries WHERE session_key IN ({marks}) "
+            "LIMIT ?)",
+            (*keys, limit),
+        )
+
+    async def delete_sessions(self, keys: list[str], *, before: float) -> int:
+        """Delete these sessions unless they became active again meanwhile."""
+        if not keys:
+            return 0
+        marks = ",".join("?" * len(keys))
+        return await self._delete(
+            f"DELETE FROM sessions WHERE key IN ({marks}) AND updated_at < ?", (*keys, before)
+        )
+
+    async def delete_events_before(self, before: float, *, limit: int) -> int:
+        """Forget dedup records of platform events older than `before`."""
+        return await self._delete(
+            "DELETE FROM events WHERE (channel, event_id) IN "
+            "(SELECT channel, event_id FROM events WHERE created_at < ? LIMIT ?)",
+            (before, limit),
+        )
+
+    async def checkpoint(self) -> None:
+        """Fold the WAL back into the database file and truncate it (after a purge)."""
+        async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
+            await cur.fetchall()

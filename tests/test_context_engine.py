@@ -157,6 +157,24 @@ def test_late_prefetch_is_not_requested_twice_and_lands_a_turn_later(counter: To
     assert first_user(run(ctx, b, counter)).startswith(injection_text("LATE"))
 
 
+def test_token_prefetch_lets_a_mid_turn_halving_land_with_its_summary(counter: TokenCounter) -> None:
+    long_answer = "a long and detailed answer about the deployment " * 12
+    msgs = [m for t in range(1, 7) for m in full_turn(t, answer=long_answer)] + [user(7)]
+    ctx = SessionContext("test:1", msgs)  # 7 turns live
+    full = run(SessionContext("x", msgs), budget(), counter).tokens
+    b = budget(tokens=int(full / 0.8))  # 80 % full: past the prefetch mark, not over
+    [prefetch] = run(ctx, b, counter).effects
+    assert prefetch.reason == "prefetch" and prefetch.upto_turn == 3  # 7 // 2 turns
+    assert live_turns(ctx) == list(range(1, 8))
+    ctx.offer_summary("EARLY", 3)
+    ctx.append(call(7, "c7"))
+    ctx.append(result(7, "c7", "new data line\n" * 80))  # now over the budget, mid-turn
+    p = run(ctx, b, counter)
+    assert [e.strategy for e in p.events] == ["token_budget_halve"]
+    assert live_turns(ctx) == [4, 5, 6, 7] and p.effects == []
+    assert first_user(p).startswith(injection_text("EARLY"))  # trim and summary together
+
+
 def test_dropped_turns_never_come_back(counter: TokenCounter) -> None:
     ctx = session(20)
     run(ctx, budget(turns=20), counter)
@@ -417,3 +435,18 @@ def test_context_stats_and_reply(counter: TokenCounter) -> None:
     assert 0 < stats.estimated_tokens <= stats.budget_tokens
     text = format_context_stats(stats)
     assert "Turns: 11 of 20" in text and "turn_budget" in text and "Summary of earlier turns: none" in text
+
+
+def test_an_internal_error_falls_back_to_the_latest_user_message(
+    counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from context import engine
+
+    def broken(req: object) -> Prepared:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(engine, "_run", broken)
+    ctx = session(3, tools=1)
+    p = prepare(ctx, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    assert p.messages == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "question 4"}]
+    assert p.user_notice is None and p.effects == [] and p.events == []

@@ -1,0 +1,871 @@
+"""The context engine: the exact request for each decision step (SPEC §4.1–4.4).
+
+`SessionContext` is the live context of one session, a cache rebuildable from the store.
+`prepare()` runs before every decision step and applies, in order: stage-2 truncation of
+historical tool results, the turn budget (with the summary prefetch), summary injection,
+the token budget (compress, halve, cut the current turn), and returns the request plus
+the effects the shell performs (summaries to write). Rules change the context only
+forward: dropped turns never come back, compressed turns stay compressed, and every cut
+is a pure function of the message, so between two steps a request changes only at its
+end unless a rule fires (SPEC §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from gateway.types import Message
+
+from .budget import Budget
+from .stats import ContextStats, format_context_stats  # format_context_stats: re-exported
+from .summary import injection_text
+from .tokens import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, TokenCounter
+from .truncate import Kind, excerpt_length, shorten
+from .turns import pair_tool_messages, starts_turn, text_only, to_openai
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Prepared",
+    "SessionContext",
+    "SummarizeTurns",
+    "TrimEvent",
+    "compact",
+    "context_stats",
+    "format_context_stats",
+    "prepare",
+    "recover_overflow",
+]
+
+SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow"]
+Strategy = Literal[
+    "turn_budget",
+    "token_budget_halve",
+    "compress_history",
+    "cut_current_turn",
+    "stage2",
+    "overflow_trim",
+    "compact",
+]
+
+HALVING_MIN_TURNS = 5  # below this the token budget compresses instead of halving (§4.3)
+PREFETCH_TOKEN_SHARE = 0.75  # past this share of the budget the next halving's summary is asked
+OVERFLOW_TOOL_CHARS = 10_000  # §4.4 aggressive trim
+OVERFLOW_USER_CHARS = 10_000
+OVERFLOW_TURNS = 5
+MIN_CUT_TOKENS = 250  # the current turn's items keep at least this many tokens…
+MIN_CUT_TOKENS_FLOOR = 40  # …or a quarter of a tiny budget, down to this
+FALLBACK_USER_CHARS = 1000
+NOTICE_ALLOWANCE_CHARS = 700  # a cut adds a notice of about this size
+MAX_CUT_ROUNDS = 200
+CALIBRATION_MIN = 0.5
+CALIBRATION_MAX = 2.0
+CALIBRATION_WEIGHT = 0.5  # smoothing: half old factor, half the new observation
+UNDELIVERED_MAX_TURNS = 500  # dropped turns kept for their summary; the store has them anyway
+
+FINAL_INSTRUCTION = (
+    "[Gateway: this turn has reached its step limit. Do not call any tools now. Give your "
+    "final answer to the user with what you have, and say what is still missing, if anything.]"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SummarizeTurns:
+    """Effect: summarize these dropped turns in the background, then call
+    `ctx.offer_summary(text, upto_turn)` (with `extractive_summary(effect)` on failure).
+
+    `messages` are the raw messages of every dropped turn no delivered summary covers yet
+    (all roles, full content), so each summary is complete on its own even when an
+    earlier one is still running. Turns >= `new_from_turn` appear in no earlier effect:
+    archive only those to dialog/ to avoid duplicates.
+    """
+
+    session_key: str
+    messages: tuple[Message, ...]
+    previous_summary: str | None
+    upto_turn: int  # highest turn number covered
+    reason: SummaryReason
+    new_from_turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TrimEvent:
+    """What a rule did, for /context, logs and metrics."""
+
+    strategy: Strategy
+    tokens_before: int
+    tokens_after: int
+    turns_before: int
+    turns_after: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    messages: list[dict[str, Any]]  # OpenAI chat format, system message first; read-only
+    tokens: int  # the engine's calibrated estimate of the whole request, tools included
+    effects: list[SummarizeTurns]
+    events: list[TrimEvent]
+    user_notice: str | None  # set only when the request cannot fit: do not send, tell the user
+
+
+@dataclass(slots=True)
+class _Rendered:
+    dicts: list[dict[str, Any]]
+    tokens: int
+    saved: int  # tokens stage 2 removed
+
+
+@dataclass(slots=True, eq=False)
+class _Turn:
+    number: int
+    messages: list[Message]  # as sent (text-only once compressed)
+    has_user: bool
+    original: list[Message] | None = None  # the full turn, kept for its summary once compressed
+    hist_key: tuple[int, int, int] | None = None
+    hist: _Rendered | None = None
+    # (id(msg), limit, kind) -> (msg, dict, tokens); the msg pins the id while cached
+    cache: dict[tuple[int, int | None, str], tuple[Message, dict[str, Any], int]] = field(
+        default_factory=dict
+    )
+    stage2_seen: bool = False
+
+    @property
+    def raw(self) -> list[Message]:
+        return self.original if self.original is not None else self.messages
+
+    def changed(self) -> None:
+        self.hist_key = None
+        self.hist = None
+
+
+class SessionContext:
+    """Live context of one session: a cache rebuildable from the store. Holds the live
+    messages (from the context start, minus dropped turns), the current summary, the
+    per-session calibration, and caches that make prepare() incremental."""
+
+    def __init__(
+        self,
+        session_key: str,
+        messages: Sequence[Message] = (),
+        summary: str | None = None,
+        summary_upto_turn: int = 0,
+        *,
+        last_turn: int = 0,
+    ) -> None:
+        self.session_key = session_key
+        self.summary = summary
+        self.summary_upto_turn = summary_upto_turn if summary else 0
+        self.last_event: TrimEvent | None = None
+        self._turns: list[_Turn] = []
+        self._view: list[Message] | None = []
+        self._last_number = max(last_turn, self.summary_upto_turn)
+        self._max_seen = self._last_number
+        self._pending: tuple[str, int] | None = None
+        self._requested_upto = self.summary_upto_turn  # highest turn any effect covers
+        self._prefetch_upto = 0
+        self._undelivered: list[_Turn] = []  # dropped turns no delivered summary covers
+        self._caps: dict[int, tuple[Message, int]] = {}  # id(msg) -> (msg, kept chars)
+        self._caps_version = 0
+        self._calibration = 1.0
+        self._prepared_turn = 0
+        self._provider_limit: tuple[int, int | None] | None = None
+        self._inject_cache: tuple[str, dict[str, Any], dict[str, Any], int] | None = None
+        self._dropped_upto = 0  # highest turn number no longer live
+        self._version = 0  # bumped by every change that can alter a request
+        for msg in messages:
+            self.append(msg)
+        first = next((t.number for t in self._turns if t.has_user), None)
+        self._dropped_upto = max(self.summary_upto_turn, (first - 1) if first else 0)
+
+    # -- the live messages --------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[Message]:
+        if self._view is None:
+            self._view = [m for t in self._turns for m in t.messages]
+        return self._view
+
+    def append(self, msg: Message) -> None:
+        """Add a message as the agent produced and stored it."""
+        self._version += 1
+        self._max_seen = max(self._max_seen, msg.turn)
+        if starts_turn(msg):
+            number = msg.turn if msg.turn > self._last_number else self._last_number + 1
+            self._last_number = number
+            self._turns.append(_Turn(number, [msg], True))
+        elif not self._turns:
+            self._turns.append(_Turn(msg.turn or self._last_number, [msg], False))
+        else:
+            turn = self._turns[-1]
+            turn.messages.append(msg)
+            if turn.original is not None:
+                turn.original.append(msg)
+            turn.changed()
+        if self._view is not None:
+            self._view.append(msg)
+
+    @property
+    def current_turn(self) -> int:
+        """Turn number of the latest user message (0 if none)."""
+        turn = self._current()
+        return turn.number if turn is not None else 0
+
+    def next_turn_number(self) -> int:
+        return max(self._last_number, self._max_seen) + 1
+
+    @property
+    def turn_count(self) -> int:
+        return len(self._turns)
+
+    @property
+    def calibration(self) -> float:
+        return self._calibration
+
+    @property
+    def summary_pending(self) -> bool:
+        return self._pending is not None
+
+    def _current(self) -> _Turn | None:
+        if self._turns and self._turns[-1].has_user:
+            return self._turns[-1]
+        return None
+
+    def _dirty(self) -> None:
+        self._view = None
+        self._version += 1
+
+    # -- summaries ----------------------------------------------------------------------
+
+    def offer_summary(self, text: str, upto_turn: int) -> None:
+        """A background summary of turns <= upto_turn is ready. Once turns it covers have
+        been dropped it is injected from the start of the next turn, or together with a
+        trim (which changes the request's prefix anyway) — never on its own mid-turn.
+        Dropped turns stay dropped. Stale offers (covering no more than what is already
+        known) are ignored."""
+        known = max(self.summary_upto_turn, self._pending[1] if self._pending else 0)
+        if upto_turn <= known or not text.strip():
+            return
+        self._pending = (text, upto_turn)
+        self._undelivered = [t for t in self._undelivered if t.number > upto_turn]
+
+    def _delivered_upto(self) -> int:
+        return max(self.summary_upto_turn, self._pending[1] if self._pending else 0)
+
+    def _latest_summary(self) -> str | None:
+        return self._pending[0] if self._pending else self.summary
+
+    def _activate_pending(self) -> bool:
+        """Put a delivered summary in place when turns were dropped that the current one
+        does not cover. Called at a turn start and right after a trim (which changes the
+        request's prefix anyway), never on its own in the middle of a turn."""
+        if self._pending is None or self._dropped_upto <= self.summary_upto_turn:
+            return False
+        self.summary, self.summary_upto_turn = self._pending
+        self._pending = None
+        self._version += 1
+        return True
+
+    def _drop(self, count: int) -> list[_Turn]:
+        """Drop the earliest `count` turns (never the current one); they are kept for
+        their summary until one covers them."""
+        keep_current = 1 if self._current() is not None else 0
+        count = max(0, min(count, len(self._turns) - keep_current))
+        dropped = self._turns[:count]
+        if not dropped:
+            return []
+        del self._turns[:count]
+        delivered = self._delivered_upto()
+        for turn in dropped:
+            for msg in turn.messages:
+                self._caps.pop(id(msg), None)
+            turn.cache.clear()
+            turn.changed()
+            if turn.number > delivered:
+                self._undelivered.append(turn)
+        del self._undelivered[:-UNDELIVERED_MAX_TURNS]
+        self._dropped_upto = max(self._dropped_upto, *(t.number for t in dropped))
+        self._dirty()
+        return dropped
+
+    def _compress(self, turn: _Turn) -> None:
+        """Reduce a historical turn to its user text and final reply, for good; the full
+        turn is kept for its summary."""
+        turn.original = list(turn.messages)
+        turn.messages = text_only(turn.messages)
+        kept = {id(m) for m in turn.messages}
+        for msg in turn.original:
+            if id(msg) not in kept:
+                self._caps.pop(id(msg), None)
+        turn.cache.clear()
+        turn.changed()
+
+    def _effect(
+        self, reason: SummaryReason, upto: int, live: Sequence[_Turn] = (), *, force: bool = False
+    ) -> SummarizeTurns | None:
+        """A SummarizeTurns for everything not yet delivered up to `upto`, plus `live`
+        turns (prefetch, overflow). None when an earlier effect already asked for it."""
+        if upto <= self._requested_upto and not force:
+            return None
+        turns = [t for t in self._undelivered if t.number <= upto] + list(live)
+        messages = tuple(m for t in turns for m in t.raw)
+        if not messages:
+            return None
+        new_from = self._requested_upto + 1
+        self._requested_upto = max(self._requested_upto, upto)
+        return SummarizeTurns(
+            session_key=self.session_key,
+            messages=messages,
+            previous_summary=self._latest_summary(),
+            upto_turn=upto,
+            reason=reason,
+            new_from_turn=new_from,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """/context clear, /new, a second overflow: empty live context, no summary."""
+        self._turns.clear()
+        self._view = []
+        self.summary = None
+        self.summary_upto_turn = 0
+        self._pending = None
+        self._undelivered.clear()
+        self._caps.clear()
+        self._caps_version += 1
+        self._inject_cache = None
+        top = max(self._last_number, self._max_seen)
+        self._requested_upto = self._dropped_upto = self._prefetch_upto = top
+        self.last_event = None
+        self._version += 1
+
+    def calibrate(self, estimated_tokens: int, reported_prompt_tokens: int) -> None:
+        """The provider's usage.prompt_tokens for a request we estimated (pass
+        Prepared.tokens). Later estimates are scaled by a smoothed, bounded factor."""
+        if estimated_tokens <= 0 or reported_prompt_tokens <= 0:
+            return
+        raw = estimated_tokens / self._calibration
+        target = min(CALIBRATION_MAX, max(CALIBRATION_MIN, reported_prompt_tokens / raw))
+        factor = self._calibration + CALIBRATION_WEIGHT * (target - self._calibration)
+        self._calibration = min(CALIBRATION_MAX, max(CALIBRATION_MIN, factor))
+
+    def _effective_tokens(self, budget: Budget) -> int:
+        limit = budget.effective_tokens
+        if self._provider_limit is not None:
+            reported, window = self._provider_limit
+            if window == budget.context_window:
+                room = reported - budget.max_output_tokens
+                limit = min(limit, room if room > 0 else max(1, reported * 3 // 4))
+        return limit
+
+    def _cap_of(self, msg: Message) -> int | None:
+        entry = self._caps.get(id(msg))
+        return entry[1] if entry is not None and entry[0] is msg else None
+
+    def _set_cap(self, msg: Message, chars: int) -> None:
+        old = self._cap_of(msg)
+        if old is None or chars < old:
+            self._caps[id(msg)] = (msg, chars)
+            self._version += 1
+
+
+class _Request:
+    """One request being built: rendering, estimating and the rules of §4."""
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        system_prompt: str,
+        tools: list[dict[str, Any]],
+        budget: Budget,
+        counter: TokenCounter,
+        final: bool,
+    ) -> None:
+        self.ctx = ctx
+        self.system_prompt = system_prompt
+        self.tools = tools
+        self.budget = budget
+        self.counter = counter
+        self.final = final
+        self.limit = ctx._effective_tokens(budget)
+        self.omit_injection = False
+        self.stage2_saved = 0
+        self._memo: tuple[tuple[int, bool, float], int] | None = None
+        self.fixed = (
+            REQUEST_OVERHEAD
+            + MESSAGE_OVERHEAD
+            + counter.count_text(system_prompt)
+            + counter.count_tools(tools)
+            + (counter.count_dict(_final_message()) if final else 0)
+        )
+
+    # -- rendering ----------------------------------------------------------------------
+
+    def _stage2_limit(self, msg: Message) -> int:
+        history = self.budget.history_tool_result_max_chars
+        trunc = msg.truncation
+        if trunc is not None and trunc.protected:
+            # Markdown read with read_file: doubled, and never below stage 1's cap.
+            return max(2 * history, 2 * self.budget.tool_result_max_chars)
+        return history
+
+    def _message(self, turn: _Turn, msg: Message, historical: bool) -> tuple[dict[str, Any], int]:
+        limit: int | None = None
+        kind: Kind = "history"
+        if msg.role == "tool" and not msg.injected:
+            cap = self.ctx._cap_of(msg)
+            if historical:
+                limit = self._stage2_limit(msg)
+            if cap is not None and (limit is None or cap < limit):
+                limit, kind = cap, "budget"
+        elif starts_turn(msg):
+            limit = self.ctx._cap_of(msg)
+            kind = "user"
+        elif msg.role == "assistant":
+            limit = self.ctx._cap_of(msg)
+            kind = "budget"
+        key = (id(msg), limit, kind)
+        hit = turn.cache.get(key)
+        if hit is not None and hit[0] is msg:
+            return hit[1], hit[2]
+        content = msg.content
+        if limit is not None:
+            trunc = msg.truncation if msg.role == "tool" else None
+            content = shorten(msg.content, trunc, limit, kind=kind)
+        shown = msg if content is msg.content else replace(msg, content=content)
+        rendered = (to_openai(msg, content), self.counter.count_message(shown))
+        if not msg.injected:  # stand-in results are new objects each time: not cached
+            turn.cache[key] = (msg, *rendered)
+        return rendered
+
+    def render(self, turn: _Turn, historical: bool) -> _Rendered:
+        if historical:
+            key = (
+                self.budget.history_tool_result_max_chars,
+                self.budget.tool_result_max_chars,
+                self.ctx._caps_version,
+            )
+            if turn.hist_key == key and turn.hist is not None:
+                return turn.hist
+        dicts: list[dict[str, Any]] = []
+        tokens = saved = 0
+        for msg in pair_tool_messages(turn.messages):
+            d, t = self._message(turn, msg, historical)
+            dicts.append(d)
+            tokens += t
+            if historical and d["content"] is not msg.content and msg.role == "tool":
+                saved += self._message(turn, msg, False)[1] - t
+        rendered = _Rendered(dicts, tokens, saved)
+        if historical:
+            turn.hist_key, turn.hist = key, rendered
+            turn.cache.clear()  # the turn is final now: its per-message entries are done
+            if not turn.stage2_seen:
+                turn.stage2_seen = True
+                self.stage2_saved += saved
+        return rendered
+
+    def _injection(self, first: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """The first kept user message with the summary in front, and the extra tokens."""
+        summary = self.ctx.summary or ""
+        cached = self.ctx._inject_cache
+        if cached is not None and cached[0] is summary and cached[1] is first:
+            return cached[2], cached[3]
+        content = injection_text(summary) + "\n\n" + (first.get("content") or "")
+        injected = {**first, "content": content}
+        extra = self.counter.count_dict(injected) - self.counter.count_dict(first)
+        self.ctx._inject_cache = (summary, first, injected, extra)
+        return injected, extra
+
+    def _first_user(self) -> dict[str, Any] | None:
+        if not self.ctx.summary or self.omit_injection:
+            return None
+        cur = self.ctx._current()
+        for turn in self.ctx._turns:
+            for d in self.render(turn, turn is not cur).dicts:
+                if d["role"] == "user":
+                    return d
+        return None
+
+    def raw_tokens(self) -> int:
+        cur = self.ctx._current()
+        total = self.fixed
+        for turn in self.ctx._turns:
+            total += self.render(turn, turn is not cur).tokens
+        first = self._first_user()
+        if first is not None:
+            total += self._injection(first)[1]
+        return total
+
+    def total(self) -> int:
+        """The calibrated estimate of the request as it stands (memoized per state)."""
+        key = (self.ctx._version, self.omit_injection, self.ctx._calibration)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        total = math.ceil(self.raw_tokens() * self.ctx._calibration)
+        self._memo = (key, total)
+        return total
+
+    def assemble(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
+        cur = self.ctx._current()
+        for turn in self.ctx._turns:
+            out.extend(self.render(turn, turn is not cur).dicts)
+        first = self._first_user()
+        if first is not None:
+            injected = self._injection(first)[0]
+            index = next(i for i, d in enumerate(out) if d is first)
+            out[index] = injected
+        if self.final:
+            out.append(_final_message())
+        return out
+
+    # -- rules --------------------------------------------------------------------------
+
+    def _halving_count(self, *, at_least_half: bool) -> int:
+        """How many of the earliest turns a halving drops: half of the complete turns
+        (n // 2 with the current turn live), aligned to an outstanding prefetched
+        summary so that its turns go exactly and trim and injection coincide. The turn
+        budget never drops less than half; the token budget may (it repeats if needed)."""
+        ctx = self.ctx
+        n = len(ctx._turns)
+        count = max(1, n // 2 if ctx._current() is not None else (n + 1) // 2)
+        if ctx._prefetch_upto > ctx._dropped_upto:
+            covered = sum(1 for t in ctx._turns if t.number <= ctx._prefetch_upto)
+            if 0 < covered < n and (covered > count or not at_least_half):
+                count = covered
+        return count
+
+    def turn_budget(self, events: list[TrimEvent]) -> bool:
+        max_turns = max(1, self.budget.max_turns)
+        ctx = self.ctx
+        if len(ctx._turns) <= max_turns:
+            return False
+        before, turns_before = self.total(), len(ctx._turns)
+        while len(ctx._turns) > max_turns and ctx._drop(self._halving_count(at_least_half=True)):
+            pass
+        ctx._activate_pending()  # the prefix changes anyway: a ready summary lands now
+        events.append(TrimEvent("turn_budget", before, self.total(), turns_before, len(ctx._turns)))
+        return True
+
+    def prefetch(self, effects: list[SummarizeTurns]) -> None:
+        """Ask now for the summary of the turns the next halving drops: when the session
+        reaches the turn limit, or when the request passes PREFETCH_TOKEN_SHARE of the
+        token budget with enough turns for a halving (one such prefetch at a time)."""
+        ctx = self.ctx
+        n = len(ctx._turns)
+        max_turns = max(1, self.budget.max_turns)
+        if n == max_turns:
+            count = math.ceil(max_turns / 2)
+        elif (
+            n >= HALVING_MIN_TURNS
+            and ctx._prefetch_upto <= ctx._dropped_upto
+            and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+        ):
+            count = n // 2
+        else:
+            return
+        turns = ctx._turns[:count]
+        if count >= n or any(t is ctx._current() for t in turns):
+            return
+        upto = turns[-1].number
+        effect = ctx._effect("prefetch", upto, turns)
+        if effect is not None:
+            ctx._prefetch_upto = upto
+            effects.append(effect)
+
+    def token_budget(self, events: list[TrimEvent]) -> bool:
+        """Shrink until the request fits; True when something was dropped."""
+        ctx = self.ctx
+        dropped = False
+        total = self.total()
+        while total > self.limit:
+            n = len(ctx._turns)
+            cur = ctx._current()
+            history = [t for t in ctx._turns if t is not cur]
+            squeezable = [t for t in history if len(text_only(t.messages)) < len(t.messages)]
+            if n >= HALVING_MIN_TURNS or (history and not squeezable):
+                if not ctx._drop(self._halving_count(at_least_half=False)):
+                    return dropped
+                dropped = True
+                ctx._activate_pending()
+                strategy: Strategy = "token_budget_halve"
+            elif squeezable:
+                for turn in squeezable:
+                    ctx._compress(turn)
+                ctx._dirty()
+                strategy = "compress_history"
+            else:
+                return dropped
+            after = self.total()
+            events.append(TrimEvent(strategy, total, after, n, len(ctx._turns)))
+            total = after
+        return dropped
+
+    def cut_current_turn(self, events: list[TrimEvent]) -> bool:
+        """The current turn alone is over: cut its largest tool results, then the agent's
+        own long texts, then leave out the summary, then cut the user's text. True when
+        it fits in the end."""
+        ctx = self.ctx
+        cur = ctx._current()
+        before = total = self.total()
+        if cur is None or self.fixed * ctx._calibration > self.limit:
+            return total <= self.limit
+        for _ in range(MAX_CUT_ROUNDS):
+            if total <= self.limit:
+                break
+            target = self._largest_cuttable(cur)
+            if target is None:
+                if ctx.summary and not self.omit_injection:
+                    self.omit_injection = True
+                    total = self.total()
+                    continue
+                break
+            msg, kept, tokens, floor = target
+            excess_raw = (total - self.limit) / ctx._calibration
+            need = math.ceil(excess_raw * kept / max(1, tokens) * 1.1) + NOTICE_ALLOWANCE_CHARS
+            ctx._set_cap(msg, max(floor, kept - need))
+            total = self.total()
+        if total != before:
+            events.append(TrimEvent("cut_current_turn", before, total, 1, 1))
+        return total <= self.limit
+
+    def _kept_chars(self, msg: Message) -> int:
+        kept = excerpt_length(msg.content, msg.truncation if msg.role == "tool" else None)
+        cap = self.ctx._cap_of(msg)
+        return min(kept, cap) if cap is not None else kept
+
+    def _largest_cuttable(self, cur: _Turn) -> tuple[Message, int, int, int] | None:
+        """(message, kept chars, tokens, floor chars) of the item to cut next, largest
+        first within: tool results, the agent's texts, then (summary left out) the user's."""
+        floor_tokens = max(MIN_CUT_TOKENS_FLOOR, min(MIN_CUT_TOKENS, self.limit // 4))
+        groups: list[list[Message]] = [[], [], []]
+        for msg in cur.messages:
+            if msg.injected:
+                continue
+            if msg.role == "tool":
+                groups[0].append(msg)
+            elif msg.role == "assistant" and msg.content:
+                groups[1].append(msg)
+            elif starts_turn(msg):
+                groups[2].append(msg)
+        for index, group in enumerate(groups):
+            if index == 2 and self.ctx.summary and not self.omit_injection:
+                return None
+            best: tuple[Message, int, int, int] | None = None
+            for msg in group:
+                kept = self._kept_chars(msg)
+                tokens = self._message(cur, msg, False)[1]
+                floor = max(1, math.ceil(floor_tokens * kept / max(1, tokens)))
+                if kept > floor and (best is None or tokens > best[2]):
+                    best = (msg, kept, tokens, floor)
+            if best is not None:
+                return best
+        return None
+
+
+def _final_message() -> dict[str, Any]:
+    return {"role": "user", "content": FINAL_INSTRUCTION}
+
+
+def _too_big_notice(tokens: int, limit: int, fixed: int) -> str:
+    if fixed > limit:
+        return (
+            f"I can't answer right now: my instructions and tools alone take about {fixed} tokens, "
+            f"more than this chat's context budget of {limit} tokens. An admin needs to raise "
+            "agent_max_context_tokens (or shorten the system prompt)."
+        )
+    return (
+        f"Your message is too long for me to handle: even cut down it needs about {tokens} tokens, "
+        f"more than this chat's context budget of {limit} tokens. Please send a shorter message "
+        "(or split it), or ask an admin to raise agent_max_context_tokens."
+    )
+
+
+def _run(req: _Request) -> Prepared:
+    ctx = req.ctx
+    events: list[TrimEvent] = []
+    effects: list[SummarizeTurns] = []
+    cur = ctx._current()
+    new_turn = cur is not None and cur.number != ctx._prepared_turn
+    if cur is not None:
+        ctx._prepared_turn = cur.number
+    turns_now = len(ctx._turns)
+    first_total = req.total()  # renders historical turns: stage 2 applies here
+    if req.stage2_saved:
+        saved = math.ceil(req.stage2_saved * ctx._calibration)
+        events.append(TrimEvent("stage2", first_total + saved, first_total, turns_now, turns_now))
+    reason: SummaryReason | None = None
+    if req.turn_budget(events):
+        reason = "turn_budget"
+    if new_turn:
+        ctx._activate_pending()
+    req.prefetch(effects)
+    if req.token_budget(events) and reason is None:
+        reason = "token_budget"
+    fits = req.total() <= req.limit or req.cut_current_turn(events)
+    if reason is not None:
+        effect = ctx._effect(reason, ctx._dropped_upto)
+        if effect is not None:
+            effects.append(effect)
+    tokens = req.total()
+    notice = None if fits else _too_big_notice(tokens, req.limit, math.ceil(req.fixed * ctx._calibration))
+    if events:
+        ctx.last_event = events[-1]
+    return Prepared(req.assemble(), tokens, effects, events, notice)
+
+
+def _fallback(
+    ctx: SessionContext,
+    system_prompt: str,
+    tools: list[dict[str, Any]],
+    budget: Budget,
+    counter: TokenCounter,
+) -> Prepared:
+    """Last resort after an internal error: the system prompt and the latest user text."""
+    try:
+        limit = ctx._effective_tokens(budget)
+        user = next((m for m in reversed(ctx.messages) if starts_turn(m)), None)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}]
+        if user is not None:
+            text = user.content
+            chars = max(FALLBACK_USER_CHARS, limit * 2)
+            messages.append({"role": "user", "content": shorten(text, None, chars, kind="user")})
+        tokens = math.ceil(counter.count_request(messages, tools) * ctx._calibration)
+        notice = None if tokens <= limit else _too_big_notice(tokens, limit, tokens)
+        return Prepared(messages, tokens, [], [], notice)
+    except Exception:
+        log.exception("context engine fallback failed for %s", ctx.session_key)
+        return Prepared(
+            [{"role": "system", "content": system_prompt}], 0, [], [],
+            "Something went wrong while preparing this conversation; please try again.",
+        )
+
+
+def prepare(
+    ctx: SessionContext,
+    *,
+    system_prompt: str,
+    tools: list[dict[str, Any]],
+    budget: Budget,
+    counter: TokenCounter,
+    final: bool = False,
+) -> Prepared:
+    """The request for the next decision step. Never raises.
+
+    final=True: the step cap was reached; pass tools=[]: a short instruction asking for
+    the final answer is appended to the request (never stored).
+    """
+    try:
+        return _run(_Request(ctx, system_prompt, tools, budget, counter, final))
+    except Exception:
+        log.exception("context engine failed for %s; sending the latest user message only", ctx.session_key)
+        return _fallback(ctx, system_prompt, tools, budget, counter)
+
+
+def recover_overflow(
+    ctx: SessionContext,
+    *,
+    system_prompt: str,
+    tools: list[dict[str, Any]],
+    budget: Budget,
+    counter: TokenCounter,
+    provider_limit: int | None = None,
+) -> Prepared:
+    """SPEC §4.4 (1)+(2): summarize all current messages, trim aggressively (tool results
+    and user text <= 10,000 chars, the last 5 turns), and rebuild the request. A
+    provider-reported limit replaces the budget (for this and later requests while the
+    model's window is unchanged). The caller retries once; on a second overflow it calls
+    ctx.clear() and tells the user."""
+    try:
+        req = _Request(ctx, system_prompt, tools, budget, counter, False)
+        before, turns_before = req.total(), len(ctx._turns)
+        live = list(ctx._turns)
+        upto = max([t.number for t in live] + [ctx._dropped_upto])
+        effect = ctx._effect("overflow", upto, live, force=True)
+        if provider_limit is not None and provider_limit > 0:
+            ctx._provider_limit = (provider_limit, budget.context_window)
+        if len(ctx._turns) > OVERFLOW_TURNS:
+            ctx._drop(len(ctx._turns) - OVERFLOW_TURNS)
+        for turn in ctx._turns:
+            for msg in turn.messages:
+                if msg.role == "tool" and excerpt_length(msg.content, msg.truncation) > OVERFLOW_TOOL_CHARS:
+                    ctx._set_cap(msg, OVERFLOW_TOOL_CHARS)
+                elif starts_turn(msg) and len(msg.content) > OVERFLOW_USER_CHARS:
+                    ctx._set_cap(msg, OVERFLOW_USER_CHARS)
+            turn.changed()
+        ctx._caps_version += 1
+        ctx._version += 1
+        trimmed = _Request(ctx, system_prompt, tools, budget, counter, False)
+        event = TrimEvent("overflow_trim", before, trimmed.total(), turns_before, len(ctx._turns))
+        ctx.last_event = event
+        result = prepare(ctx, system_prompt=system_prompt, tools=tools, budget=budget, counter=counter)
+        effects = ([effect] if effect is not None else []) + result.effects
+        return Prepared(result.messages, result.tokens, effects, [event, *result.events], result.user_notice)
+    except Exception:
+        log.exception("overflow recovery failed for %s", ctx.session_key)
+        return _fallback(ctx, system_prompt, tools, budget, counter)
+
+
+def compact(
+    ctx: SessionContext, *, keep_turns: int = 2, counter: TokenCounter | None = None
+) -> SummarizeTurns | None:
+    """/compact: drop all but the last `keep_turns` turns now and summarize them. The
+    summary is injected from the next turn on. None when there is nothing to compact.
+    With `counter` the event's token figures are counted, else estimated from chars."""
+    keep_turns = max(0, keep_turns)
+    if len(ctx._turns) <= keep_turns:
+        return None
+
+    def size() -> int:
+        if counter is None:
+            return sum(len(m.content) for m in ctx.messages) // 4
+        return sum(counter.count_message(m) for m in ctx.messages)
+
+    before, turns_before = size(), len(ctx._turns)
+    ctx._drop(len(ctx._turns) - keep_turns)
+    effect = ctx._effect("compact", ctx._dropped_upto, force=True)
+    ctx.last_event = TrimEvent("compact", before, size(), turns_before, len(ctx._turns))
+    return effect
+
+
+def context_stats(
+    ctx: SessionContext,
+    *,
+    system_prompt: str,
+    tools: list[dict[str, Any]],
+    budget: Budget,
+    counter: TokenCounter,
+) -> ContextStats:
+    """What /context shows; changes nothing in the context."""
+    msgs = ctx.messages
+    roles = {"user": 0, "assistant": 0, "tool": 0}
+    for msg in msgs:
+        if msg.role in roles:
+            roles[msg.role] += 1
+    try:
+        tokens = _Request(ctx, system_prompt, tools, budget, counter, False).total()
+    except Exception:
+        log.exception("context stats failed for %s", ctx.session_key)
+        tokens = -1
+    return ContextStats(
+        session_key=ctx.session_key,
+        messages=len(msgs),
+        user_messages=roles["user"],
+        assistant_messages=roles["assistant"],
+        tool_messages=roles["tool"],
+        total_chars=sum(len(m.content) for m in msgs),
+        estimated_tokens=tokens,
+        budget_tokens=ctx._effective_tokens(budget),
+        turns=len(ctx._turns),
+        max_turns=budget.max_turns,
+        summary_present=bool(ctx.summary),
+        summary_upto_turn=ctx.summary_upto_turn,
+        summary_pending=ctx.summary_pending,
+        calibration=ctx.calibration,
+        encoding=counter.encoding_name,
+        last_event=ctx.last_event,
+    )

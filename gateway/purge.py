@@ -1,0 +1,114 @@
+"""The retention purge (SPEC §7): what is past its time goes, in small batches.
+
+Sessions whose last activity is older than `session_retention_days` go with their
+messages and summaries; dedup records of platform events older than 7 days go; saved
+tool outputs (tool_results/*.txt) older than `tool_result_ttl_days` go unless a live
+context still points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
+
+Every statement deletes at most one batch and commits, and the loop yields between
+batches, so a chat's write never waits behind the whole purge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.store import Store
+
+DAY = 86_400.0
+DEDUP_DAYS = 7
+ROW_BATCH = 500
+SESSION_BATCH = 50
+FILE_BATCH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeReport:
+    sessions: int = 0
+    messages: int = 0
+    summaries: int = 0
+    events: int = 0
+    tool_results: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
+            f"{self.events} dedup records, {self.tool_results} tool outputs in {self.seconds:.2f}s"
+        )
+
+
+async def purge(
+    store: Store, data_dir: Path, *, now: float, session_retention_days: int, tool_result_ttl_days: int,
+    live_references: Callable[[], set[Path]], batch: int = ROW_BATCH,
+) -> PurgeReport:
+    started = time.monotonic()
+    sessions, messages, summaries = await _purge_sessions(
+        store, before=now - session_retention_days * DAY, batch=batch
+    )
+    events = 0
+    while (n := await store.delete_events_before(now - DEDUP_DAYS * DAY, limit=batch)) > 0:
+        events += n
+        await asyncio.sleep(0)
+    files = await purge_tool_results(data_dir, before=now - tool_result_ttl_days * DAY,
+                                     live_references=live_references)
+    await store.checkpoint()
+    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started)
+
+
+async def _purge_sessions(store: Store, *, before: float, batch: int) -> tuple[int, int, int]:
+    sessions = messages = summaries = 0
+    while keys := await store.expired_session_keys(before, limit=SESSION_BATCH):
+        while (n := await store.delete_session_messages(keys, before=before, limit=batch)) > 0:
+            messages += n
+            await asyncio.sleep(0)  # let queued chat writes in between batches
+        while (n := await store.delete_session_summaries(keys, limit=batch)) > 0:
+            summaries += n
+        gone = await store.delete_sessions(keys, before=before)
+        sessions += gone
+        if gone == 0:
+            break  # every one of them became active again meanwhile: nothing more is expired
+        await asyncio.sleep(0)
+    return sessions, messages, summaries
+
+
+def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:
+    found = []
+    for results in (data_dir / "scopes").glob("*/tool_results"):
+        if results.is_symlink() or not results.is_dir():
+            continue  # never walk out of the data dir through a planted link
+        for entry in os.scandir(results):
+            if entry.name.endswith(".txt") and entry.stat(follow_symlinks=False).st_mtime < before:
+                found.append(Path(entry.path))
+    return found
+
+
+def _delete_files(paths: Iterable[Path]) -> int:
+    count = 0
+    for path in paths:
+        try:
+            path.unlink()  # a symlink is removed itself, never its target
+            count += 1
+        except FileNotFoundError:
+            pass
+    return count
+
+
+async def purge_tool_results(
+    data_dir: Path, *, before: float, live_references: Callable[[], set[Path]]
+) -> int:
+    candidates = await asyncio.to_thread(_expired_tool_results, data_dir, before)
+    if not candidates:
+        return 0
+    live = live_references()
+    keep = await asyncio.to_thread(lambda: {os.path.realpath(p) for p in live})
+    doomed = await asyncio.to_thread(lambda: [p for p in candidates if os.path.realpath(p) not in keep])
+    deleted = 0
+    for i in range(0, len(doomed), FILE_BATCH):
+        deleted += await asyncio.to_thread(_delete_files, doomed[i : i + FILE_BATCH])
+    return deleted

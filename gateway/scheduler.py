@@ -1,0 +1,268 @@
+"""Scheduled jobs (SPEC §7): memory consolidation and the retention purge, in process.
+
+APScheduler 3 (AsyncIOScheduler on the gateway's loop) only says *when*; each firing is
+handed to a task we own. Every run is recorded in `job_runs` under its slot (the
+scheduled fire time, ISO), claimed before it starts, so a restart neither repeats a slot
+nor skips one: at start, the most recent consolidation slot is caught up once when it has
+no run, or when its run never finished (the process died during it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, tzinfo
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import tzlocal
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
+
+from gateway.background import Background
+from gateway.config import Config
+from gateway.consolidate import CompletionModel, Consolidator
+from gateway.memory import Memory
+from gateway.purge import PurgeReport, purge
+from gateway.store import Store
+
+log = logging.getLogger("gateway.scheduler")
+
+JOB_CONSOLIDATION = "memory_consolidation"
+JOB_PURGE = "purge"
+PURGE_CRON = "30 3 * * *"  # daily, at a quiet hour
+MISFIRE_GRACE_S = 6 * 3600  # a loop that was busy still runs the job late
+CONSOLIDATION_CONCURRENCY = 2
+
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_ALIASES = {
+    "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *",
+}
+
+
+def config_timezone(cfg: Config) -> tzinfo:
+    """The configured zone, else the system's."""
+    return ZoneInfo(cfg.timezone) if cfg.timezone else tzlocal.get_localzone()
+
+
+def _day_number(token: str) -> int:
+    name = token.strip().lower()[:3]
+    number = _DAYS.index(name) if name in _DAYS else int(token)
+    if not 0 <= number <= 7:
+        raise ValueError(f"day of week {token!r} is out of range (0-7)")
+    return number
+
+
+def _day_of_week(field: str) -> str:
+    """Crontab day-of-week (0 and 7 are Sunday) as APScheduler day names: APScheduler 3
+    counts 0 as Monday, so numbers are never passed through."""
+    if field in ("*", "?"):
+        return "*"
+    names: list[str] = []
+    for part in field.split(","):
+        span, _, step = part.partition("/")
+        every = int(step) if step else 1
+        if span == "*":
+            lo, hi = 0, 6
+        elif "-" in span:
+            lo, hi = (_day_number(t) for t in span.split("-", 1))
+        else:
+            lo = _day_number(span)
+            hi = 6 if step else lo
+        names += [_DAYS[i] for i in range(lo, hi + 1, every)]
+    return ",".join(dict.fromkeys(names))
+
+
+def cron_trigger(expr: str, tz: tzinfo) -> CronTrigger:
+    """A CronTrigger with crontab's meaning (5 fields, or @daily and friends)."""
+    fields = _ALIASES.get(expr.strip().lower(), expr).split()
+    if len(fields) != 5:
+        raise ValueError(f"{expr!r} is not a crontab expression (minute hour day month weekday)")
+    minute, hour, day, month, weekday = fields
+    return CronTrigger(minute=minute, hour=hour, day=day, month=month,
+                       day_of_week=_day_of_week(weekday), timezone=tz)
+
+
+def last_fire_time(trigger: CronTrigger, now: datetime) -> datetime | None:
+    """The most recent fire time at or before `now` (looking back up to about two years)."""
+    for lookback in (timedelta(hours=2), timedelta(days=2), timedelta(days=40), timedelta(days=800)):
+        fire = trigger.get_next_fire_time(None, now - lookback)
+        if fire is None or fire > now:
+            continue
+        while True:
+            following = trigger.get_next_fire_time(fire, fire + timedelta(microseconds=1))
+            if following is None or following > now:
+                return fire
+            fire = following
+    return None
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: Config, *, store: Store, memory: Memory, model: CompletionModel,
+        live_references: Callable[[], set[Path]], clock: Callable[[], datetime] | None = None,
+        metrics: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._memory = memory
+        self._live_references = live_references
+        self._tz = config_timezone(cfg)
+        self._clock = clock or (lambda: datetime.now(self._tz))
+        self._metrics = metrics
+        self._trigger = cron_trigger(cfg.memory_consolidation_cron, self._tz)
+        self._consolidator = Consolidator(
+            memory, store, model, concurrency=CONSOLIDATION_CONCURRENCY,
+            target_tokens=cfg.memory_max_tokens or 4000,
+        )
+        self._aps: AsyncIOScheduler | None = None
+        self._tasks = Background("scheduler")
+        self._consolidating = asyncio.Lock()  # one consolidation run at a time
+        self._purging = asyncio.Lock()
+        self._claimed: set[str] = set()  # slots this process claimed (still running or done)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Schedule the jobs; purge once and catch up a missed consolidation, in the background."""
+        aps = AsyncIOScheduler(
+            timezone=self._tz, event_loop=asyncio.get_running_loop(),
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": MISFIRE_GRACE_S},
+        )
+        aps.add_job(self._fire, self._trigger, args=[JOB_CONSOLIDATION], id=JOB_CONSOLIDATION)
+        aps.add_job(self._fire, cron_trigger(PURGE_CRON, self._tz), args=[JOB_PURGE], id=JOB_PURGE)
+        aps.start()
+        self._aps = aps
+        self._tasks.spawn(self._startup(), name="startup")
+
+    async def stop(self) -> None:
+        if self._aps is not None and self._aps.running:
+            self._aps.shutdown(wait=False)
+            await asyncio.sleep(0)  # APScheduler shuts down in a loop callback; let it run
+        self._aps = None
+        await self._tasks.close()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until the jobs running now (startup work included) are done."""
+        return await self._tasks.wait_idle(timeout)
+
+    def update_config(self, cfg: Config) -> None:
+        """Apply a reloaded config: a new cron or zone reschedules consolidation."""
+        old, self._cfg = self._cfg, cfg
+        if (old.memory_consolidation_cron, old.timezone) == (cfg.memory_consolidation_cron, cfg.timezone):
+            return
+        self._tz = config_timezone(cfg)
+        self._trigger = cron_trigger(cfg.memory_consolidation_cron, self._tz)
+        if self._aps is not None and self._aps.running:
+            self._aps.reschedule_job(JOB_CONSOLIDATION, trigger=self._trigger)
+
+    def next_consolidation(self) -> datetime | None:
+        return self._trigger.get_next_fire_time(None, self._now())
+
+    def _now(self) -> datetime:
+        return self._clock().astimezone(self._tz)
+
+    async def _fire(self, job: str) -> None:
+        # Runs in APScheduler's executor: hand over to a task we own (cancelled on stop).
+        if job == JOB_CONSOLIDATION:
+            self._tasks.spawn(self._scheduled_consolidation(), name=job)
+        else:
+            self._tasks.spawn(self._scheduled_purge(), name=job)
+
+    async def _startup(self) -> None:
+        # Every start purges once: the slot names this start, not a schedule.
+        await self._guard(self.run_purge(slot=f"start:{self._now().isoformat()}:{uuid.uuid4().hex[:8]}"),
+                          JOB_PURGE)
+        fire = last_fire_time(self._trigger, self._now())
+        if fire is None:
+            return
+        slot = fire.isoformat()
+        run = await self._store.job_run(JOB_CONSOLIDATION, slot)
+        if run is not None and run.ended_at is None and slot not in self._claimed:
+            log.info("consolidation slot %s never finished (restart during the run); running it again", slot)
+            await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
+            run = None
+        if run is None:
+            log.info("catching up the missed consolidation of %s", slot)
+            await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
+
+    async def _scheduled_consolidation(self) -> None:
+        fire = last_fire_time(self._trigger, self._now())
+        slot = fire.isoformat() if fire else f"manual:{self._now().isoformat()}"
+        await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
+
+    async def _scheduled_purge(self) -> None:
+        fire = last_fire_time(cron_trigger(PURGE_CRON, self._tz), self._now())
+        slot = fire.isoformat() if fire else f"manual:{self._now().isoformat()}"
+        await self._guard(self.run_purge(slot=slot), JOB_PURGE)
+
+    async def _guard(self, work: Any, job: str) -> None:
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # recorded and logged; the next slot runs as usual
+            log.exception("%s job failed", job)
+
+    def _metric(self, job: str, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics(job, outcome)
+
+    # -- the jobs --------------------------------------------------------------------------
+
+    async def run_consolidation(self, slot: str | None = None) -> dict[str, str]:
+        """Consolidate every scope once for `slot`; {} when that slot already ran."""
+        slot = slot or f"manual:{self._now().isoformat()}"
+        async with self._consolidating:
+            if not await self._store.start_job_run(JOB_CONSOLIDATION, slot):
+                log.info("consolidation slot %s already ran; skipped", slot)
+                return {}
+            self._claimed.add(slot)
+            try:
+                outcomes = await self._consolidator.run()
+            except asyncio.CancelledError:
+                # Stopped mid-run (shutdown): release the slot so the next start catches it up.
+                await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
+                raise
+            except Exception as err:
+                await self._store.finish_job_run(JOB_CONSOLIDATION, slot, "error", repr(err)[:500])
+                self._metric(JOB_CONSOLIDATION, "error")
+                raise
+            failed = sorted(s for s, o in outcomes.items() if not o.startswith(("merged", "no new")))
+            outcome = "partial" if failed else "ok"
+            detail = json.dumps(outcomes, ensure_ascii=False)[:4000]
+            await self._store.finish_job_run(JOB_CONSOLIDATION, slot, outcome, detail)
+            self._metric(JOB_CONSOLIDATION, outcome)
+            log.info("consolidation %s: %s (%d scopes, %d to retry)",
+                     slot, outcome, len(outcomes), len(failed))
+            return outcomes
+
+    async def run_purge(self, slot: str | None = None) -> PurgeReport:
+        slot = slot or f"manual:{self._now().isoformat()}"
+        async with self._purging:
+            if not await self._store.start_job_run(JOB_PURGE, slot):
+                return PurgeReport()
+            self._claimed.add(slot)
+            cfg = self._cfg
+            try:
+                report = await purge(
+                    self._store, self._memory.data_dir, now=self._now().timestamp(),
+                    session_retention_days=cfg.session_retention_days,
+                    tool_result_ttl_days=cfg.tool_result_ttl_days, live_references=self._live_references,
+                )
+            except asyncio.CancelledError:
+                await self._store.finish_job_run(JOB_PURGE, slot, "cancelled")
+                raise
+            except Exception as err:
+                await self._store.finish_job_run(JOB_PURGE, slot, "error", repr(err)[:500])
+                self._metric(JOB_PURGE, "error")
+                raise
+            await self._store.finish_job_run(JOB_PURGE, slot, "ok", report.line())
+            self._metric(JOB_PURGE, "ok")
+            log.info("purge %s: %s", slot, report.line())
+            return report
