@@ -5,6 +5,7 @@ a context overflow."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -172,8 +173,10 @@ class Agent:
     async def _run_tool(self, live: LiveSession, cfg: Config, call: ToolCall) -> None:
         output, outcome = await self._execute(live, cfg, call)
         self.s.metrics.tool_calls.labels(call.name if self.s.tools.get(call.name) else "unknown", outcome).inc()
-        cut = cut_tool_result(output.text, call_id=call.id, limit=cfg.tool_result_max_chars,
-                              file_ref=output.file_ref)
+        # Providers reuse ids like "call_0"; the saved file name must stay unique in the scope.
+        file_id = f"{hashlib.sha1(live.key.encode()).hexdigest()[:8]}_t{live.ctx.current_turn}_{call.id}"
+        cut = cut_tool_result(output.text, call_id=file_id, limit=cfg.tool_result_max_chars,
+                              file_ref=output.file_ref, save_over=cfg.history_tool_result_max_chars)
         if cut.save is not None:
             try:
                 target = resolve_in_workspace(live.workspace, cut.save.path)
