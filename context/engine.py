@@ -65,7 +65,7 @@ MAX_CUT_ROUNDS = 200
 CALIBRATION_MIN = 0.5
 CALIBRATION_MAX = 2.0
 CALIBRATION_WEIGHT = 0.5  # smoothing: half old factor, half the new observation
-UNDELIVERED_MAX_TURNS = 500  # dropped turns kept for their summary; the store has them anyway
+UNDELIVERED_MAX_TURNS = 100  # dropped turns kept for their summary; the store has them anyway
 
 FINAL_INSTRUCTION = (
     "[Gateway: this turn has reached its step limit. Do not call any tools now. Give your "
