@@ -175,6 +175,7 @@ class SessionContext:
         self._provider_limit: tuple[int, int | None] | None = None
         self._inject_cache: tuple[str, dict[str, Any], dict[str, Any], int] | None = None
         self._dropped_upto = 0  # highest turn number no longer live
+        self._cleared_upto = 0  # turns up to this were cleared (/context clear, overflow)
         self._version = 0  # bumped by every change that can alter a request
         for msg in messages:
             self.append(msg)
@@ -246,7 +247,7 @@ class SessionContext:
         trim (which changes the request's prefix anyway) — never on its own mid-turn.
         Dropped turns stay dropped. Stale offers (covering no more than what is already
         known) are ignored."""
-        known = max(self.summary_upto_turn, self._pending[1] if self._pending else 0)
+        known = max(self.summary_upto_turn, self._cleared_upto, self._pending[1] if self._pending else 0)
         if upto_turn <= known or not text.strip():
             return
         self._pending = (text, upto_turn)
@@ -340,6 +341,7 @@ class SessionContext:
         self._inject_cache = None
         top = max(self._last_number, self._max_seen)
         self._requested_upto = self._dropped_upto = self._prefetch_upto = top
+        self._cleared_upto = top  # a summary still on its way covers cleared turns: ignore it
         self.last_event = None
         self._version += 1
 

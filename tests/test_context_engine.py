@@ -450,3 +450,16 @@ def test_an_internal_error_falls_back_to_the_latest_user_message(
     p = prepare(ctx, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
     assert p.messages == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "question 4"}]
     assert p.user_notice is None and p.effects == [] and p.events == []
+
+
+def test_a_summary_arriving_after_clear_is_ignored() -> None:
+    from context.engine import SessionContext
+
+    ctx = SessionContext("web:late")
+    for turn in (1, 2, 3):
+        ctx.append(Message(role="user", content=f"q{turn}", turn=turn))
+        ctx.append(Message(role="assistant", content=f"a{turn}", turn=turn))
+    ctx.clear()
+    ctx.offer_summary("## Goal\nold stuff", upto_turn=3)
+    ctx.append(Message(role="user", content="fresh", turn=4))
+    assert ctx.summary is None and not ctx.summary_pending
