@@ -12,17 +12,22 @@ batches, so a chat's write never waits behind the whole purge.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiosqlite
+
 from gateway.store import Store
+
+log = logging.getLogger("gateway.purge")
 
 DAY = 86_400.0
 DEDUP_DAYS = 7
-ROW_BATCH = 500
+ROW_BATCH = 250  # rows per statement: keeps a chat's write from waiting long behind one
 SESSION_BATCH = 50
 FILE_BATCH = 200
 
@@ -57,8 +62,22 @@ async def purge(
         await asyncio.sleep(0)
     files = await purge_tool_results(data_dir, before=now - tool_result_ttl_days * DAY,
                                      live_references=live_references)
-    await store.checkpoint()
+    await _checkpoint(store)
     return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started)
+
+
+async def _checkpoint(store: Store, attempts: int = 5) -> None:
+    """Truncate the WAL; a chat's write caught between its statement and its commit makes
+    the checkpoint fail ("table is locked"), so try again a moment later."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await store.checkpoint()
+            return
+        except aiosqlite.OperationalError as err:
+            if attempt == attempts:
+                log.warning("WAL checkpoint skipped after the purge: %s", err)
+                return
+            await asyncio.sleep(0.01 * attempt)
 
 
 async def _purge_sessions(store: Store, *, before: float, batch: int) -> tuple[int, int, int]:

@@ -422,6 +422,8 @@ class Store:
         )
 
     async def checkpoint(self) -> None:
-        """Fold the WAL back into the database file and truncate it (after a purge)."""
+        """Fold the WAL back into the database file and truncate it (after a purge).
+        Raises aiosqlite.OperationalError while another write on this connection is
+        between its statement and its commit."""
         async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
             await cur.fetchall()

@@ -82,7 +82,7 @@ async def test_purge_removes_exactly_what_is_past_retention(store: Store, memory
     assert (report.sessions, report.messages, report.summaries, report.events, report.tool_results) == \
         (1, 6, 1, 1, 1)
     wal = Path(f"{store.path}-wal")
-    assert not wal.exists() or wal.stat().st_size == 0  # noqa: ASYNC240  (checkpointed and truncated)
+    assert not wal.exists() or wal.stat().st_size == 0  # checkpointed and truncated
     assert await store.get_session("telegram:dm:old") is None
     assert await store.count_messages("telegram:dm:old") == 0
     assert await store.latest_summary("telegram:dm:old") is None
