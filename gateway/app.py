@@ -33,6 +33,17 @@ log = logging.getLogger("gateway.app")
 SHUTDOWN_TIMEOUT_S = 20.0
 
 
+class CurrentSummaryModel:
+    """The summary model of the running config, also after a reload swapped the clients."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def complete(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        async with self.services.model_slots:
+            return await self.services.summary_model.complete(messages, **kwargs)
+
+
 class StartupError(Exception):
     """A problem that makes starting pointless (bad data dir, unreadable database)."""
 
@@ -157,7 +168,7 @@ class Gateway:
             return
         s = self.services
         self.scheduler = Scheduler(
-            s.cfg, store=s.store, memory=s.memory, model=s.summary_model,
+            s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s),
             live_references=self.live_tool_results,
             metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(),
         )
@@ -168,7 +179,7 @@ class Gateway:
         for live in self.sessions.live.values():
             for m in live.ctx.messages:
                 if m.truncation is not None and m.truncation.saved:
-                    refs.add((live.workspace / m.truncation.path).resolve())
+                    refs.add(live.workspace / m.truncation.path)  # resolved by the purge, off the loop
         return refs
 
     def workspace_for(self, inbound: Inbound) -> Path:
@@ -228,6 +239,8 @@ class Gateway:
             self._model_cfgs = (cfg.model, cfg.summary_model)
             for client in old_models.values():
                 s.background.spawn(client.close(), name="close-model")
+        if self.scheduler is not None:
+            self.scheduler.update_config(cfg)
         for name in ("telegram", "slack"):
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)

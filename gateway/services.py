@@ -24,7 +24,7 @@ class ConfigHolder:
     def __init__(self, config: Config, path: Path | None, base_dir: Path) -> None:
         self.current = config
         self.path = path
-        self.base_dir = base_dir
+        self.base_dir = base_dir.absolute()
         self.version = 1
 
     def swap(self, config: Config) -> None:
