@@ -16,8 +16,9 @@ from aiohttp import web
 from gateway.types import Inbound
 
 # Returns once the event is durably recorded (dedup) and accepted or refused; the
-# adapter may acknowledge the platform event after it returns.
-InboundHandler = Callable[[Inbound], Awaitable[None]]
+# adapter may acknowledge the platform event after it returns. The result is False for
+# an event seen before (nothing more will happen for it), True or None otherwise.
+InboundHandler = Callable[[Inbound], Awaitable[bool | None]]
 
 
 @runtime_checkable

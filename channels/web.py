@@ -99,10 +99,13 @@ class WebChannel:
         event_id = request_id or uuid.uuid4().hex
         inbound = Inbound(channel="web", chat_id=session, user_id=session, text=text, event_id=event_id,
                           message_id=event_id, user_name=session)
+        if event_id in self._waiters:
+            return _error(409, f"a message with id {event_id!r} is being answered")
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiters[event_id] = fut
         try:
-            await self.handler(inbound)
+            if await self.handler(inbound) is False:
+                return _error(409, f"a message with id {event_id!r} was already received")
             reply = await asyncio.wait_for(asyncio.shield(fut), timeout=self.reply_timeout_s)
         except TimeoutError:
             return _error(504, "no reply in time; the message is saved and will be answered")

@@ -40,7 +40,8 @@ class Router:
         scope_mode = self.s.cfg.group_session_scope
         return session_key(inbound, scope_mode), memory_scope(inbound, scope_mode)
 
-    async def handle(self, inbound: Inbound) -> None:
+    async def handle(self, inbound: Inbound) -> bool:
+        """False when the event was seen before (a redelivery): nothing more happens."""
         cfg = self.s.cfg
         self.s.metrics.inbound.labels(inbound.channel).inc()
         text = clean_text(inbound.text).strip()
@@ -54,37 +55,38 @@ class Router:
         if not fresh:
             self.s.metrics.dedup_hits.labels(inbound.channel).inc()
             log.info("duplicate event dropped", extra={"session": key, "event": inbound.event_id})
-            return
+            return False
         approved = False
         if not inbound.is_group and inbound.channel not in ("web", "terminal"):
             approved = await self.pairing.is_approved(inbound.identity)
         decision = decide(cfg, inbound, approved=approved)
         if decision.action == "ignore":
             await self.s.store.mark_event(inbound.channel, inbound.event_id, "ignored")
-            return
+            return True
         if decision.action in ("refuse", "pair"):
             self.s.metrics.refused.labels(inbound.channel, decision.reason).inc()
             await self.s.store.mark_event(inbound.channel, inbound.event_id, "refused")
             await self._refuse(inbound, decision.action)
-            return
+            return True
         if not text and not inbound.attachments:
             await self.s.store.mark_event(inbound.channel, inbound.event_id, "ignored")
-            return
+            return True
         if too_long:
             await self._answer(inbound, f"That message is too long ({len(text):,} characters; the limit is "
                                         f"{cfg.limits.max_inbound_chars:,}). Please send it as a file or shorten it.")
-            return
+            return True
         if await self.commands.handle(inbound, key, scope):
-            return
+            return True
         if self.s.usage is not None:
             over = await self.s.usage.refusal(cfg, inbound.identity)
             if over is not None:
                 self.s.metrics.refused.labels(inbound.channel, "daily budget").inc()
                 await self._answer(inbound, over, status="refused")
-                return
+                return True
             await self.s.usage.add(cfg, inbound.identity, turns=1)
         if not await self.sessions.submit(key, scope, TurnJob(inbound)):
             await self._answer(inbound, BUSY_REPLY, status="busy")
+        return True
 
     async def _answer(self, inbound: Inbound, text: str, status: str = "answered") -> None:
         await self.reply(inbound, text)

@@ -164,3 +164,13 @@ async def test_sessions_do_not_see_each_other(make_gateway: GatewayFactory, fake
     await chat(gw, "kim", "secret of kim: 4242")
     await chat(gw, "lee", "hello")
     assert "4242" not in " ".join(_texts(fake_model.requests[1]))
+
+
+async def test_a_repeated_request_id_is_answered_once(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    fake_model.reply("answered once")
+    status, body = await post_chat(gw, {"session": "rid", "text": "hello", "id": "req-1"})
+    assert status == 200 and body["reply"] == "answered once"
+    status, body = await post_chat(gw, {"session": "rid", "text": "hello", "id": "req-1"})
+    assert status == 409 and "already received" in body["error"]
+    assert len(fake_model.requests) == 1
