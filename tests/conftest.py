@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,28 @@ import pytest_asyncio
 
 from gateway.app import Gateway
 from gateway.config import load_config
+from gateway.store import Store
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+class Clock:
+    """A clock tests move by hand: `clock.now = ...`."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest_asyncio.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    """An opened, migrated store in a temporary directory."""
+    s = await Store.open(tmp_path / "gateway.db")
+    yield s
+    await s.close()
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

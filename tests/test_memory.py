@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,25 +20,11 @@ from gateway.tools.memory_search import MemorySearch
 from gateway.tools.memory_write import MemoryWrite
 from gateway.types import Message
 from gateway.workspace import PathNotAllowed
+from tests.conftest import Clock
 
 ALICE = ("telegram:dm:1", "telegram:user:1")
 BOB = ("telegram:dm:2", "telegram:user:2")
 GROUP = ("telegram:group:-100", "telegram:group:-100")
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(tmp_path / "gateway.db")
-    yield s
-    await s.close()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,13 +21,6 @@ DAY = 86_400.0
 
 def ago(days: float) -> float:
     return (NOW - timedelta(days=days)).timestamp()
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(tmp_path / "gateway.db")
-    yield s
-    await s.close()
 
 
 @pytest.fixture

@@ -17,30 +17,16 @@ from gateway.memory import Memory, NoteFile
 from gateway.model import ModelClient
 from gateway.scheduler import JOB_CONSOLIDATION, JOB_PURGE, Scheduler, cron_trigger, last_fire_time
 from gateway.store import Store
+from tests.conftest import Clock
 from tests.fakes.openai_server import ErrorReply, FakeModel, last_user_text
 
 ALICE = "telegram:user:1"
 BOB = "telegram:user:2"
 
 
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
     return Clock(datetime(2026, 11, 27, 12, 0, tzinfo=UTC))
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(tmp_path / "gateway.db")
-    yield s
-    await s.close()
 
 
 @pytest.fixture
