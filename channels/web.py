@@ -111,6 +111,10 @@ class WebChannel:
             return _error(504, "no reply in time; the message is saved and will be answered")
         except ConnectionAbortedError as err:
             return _error(503, str(err))
+        except Exception as err:
+            # Typically storage (disk full, read-only database): say so, don't leak a trace.
+            log.error("message could not be accepted", extra={"session": session, "error": str(err)[:300]})
+            return _error(503, f"the gateway could not save your message ({err}); please try again later")
         finally:
             self._waiters.pop(event_id, None)
         return web.json_response({"reply": reply, "session": session, "id": event_id})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -28,6 +29,8 @@ Deliver = Callable[[Inbound, str], Awaitable[None]]
 Typing = Callable[[Inbound], AbstractAsyncContextManager[Any]]
 
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
+STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
+                 "e.g. a full disk), so I could not answer. Please try again later.")
 TIMEOUT_REPLY = "Answering took too long and was stopped. Your message is saved; please try again."
 
 
@@ -177,6 +180,13 @@ class SessionManager:
                         await self._turn(live, job)
                     else:
                         await self._command(live, job)
+                except (sqlite3.Error, OSError) as err:
+                    # The database or disk refused a write: this job ends, the queue goes on.
+                    log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
+                    await self._send(job.inbound, STORAGE_REPLY)
+                except Exception:
+                    log.exception("job failed", extra={"session": live.key})
+                    await self._send(job.inbound, CRASH_REPLY)
                 finally:
                     live.busy = False
         finally:
