@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ CHUNK_CHARS = 800  # memory files are indexed in chunks of about this size
 SNIPPET_BEFORE = 80
 SNIPPET_AFTER = 200
 PROMPT_CACHE_SCOPES = 1024  # MEMORY.md texts kept for the system prompt (LRU)
+RECHECK_S = 2.0  # how stale the cached MEMORY.md may be before its mtime is checked again
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,7 @@ class Memory:
         self._registered: set[str] = set()
         # scope -> ((mtime_ns, size, max_tokens), text): the system prompt stays byte-identical
         self._prompt_cache: OrderedDict[str, tuple[tuple[int, int, int], str]] = OrderedDict()
+        self._prompt_checked: dict[str, float] = {}  # scope -> monotonic time of the last stat
 
     @property
     def data_dir(self) -> Path:
@@ -296,6 +299,12 @@ class Memory:
     # -- MEMORY.md for the system prompt -------------------------------------------------
 
     async def read_memory_md(self, scope: str, *, max_tokens: int, count: Callable[[str], int]) -> str:
+        cached = self._prompt_cache.get(scope)
+        now = time.monotonic()
+        if cached is not None and cached[0][2] == max_tokens and now - self._prompt_checked.get(scope, 0) < RECHECK_S:
+            # Our own writes drop the cache; a person's edit is seen within RECHECK_S.
+            return cached[1]
+        self._prompt_checked[scope] = now
         try:
             path = await self._path(scope, MEMORY_FILE)
         except PathNotAllowed:
@@ -303,7 +312,7 @@ class Memory:
             return ""
         st = await asyncio.to_thread(_stat, path)
         if st is None:
-            self._prompt_cache.pop(scope, None)
+            self._prompt_cache[scope] = ((0, 0, max_tokens), "")  # no file yet: remembered too
             return ""
         key = (st.st_mtime_ns, st.st_size, max_tokens)
         cached = self._prompt_cache.get(scope)
@@ -314,7 +323,8 @@ class Memory:
         self._prompt_cache[scope] = (key, text)
         self._prompt_cache.move_to_end(scope)
         while len(self._prompt_cache) > PROMPT_CACHE_SCOPES:
-            self._prompt_cache.popitem(last=False)
+            evicted, _ = self._prompt_cache.popitem(last=False)
+            self._prompt_checked.pop(evicted, None)
         return text
 
     # -- writes ----------------------------------------------------------------------------
@@ -324,6 +334,7 @@ class Memory:
         async with self.lock(scope):
             path = await self._path(scope, relative)
             text, st = await asyncio.to_thread(_rewrite, path, make)
+            self._prompt_checked.pop(scope, None)
             await self._index_file(scope, relative, text, st.st_mtime_ns, st.st_size)
         return path
 
@@ -397,6 +408,7 @@ class Memory:
             if current:
                 await self._backup(scope, current, keep_backups)
             st = await asyncio.to_thread(lambda: (atomic_write_text(path, final), path.stat())[1])
+            self._prompt_checked.pop(scope, None)
             await self._index_file(scope, MEMORY_FILE, final, st.st_mtime_ns, st.st_size)
         await self._register(scope)
         return True

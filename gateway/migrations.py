@@ -35,6 +35,9 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX messages_session_turn ON messages(session_key, turn, seq);
     CREATE INDEX messages_created ON messages(created_at);
+    CREATE TRIGGER messages_touch_session AFTER INSERT ON messages BEGIN
+        UPDATE sessions SET updated_at = new.created_at WHERE key = new.session_key;
+    END;
 
     CREATE TABLE events (
         channel TEXT NOT NULL,

@@ -1,8 +1,10 @@
 """The SQLite store (aiosqlite, WAL): the source of truth for sessions and messages.
 
 One connection, so one writer: aiosqlite runs every statement on its own thread, in
-order, and nothing blocks the event loop. Behind this small interface a PostgreSQL
-store could join later.
+order, and nothing blocks the event loop. The connection is in autocommit mode and the
+hot paths are one statement each (RETURNING, triggers), because every aiosqlite call is a
+round trip to that thread: a turn costs a handful of them, not dozens. Behind this small
+interface a PostgreSQL store could join later.
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ def _truncation_from_json(text: str | None) -> Truncation | None:
     return Truncation(**known)
 
 
+def _session_row(row: aiosqlite.Row) -> SessionRow:
+    return SessionRow(
+        key=row["key"], scope=row["scope"], channel=row["channel"], created_at=row["created_at"],
+        updated_at=row["updated_at"], context_start_turn=row["context_start_turn"],
+    )
+
+
 def _row_to_message(row: aiosqlite.Row) -> Message:
     calls = tuple(ToolCall(**c) for c in json.loads(row["tool_calls"])) if row["tool_calls"] else ()
     return Message(
@@ -106,7 +115,7 @@ class Store:
     async def open(cls, path: Path) -> Store:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            db = await aiosqlite.connect(str(path), timeout=10)
+            db = await aiosqlite.connect(str(path), timeout=10, isolation_level=None)
         except (OSError, aiosqlite.Error) as err:
             raise StoreError(f"cannot open the database {path}: {err}") from err
         db.row_factory = aiosqlite.Row
@@ -119,18 +128,13 @@ class Store:
         return store
 
     async def _setup(self) -> None:
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=NORMAL")
-        await self._db.execute("PRAGMA foreign_keys=ON")
-        await self._db.execute("PRAGMA busy_timeout=5000")
-        async with self._db.execute("PRAGMA user_version") as cur:
-            row = await cur.fetchone()
-        version = int(row[0]) if row else 0
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
+            await self._db.execute_fetchall(f"PRAGMA {pragma}")
+        version = await self.schema_version()
         for number, script in enumerate(MIGRATIONS, start=1):
             if number <= version:
                 continue
             await self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={number};\nCOMMIT;")
-        await self._db.commit()
 
     async def close(self) -> None:
         try:
@@ -144,16 +148,18 @@ class Store:
         """For modules with their own tables (memory search, jobs); same single writer."""
         return self._db
 
+    async def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
+        """One statement, one round trip; the rows (or RETURNING rows) come back whole."""
+        return list(await self._db.execute_fetchall(sql, args))
+
     async def schema_version(self) -> int:
-        async with self._db.execute("PRAGMA user_version") as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        rows = await self._rows("PRAGMA user_version")
+        return int(rows[0][0]) if rows else 0
 
     async def check_writable(self) -> bool:
         try:
-            await self._db.execute("CREATE TEMP TABLE IF NOT EXISTS _probe(x)")
-            await self._db.execute("BEGIN IMMEDIATE")
-            await self._db.execute("ROLLBACK")
+            # One script, one round trip: no other task's statement can land inside it.
+            await self._db.executescript("BEGIN IMMEDIATE; ROLLBACK;")
             return True
         except aiosqlite.Error:
             return False
@@ -162,38 +168,25 @@ class Store:
 
     async def ensure_session(self, key: str, scope: str, channel: str) -> SessionRow:
         now = time.time()
-        await self._db.execute(
+        rows = await self._rows(
             "INSERT INTO sessions(key, scope, channel, created_at, updated_at) VALUES (?,?,?,?,?) "
-            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at",
+            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at RETURNING *",
             (key, scope, channel, now, now),
         )
-        await self._db.commit()
-        row = await self.get_session(key)
-        assert row is not None
-        return row
+        return _session_row(rows[0])
 
     async def get_session(self, key: str) -> SessionRow | None:
-        async with self._db.execute("SELECT * FROM sessions WHERE key=?", (key,)) as cur:
-            row = await cur.fetchone()
-        if row is None:
-            return None
-        return SessionRow(
-            key=row["key"], scope=row["scope"], channel=row["channel"],
-            created_at=row["created_at"], updated_at=row["updated_at"],
-            context_start_turn=row["context_start_turn"],
-        )
+        rows = await self._rows("SELECT * FROM sessions WHERE key=?", (key,))
+        return _session_row(rows[0]) if rows else None
 
     async def set_context_start(self, key: str, turn: int) -> None:
-        await self._db.execute(
-            "UPDATE sessions SET context_start_turn=?, updated_at=? WHERE key=?",
-            (turn, time.time(), key),
+        await self._rows(
+            "UPDATE sessions SET context_start_turn=?, updated_at=? WHERE key=?", (turn, time.time(), key)
         )
-        await self._db.commit()
 
     async def count_sessions(self) -> int:
-        async with self._db.execute("SELECT count(*) FROM sessions") as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        rows = await self._rows("SELECT count(*) FROM sessions")
+        return int(rows[0][0]) if rows else 0
 
     # -- messages ---------------------------------------------------------------------
 
@@ -203,18 +196,17 @@ class Store:
                        ensure_ascii=False)
             if msg.tool_calls else None
         )
-        cur = await self._db.execute(
+        # One statement: a trigger keeps sessions.updated_at, another the search index.
+        rows = await self._rows(
             "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "tool_name, truncation, injected, token_count, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+            "RETURNING id",
             (
                 key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
                 _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
             ),
         )
-        row_id = cur.lastrowid
-        await cur.close()
-        await self._db.execute("UPDATE sessions SET updated_at=? WHERE key=?", (msg.created_at, key))
-        await self._db.commit()
+        row_id = int(rows[0][0])
         return Message(
             role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
             tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
@@ -222,39 +214,32 @@ class Store:
         )
 
     async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:
-        async with self._db.execute(
-            "SELECT * FROM messages WHERE session_key=? AND turn>=? ORDER BY turn, seq, id",
-            (key, from_turn),
-        ) as cur:
-            rows = await cur.fetchall()
+        rows = await self._rows(
+            "SELECT * FROM messages WHERE session_key=? AND turn>=? ORDER BY turn, seq, id", (key, from_turn)
+        )
         return [_row_to_message(r) for r in rows]
 
     async def recent_messages(self, key: str, *, turns: int, from_turn: int = 1) -> list[Message]:
         """Messages of the last `turns` turns at or after `from_turn` (for restore)."""
-        async with self._db.execute(
+        found = [r[0] for r in await self._rows(
             "SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn>=? ORDER BY turn DESC LIMIT ?",
             (key, from_turn, turns),
-        ) as cur:
-            found = [r[0] for r in await cur.fetchall()]
+        )]
         if not found:
             return []
         return await self.messages(key, from_turn=min(found))
 
     async def last_turn(self, key: str) -> int:
-        async with self._db.execute(
-            "SELECT max(turn) FROM messages WHERE session_key=?", (key,)
-        ) as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+        rows = await self._rows("SELECT max(turn) FROM messages WHERE session_key=?", (key,))
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
     async def count_messages(self, key: str | None = None) -> int:
         if key is None:
             sql, args = "SELECT count(*) FROM messages", ()
         else:
             sql, args = "SELECT count(*) FROM messages WHERE session_key=?", (key,)
-        async with self._db.execute(sql, args) as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        rows = await self._rows(sql, args)
+        return int(rows[0][0]) if rows else 0
 
     # -- platform events (dedup, exactly once) ------------------------------------------
 
@@ -263,38 +248,28 @@ class Store:
         status: str = "accepted",
     ) -> bool:
         """Record a platform event; False when it was seen before (a redelivery)."""
-        cur = await self._db.execute(
+        rows = await self._rows(
             "INSERT OR IGNORE INTO events(channel, event_id, session_key, status, inbound, created_at) "
-            "VALUES (?,?,?,?,?,?)",
+            "VALUES (?,?,?,?,?,?) RETURNING 1",
             (channel, event_id, session_key, status,
              json.dumps(inbound, ensure_ascii=False) if inbound is not None else None, time.time()),
         )
-        fresh = cur.rowcount == 1
-        await cur.close()
-        await self._db.commit()
-        return fresh
+        return len(rows) == 1
 
     async def mark_event(self, channel: str, event_id: str, status: str, *, turn: int | None = None) -> None:
-        await self._db.execute(
+        await self._rows(
             "UPDATE events SET status=?, answered_at=?, turn=coalesce(?, turn) WHERE channel=? AND event_id=?",
             (status, time.time(), turn, channel, event_id),
         )
-        await self._db.commit()
 
     async def event_status(self, channel: str, event_id: str) -> str | None:
-        async with self._db.execute(
-            "SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id)
-        ) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self._rows("SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id))
+        return rows[0][0] if rows else None
 
     async def pending_events(self, statuses: Iterable[str] = ("accepted", "running")) -> list[PendingEvent]:
         wanted = tuple(statuses)
         marks = ",".join("?" * len(wanted))
-        async with self._db.execute(
-            f"SELECT * FROM events WHERE status IN ({marks}) ORDER BY created_at", wanted
-        ) as cur:
-            rows = await cur.fetchall()
+        rows = await self._rows(f"SELECT * FROM events WHERE status IN ({marks}) ORDER BY created_at", wanted)
         out = []
         for r in rows:
             if not r["inbound"]:
@@ -309,19 +284,16 @@ class Store:
     # -- summaries ----------------------------------------------------------------------
 
     async def add_summary(self, key: str, scope: str, *, upto_turn: int, reason: str, text: str) -> None:
-        await self._db.execute(
+        await self._rows(
             "INSERT INTO summaries(session_key, scope, upto_turn, reason, text, created_at) VALUES (?,?,?,?,?,?)",
             (key, scope, upto_turn, reason, text, time.time()),
         )
-        await self._db.commit()
 
     async def latest_summary(self, key: str) -> StoredSummary | None:
-        async with self._db.execute(
-            "SELECT * FROM summaries WHERE session_key=? ORDER BY id DESC LIMIT 1", (key,)
-        ) as cur:
-            row = await cur.fetchone()
-        if row is None:
+        rows = await self._rows("SELECT * FROM summaries WHERE session_key=? ORDER BY id DESC LIMIT 1", (key,))
+        if not rows:
             return None
+        row = rows[0]
         return StoredSummary(text=row["text"], upto_turn=row["upto_turn"], reason=row["reason"],
                              created_at=row["created_at"])
 
@@ -329,32 +301,26 @@ class Store:
 
     async def start_job_run(self, job: str, slot: str) -> bool:
         """Claim a (job, slot); False when that slot already ran (or runs)."""
-        cur = await self._db.execute(
-            "INSERT OR IGNORE INTO job_runs(job, slot, started_at) VALUES (?,?,?)",
+        rows = await self._rows(
+            "INSERT OR IGNORE INTO job_runs(job, slot, started_at) VALUES (?,?,?) RETURNING 1",
             (job, slot, time.time()),
         )
-        claimed = cur.rowcount == 1
-        await cur.close()
-        await self._db.commit()
-        return claimed
+        return len(rows) == 1
 
     async def finish_job_run(self, job: str, slot: str, outcome: str, detail: str | None = None) -> None:
-        await self._db.execute(
+        await self._rows(
             "UPDATE job_runs SET ended_at=?, outcome=?, detail=? WHERE job=? AND slot=?",
             (time.time(), outcome, detail, job, slot),
         )
-        await self._db.commit()
 
     async def forget_job_run(self, job: str, slot: str) -> None:
         """Release a slot whose run failed, so the next run retries it."""
-        await self._db.execute("DELETE FROM job_runs WHERE job=? AND slot=?", (job, slot))
-        await self._db.commit()
+        await self._rows("DELETE FROM job_runs WHERE job=? AND slot=?", (job, slot))
 
     async def job_runs(self, job: str | None = None, limit: int = 10) -> list[JobRun]:
         sql = "SELECT * FROM job_runs" + (" WHERE job=?" if job else "") + " ORDER BY id DESC LIMIT ?"
         args: tuple[Any, ...] = (job, limit) if job else (limit,)
-        async with self._db.execute(sql, args) as cur:
-            rows = await cur.fetchall()
+        rows = await self._rows(sql, args)
         return [JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
                        outcome=r["outcome"], detail=r["detail"]) for r in rows]
 
