@@ -425,6 +425,10 @@ class SlackChannel:
         except Exception as err:
             log.warning("slack: dropped a payload bolt cannot parse (%s)", _describe(err))
             return BoltResponse(status=200, body="")
+        if _malformed_event(request.body):
+            # Bolt itself raises on these shapes; a retry could never succeed: ack and drop.
+            log.warning("slack: dropped an event callback with a malformed event")
+            return BoltResponse(status=200, body="")
         response = await app.async_dispatch(request)
         # Bolt answers an auth.test failure with a 200 "user-facing" message: not an ack.
         authorized = request.context.authorize_result is not None or request.body.get("type") in (
@@ -757,6 +761,14 @@ def _url_verification(text: str) -> str | None:
         challenge = payload.get("challenge")
         return challenge if isinstance(challenge, str) else ""
     return None
+
+
+def _malformed_event(body: Any) -> bool:
+    """An Events API callback whose `event` is not an object or has no string `type`."""
+    if not isinstance(body, dict) or body.get("type") != "event_callback":
+        return False
+    event = body.get("event")
+    return not isinstance(event, dict) or not isinstance(event.get("type"), str)
 
 
 def _event_type(body: Any) -> Any:

@@ -6,13 +6,14 @@ adapter may then acknowledge it to the platform."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 
 from gateway.access import Pairing, decide
 from gateway.commands import Commands
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
-from gateway.sessions import SessionManager, TurnJob
+from gateway.sessions import STORAGE_REPLY, SessionManager, TurnJob
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 
 log = logging.getLogger("gateway.router")
@@ -42,6 +43,19 @@ class Router:
 
     async def handle(self, inbound: Inbound) -> bool:
         """False when the event was seen before (a redelivery): nothing more happens."""
+        try:
+            return await self._handle(inbound)
+        except (sqlite3.Error, OSError) as err:
+            # Disk full, read-only database: say so instead of failing the platform's delivery.
+            log.error("inbound message could not be stored",
+                      extra={"channel": inbound.channel, "error": str(err)[:300]})
+            try:
+                await self.reply(inbound, STORAGE_REPLY)
+            except Exception:
+                log.exception("storage notice could not be delivered", extra={"channel": inbound.channel})
+            return True
+
+    async def _handle(self, inbound: Inbound) -> bool:
         cfg = self.s.cfg
         self.s.metrics.inbound.labels(inbound.channel).inc()
         text = clean_text(inbound.text).strip()

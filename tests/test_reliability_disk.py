@@ -24,6 +24,8 @@ import os
 import sqlite3
 import stat
 import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +35,19 @@ import pytest
 
 from bench._procs import PYTHON, ROOT, child_env
 from gateway.app import Gateway
-from tests.conftest import GatewayFactory, chat, post_chat
+from tests.conftest import GatewayFactory, chat
+from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
+from tests.fakes.telegram_server import FakeTelegram
 from tests.test_reliability_faults import session_problems
+
+fake_telegram = telegram_server.fake_telegram  # the fixture
 
 PR_CAPBSET_DROP = 24
 # CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER: what lets root ignore modes.
 FILE_CAPABILITIES = (0, 1, 2, 3)
 BIG_TEXT = "a message that needs fresh pages in the database " * 600
+TELEGRAM_SIZED_TEXT = BIG_TEXT[:4000]  # Telegram's own limit is 4096
 
 
 def _drop_file_capabilities() -> None:
@@ -51,81 +58,120 @@ def _drop_file_capabilities() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
-def run_gateway(config: Path, *, unprivileged: bool = False) -> subprocess.CompletedProcess[str]:
-    """`python -m gateway run --config` to completion (bounded), stdin closed."""
-    extra: dict[str, Any] = {}
-    if unprivileged and os.geteuid() == 0:
-        extra["preexec_fn"] = _drop_file_capabilities
-    return subprocess.run(
-        [PYTHON, "-m", "gateway", "run", "--config", str(config)], cwd=ROOT, env=child_env(),
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False, **extra,
-    )
+@dataclass
+class StartCase:
+    """One refused start: how to break the data dir, what the error line must name."""
+
+    prepare: Callable[[Path], Path]  # builds the case under a directory; returns the path to name
+    unprivileged: bool = False
+    expect: str = ""  # a phrase of the error line
+    restore: Callable[[Path], None] = lambda _base: None  # undo modes so tmp_path can be removed
 
 
-def write_config(directory: Path, data_dir: str) -> Path:
-    path = directory / "config.json"
-    path.write_text(json.dumps({"data_dir": data_dir, "http": {"host": "127.0.0.1", "port": 0}}))
-    return path
+def _under_a_file(base: Path) -> Path:
+    (base / "not-a-dir").write_text("a file where a directory should be")
+    return base / "not-a-dir" / "data"
 
 
-def assert_refused_start(result: subprocess.CompletedProcess[str], names: Path) -> str:
-    """A clean refusal: exit code 2, nothing on stdout, one stderr line naming `names`."""
+def _a_file(base: Path) -> Path:
+    (base / "data").write_text("a file")
+    return base / "data"
+
+
+def _read_only_dir(base: Path) -> Path:
+    (base / "data").mkdir()
+    (base / "data").chmod(0o500)
+    return base / "data"
+
+
+def _read_only_db(base: Path) -> Path:
+    (base / "data").mkdir()
+    db_path = base / "data" / "gateway.sqlite3"
+    with sqlite3.connect(db_path) as db:  # an existing database the gateway may not write
+        db.execute("CREATE TABLE kept(x)")
+    db_path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    return db_path
+
+
+def _db_is_a_dir(base: Path) -> Path:
+    (base / "data" / "gateway.sqlite3").mkdir(parents=True)
+    return base / "data" / "gateway.sqlite3"
+
+
+def _not_a_db(base: Path) -> Path:
+    (base / "data").mkdir()
+    (base / "data" / "gateway.sqlite3").write_bytes(b"\x00garbage, not SQLite\xff" * 300)
+    return base / "data" / "gateway.sqlite3"
+
+
+START_CASES = {
+    "data_dir under a regular file": StartCase(_under_a_file, expect="Not a directory"),
+    "data_dir is a file": StartCase(_a_file),
+    "read-only data dir": StartCase(_read_only_dir, unprivileged=True, expect="not writable",
+                                    restore=lambda base: (base / "data").chmod(0o700)),
+    "read-only database file": StartCase(_read_only_db, unprivileged=True,
+                                         restore=lambda base: (base / "data" / "gateway.sqlite3").chmod(0o600)),
+    "database path is a directory": StartCase(_db_is_a_dir),
+    "a file that is not a database": StartCase(_not_a_db, expect="not a database"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused_starts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Result]]]:
+    """Every case's `python -m gateway run`, started together (each spends ~2 s importing)."""
+    running: dict[str, tuple[Path, Path, subprocess.Popen[str]]] = {}
+    for name, case in START_CASES.items():
+        base = tmp_path_factory.mktemp("start")
+        named = case.prepare(base)
+        config = base / "config.json"
+        data_dir = os.path.relpath(named.parent if named.name == "gateway.sqlite3" else named, base)
+        config.write_text(json.dumps({"data_dir": data_dir, "http": {"host": "127.0.0.1", "port": 0}}))
+        extra: dict[str, Any] = {}
+        if case.unprivileged and os.geteuid() == 0:
+            extra["preexec_fn"] = _drop_file_capabilities
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "gateway", "run", "--config", str(config)], cwd=ROOT, env=child_env(),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **extra,
+        )
+        running[name] = (base, named, proc)
+    results: dict[str, tuple[Path, Result]] = {}
+    try:
+        for name, (_base, named, proc) in running.items():
+            out, err = proc.communicate(timeout=60)
+            results[name] = (named, Result(proc.returncode, out, err))
+        yield results
+    finally:
+        for name, (base, _named, proc) in running.items():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            START_CASES[name].restore(base)
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.mark.parametrize("case", list(START_CASES))
+def test_unusable_data_dir_refuses_to_start_with_one_clear_line(
+    refused_starts: dict[str, tuple[Path, Result]], case: str
+) -> None:
+    named, result = refused_starts[case]
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "gateway running" not in result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr[-2000:]
-    assert str(names) in lines[0] and lines[0].startswith("cannot start:"), lines[0]
+    assert lines[0].startswith("cannot start:") and str(named) in lines[0], lines[0]
+    assert START_CASES[case].expect in lines[0]
     assert "Traceback" not in result.stderr
-    return lines[0]
 
 
-def test_data_dir_under_a_regular_file_refuses_to_start(tmp_path: Path) -> None:
-    (tmp_path / "not-a-dir").write_text("a file where a directory should be")
-    line = assert_refused_start(run_gateway(write_config(tmp_path, "not-a-dir/data")),
-                                tmp_path / "not-a-dir" / "data")
-    assert "Not a directory" in line
-
-
-def test_data_dir_that_is_a_file_refuses_to_start(tmp_path: Path) -> None:
-    (tmp_path / "data").write_text("a file")
-    assert_refused_start(run_gateway(write_config(tmp_path, "data")), tmp_path / "data")
-
-
-def test_read_only_data_dir_refuses_to_start(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    data.chmod(0o500)
-    try:
-        line = assert_refused_start(run_gateway(write_config(tmp_path, "data"), unprivileged=True), data)
-    finally:
-        data.chmod(0o700)
-    assert "not writable" in line
-    assert list(data.iterdir()) == []  # nothing was written after all
-
-
-def test_read_only_database_file_refuses_to_start(tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    db_path = data / "gateway.sqlite3"
-    with sqlite3.connect(db_path) as db:  # an existing database the gateway may not write
-        db.execute("CREATE TABLE kept(x)")
-    db_path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-    try:
-        assert_refused_start(run_gateway(write_config(tmp_path, "data"), unprivileged=True), db_path)
-    finally:
-        db_path.chmod(0o600)
-
-
-def test_database_path_that_is_a_directory_refuses_to_start(tmp_path: Path) -> None:
-    (tmp_path / "data" / "gateway.sqlite3").mkdir(parents=True)
-    assert_refused_start(run_gateway(write_config(tmp_path, "data")), tmp_path / "data" / "gateway.sqlite3")
-
-
-def test_a_file_that_is_not_a_database_refuses_to_start(tmp_path: Path) -> None:
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "gateway.sqlite3").write_bytes(b"\x00garbage, not SQLite\xff" * 300)
-    line = assert_refused_start(run_gateway(write_config(tmp_path, "data")), tmp_path / "data" / "gateway.sqlite3")
-    assert "not a database" in line
+def test_a_read_only_data_dir_stays_untouched(refused_starts: dict[str, tuple[Path, Result]]) -> None:
+    named, _result = refused_starts["read-only data dir"]
+    assert list(named.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------- disk full
@@ -163,14 +209,23 @@ async def _healthz(gw: Gateway) -> int:
         return resp.status
 
 
+async def post_raw(gw: Gateway, session: str, text: str) -> tuple[int, str]:
+    """POST /api/chat and return the body as text, whatever its content type."""
+    assert gw.http is not None
+    async with aiohttp.ClientSession() as http, http.post(
+        f"http://127.0.0.1:{gw.http.port}/api/chat", json={"session": session, "text": text}
+    ) as resp:
+        return resp.status, await resp.text()
+
+
 async def test_a_full_disk_does_not_take_the_gateway_down(make_gateway: GatewayFactory,
                                                           fake_model: FakeModel) -> None:
     gw = await make_gateway()
     assert await chat(gw, "rae", "before") == "echo: before"
     await fill_disk(gw)
 
-    status, _body = await post_chat(gw, {"session": "rae", "text": BIG_TEXT})
-    assert status != 200 or "echo" not in str(_body)  # the message could not be stored, so no turn ran
+    _status, body = await post_raw(gw, "rae", BIG_TEXT)
+    assert "echo: a message" not in body  # it could not be stored, so no turn ran
     assert await _healthz(gw) == 200
 
     await free_disk(gw)
@@ -181,21 +236,32 @@ async def test_a_full_disk_does_not_take_the_gateway_down(make_gateway: GatewayF
     assert [m.content for m in stored if m.role == "user"] == ["before", "after"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: a storage error (SQLITE_FULL) in Router.handle → store.record_event escapes to "
-    "channels/web.py api_chat, which answers HTTP 500 'Internal Server Error' with a traceback in the "
-    "log instead of a clear reply; Telegram retries the update 3 times and drops it without a reply"))
-async def test_a_turn_under_a_full_disk_gets_a_clear_reply(make_gateway: GatewayFactory,
-                                                           fake_model: FakeModel) -> None:
+async def test_a_web_turn_under_a_full_disk_gets_a_clear_error(make_gateway: GatewayFactory,
+                                                               fake_model: FakeModel) -> None:
     gw = await make_gateway()
     assert await chat(gw, "sol", "before") == "echo: before"
     await fill_disk(gw)
-    assert gw.http is not None
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"http://127.0.0.1:{gw.http.port}/api/chat",
-                             json={"session": "sol", "text": BIG_TEXT}) as resp:
-            raw = await resp.text()
+    status, raw = await post_raw(gw, "sol", BIG_TEXT)
     body = json.loads(raw)  # a JSON answer (reply or error), not aiohttp's plain-text 500 page
     text = str(body.get("reply") or body.get("error") or "")
+    assert status in (200, 503, 507), (status, text)
     assert any(word in text.lower() for word in ("disk", "storage", "full", "save")), text
     assert "Traceback" not in text
+
+
+async def test_a_telegram_turn_under_a_full_disk_gets_a_clear_reply(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
+) -> None:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels={"telegram": {
+        "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+        "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
+    fake_telegram.push_message(chat_id=41, user_id=41, text="before")
+    assert [m["text"] for m in await fake_telegram.wait_sent(1)] == ["echo: before"]
+    await fill_disk(gw)
+    update_id = fake_telegram.push_message(chat_id=41, user_id=41, text=TELEGRAM_SIZED_TEXT)
+    await fake_telegram.wait_confirmed(update_id + 1, timeout=10)  # handled or given up on
+    assert gw.services is not None
+    await gw.services.background.wait_idle(5)
+    replies = [m["text"] for m in fake_telegram.sent[1:]]
+    assert replies, "no reply to a message that could not be saved"
+    assert any(word in replies[0].lower() for word in ("disk", "storage", "full", "save")), replies
