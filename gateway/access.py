@@ -68,53 +68,41 @@ class Pairing:
         self.store = store
 
     async def is_approved(self, identity: str) -> bool:
-        async with self.store.connection.execute(
-            "SELECT 1 FROM approved_users WHERE identity=?", (identity,)
-        ) as cur:
-            return await cur.fetchone() is not None
+        return bool(await self.store.run("SELECT 1 FROM approved_users WHERE identity=?", (identity,)))
 
     async def code_for(self, identity: str, now: float | None = None) -> tuple[str, bool]:
         """The person's live code (reused while valid) and whether it is new; rate limited."""
         now = time.time() if now is None else now
-        db = self.store.connection
-        async with db.execute(
-            "SELECT code, created_at FROM pairing_codes WHERE identity=? AND approved_at IS NULL "
+        live = await self.store.run(
+            "SELECT code FROM pairing_codes WHERE identity=? AND approved_at IS NULL "
             "AND expires_at>? ORDER BY created_at DESC LIMIT 1", (identity, now),
-        ) as cur:
-            row = await cur.fetchone()
-        if row is not None:
-            return row[0], False
-        async with db.execute(
-            "SELECT max(created_at) FROM pairing_codes WHERE identity=?", (identity,)
-        ) as cur:
-            last = await cur.fetchone()
-        if last and last[0] and now - float(last[0]) < PAIRING_MIN_INTERVAL_S:
+        )
+        if live:
+            return str(live[0][0]), False
+        last = await self.store.run("SELECT max(created_at) FROM pairing_codes WHERE identity=?", (identity,))
+        if last and last[0][0] and now - float(last[0][0]) < PAIRING_MIN_INTERVAL_S:
             return "", False
         code = new_code()
-        await db.execute(
+        await self.store.run(
             "INSERT INTO pairing_codes(code, identity, created_at, expires_at) VALUES (?,?,?,?)",
             (code, identity, now, now + PAIRING_TTL_S),
         )
-        await db.commit()
         return code, True
 
     async def approve(self, code: str, approved_by: str, now: float | None = None) -> str | None:
         """Approve a code; returns the approved identity, or None for an unknown/expired code."""
         now = time.time() if now is None else now
         code = code.strip().upper()
-        db = self.store.connection
-        async with db.execute(
-            "SELECT identity FROM pairing_codes WHERE code=? AND approved_at IS NULL AND expires_at>?",
-            (code, now),
-        ) as cur:
-            row = await cur.fetchone()
-        if row is None:
+        # Claiming the code and reading its owner is one statement: a code approves once.
+        rows = await self.store.run(
+            "UPDATE pairing_codes SET approved_at=? WHERE code=? AND approved_at IS NULL AND expires_at>? "
+            "RETURNING identity", (now, code, now),
+        )
+        if not rows:
             return None
-        identity = str(row[0])
-        await db.execute("UPDATE pairing_codes SET approved_at=? WHERE code=?", (now, code))
-        await db.execute(
+        identity = str(rows[0][0])
+        await self.store.run(
             "INSERT OR REPLACE INTO approved_users(identity, approved_by, approved_at) VALUES (?,?,?)",
             (identity, approved_by, now),
         )
-        await db.commit()
         return identity

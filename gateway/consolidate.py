@@ -130,6 +130,7 @@ class Consolidator:
         target_tokens: int = 4000, timeout_s: float = 300, max_input_chars: int = MAX_INPUT_CHARS,
     ) -> None:
         self._memory = memory
+        self._store = store
         self._db = store.connection
         self._model = model
         self._slots = asyncio.Semaphore(max(1, concurrency))
@@ -203,11 +204,9 @@ class Consolidator:
 
     async def _save_watermarks(self, scope: str, marks: Sequence[Watermark]) -> None:
         now = time.time()
-        await self._db.executemany(
-            "INSERT INTO memory_watermarks(scope, note, chars, digest, size, mtime_ns, updated_at) "
-            "VALUES (?,?,?,?,?,?,?) ON CONFLICT(scope, note) DO UPDATE SET "
-            "chars=excluded.chars, digest=excluded.digest, size=excluded.size, "
-            "mtime_ns=excluded.mtime_ns, updated_at=excluded.updated_at",
-            [(scope, m.note, m.chars, m.digest, m.size, m.mtime_ns, now) for m in marks],
-        )
-        await self._db.commit()
+        sql = ("INSERT INTO memory_watermarks(scope, note, chars, digest, size, mtime_ns, updated_at) "
+               "VALUES (?,?,?,?,?,?,?) ON CONFLICT(scope, note) DO UPDATE SET "
+               "chars=excluded.chars, digest=excluded.digest, size=excluded.size, "
+               "mtime_ns=excluded.mtime_ns, updated_at=excluded.updated_at")
+        for m in marks:
+            await self._store.run(sql, (scope, m.note, m.chars, m.digest, m.size, m.mtime_ns, now))

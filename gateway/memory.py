@@ -284,12 +284,9 @@ class Memory:
         """Remember that this scope has memory (consolidation walks the registered scopes)."""
         if scope in self._registered:
             return
-        db = self._store.connection
-        await db.execute(
-            "INSERT OR IGNORE INTO memory_scopes(scope, dirname) VALUES (?, ?)",
-            (scope, scope_dirname(scope)),
+        await self._store.run(
+            "INSERT OR IGNORE INTO memory_scopes(scope, dirname) VALUES (?, ?)", (scope, scope_dirname(scope))
         )
-        await db.commit()
         self._registered.add(scope)
 
     async def scopes(self) -> list[str]:
@@ -440,16 +437,15 @@ class Memory:
     async def _index_file(self, scope: str, relative: str, text: str, mtime_ns: int, size: int) -> None:
         date = self._file_date(relative, mtime_ns)
         rows = [(scope, relative, date, chunk) for chunk in chunk_text(text)]
-        db = self._store.connection
+        store = self._store
         # memory_files is written last: if we stop half-way, the next search re-indexes.
-        await db.execute("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, relative))
-        await db.executemany("INSERT INTO memory_chunks(scope, path, date, content) VALUES (?,?,?,?)", rows)
-        await db.execute(
+        await store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, relative))
+        await store.run_many("INSERT INTO memory_chunks(scope, path, date, content) VALUES (?,?,?,?)", rows)
+        await store.run(
             "INSERT INTO memory_files(scope, path, mtime_ns, size) VALUES (?,?,?,?) "
             "ON CONFLICT(scope, path) DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size",
             (scope, relative, mtime_ns, size),
         )
-        await db.commit()
 
     async def _refresh_index(self, scope: str) -> None:
         """Re-index the scope's memory files that changed on disk (e.g. edited by a person)."""
@@ -461,9 +457,8 @@ class Memory:
             async with db.execute(sql, (scope,)) as cur:
                 indexed = {row[0]: (row[1], row[2]) for row in await cur.fetchall()}
             for rel in indexed.keys() - on_disk.keys():
-                await db.execute("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, rel))
-                await db.execute("DELETE FROM memory_files WHERE scope=? AND path=?", (scope, rel))
-                await db.commit()
+                await self._store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, rel))
+                await self._store.run("DELETE FROM memory_files WHERE scope=? AND path=?", (scope, rel))
             for rel, stamp in on_disk.items():
                 if indexed.get(rel) == stamp:
                     continue

@@ -138,7 +138,7 @@ class Store:
 
     async def close(self) -> None:
         try:
-            await self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            await self._db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
         except aiosqlite.Error:
             pass
         await self._db.close()
@@ -149,8 +149,29 @@ class Store:
         return self._db
 
     async def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
-        """One statement, one round trip; the rows (or RETURNING rows) come back whole."""
+        """One statement, one round trip; the rows (or RETURNING rows) come back whole.
+
+        Every statement goes through here (or `run_many`): a cursor left open would be
+        finalized by the garbage collector on the event loop's thread while aiosqlite's
+        thread uses the connection ("bad parameter or other API misuse")."""
         return list(await self._db.execute_fetchall(sql, args))
+
+    async def run(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
+        """For modules with their own tables (memory, pairing, usage): one statement."""
+        return await self._rows(sql, args)
+
+    async def run_many(self, insert_sql: str, rows: list[tuple[Any, ...]], *, batch: int = 200) -> None:
+        """`INSERT ... VALUES (?,..)` for many rows: one multi-row statement per batch, so
+        each batch is atomic and costs one round trip."""
+        head, _, values = insert_sql.rpartition("VALUES")
+        if not head or not rows:
+            if rows:
+                raise ValueError("run_many needs an INSERT ... VALUES (...) statement")
+            return
+        for start in range(0, len(rows), batch):
+            chunk = rows[start:start + batch]
+            sql = f"{head}VALUES " + ", ".join([values.strip()] * len(chunk))
+            await self._rows(sql, tuple(v for row in chunk for v in row))
 
     async def schema_version(self) -> int:
         rows = await self._rows("PRAGMA user_version")

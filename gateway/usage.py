@@ -19,20 +19,17 @@ class Usage:
         self.store = store
 
     async def add(self, cfg: Config, identity: str, *, turns: int = 0, tokens: int = 0) -> None:
-        db = self.store.connection
-        await db.execute(
+        await self.store.run(
             "INSERT INTO usage(identity, day, turns, tokens) VALUES (?,?,?,?) ON CONFLICT(identity, day) "
             "DO UPDATE SET turns=turns+excluded.turns, tokens=tokens+excluded.tokens",
             (identity, today(cfg), turns, tokens),
         )
-        await db.commit()
 
     async def get(self, cfg: Config, identity: str) -> tuple[int, int]:
-        async with self.store.connection.execute(
+        rows = await self.store.run(
             "SELECT turns, tokens FROM usage WHERE identity=? AND day=?", (identity, today(cfg))
-        ) as cur:
-            row = await cur.fetchone()
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+        )
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
 
     async def refusal(self, cfg: Config, identity: str) -> str | None:
         """A polite reply when the person used up today's budget; None when within it."""
