@@ -62,6 +62,8 @@ def setup_logging(level: str = "INFO") -> Redactor:
     handler._gateway = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("httpx", "httpcore", "openai", "telegram", "slack_sdk", "slack_bolt", "apscheduler", "aiosqlite"):
+    noisy_libraries = ("httpx", "httpcore", "httpx2", "httpcore2", "openai", "telegram", "slack_sdk",
+                       "slack_bolt", "apscheduler", "aiosqlite")
+    for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     return REDACTOR

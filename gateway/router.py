@@ -97,7 +97,6 @@ class Router:
                 self.s.metrics.refused.labels(inbound.channel, "daily budget").inc()
                 await self._answer(inbound, over, status="refused")
                 return True
-            await self.s.usage.add(cfg, inbound.identity, turns=1)
         if not await self.sessions.submit(key, scope, TurnJob(inbound)):
             await self._answer(inbound, BUSY_REPLY, status="busy")
         return True

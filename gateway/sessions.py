@@ -235,8 +235,8 @@ class SessionManager:
                 return
         result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
-        if self.s.usage is not None and live.turn_tokens:
-            await self.s.usage.add(cfg, inbound.identity, tokens=live.turn_tokens)
+        if self.s.usage is not None:  # counted when answered: one write per turn
+            await self.s.usage.add(cfg, inbound.identity, turns=1, tokens=live.turn_tokens)
         await self._send(inbound, result.text)
         await store.mark_event(inbound.channel, inbound.event_id, "answered")
 
