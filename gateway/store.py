@@ -9,7 +9,9 @@ interface a PostgreSQL store could join later.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -115,8 +117,20 @@ class Store:
     async def open(cls, path: Path) -> Store:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            db = await aiosqlite.connect(str(path), timeout=10, isolation_level=None)
+        except OSError as err:
+            raise StoreError(f"cannot open the database {path}: {err}") from err
+        connecting = aiosqlite.connect(str(path), timeout=10, isolation_level=None)
+        try:
+            db = await connecting
         except (OSError, aiosqlite.Error) as err:
+            # aiosqlite stops its worker thread without waiting; wait here, or the thread
+            # reports to an event loop that may be closed by then.
+            worker = getattr(connecting, "_thread", connecting)
+            if isinstance(worker, threading.Thread) and worker.ident is not None:
+                for _ in range(200):  # it ends within milliseconds; bounded all the same
+                    if not worker.is_alive():
+                        break
+                    await asyncio.sleep(0.005)
             raise StoreError(f"cannot open the database {path}: {err}") from err
         db.row_factory = aiosqlite.Row
         store = cls(db, path)

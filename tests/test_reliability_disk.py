@@ -24,6 +24,7 @@ import os
 import sqlite3
 import stat
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import pytest
 
 from bench._procs import PYTHON, ROOT, child_env
 from gateway.app import Gateway
+from gateway.store import Store, StoreError
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -167,6 +169,15 @@ def test_unusable_data_dir_refuses_to_start_with_one_clear_line(
     assert lines[0].startswith("cannot start:") and str(named) in lines[0], lines[0]
     assert START_CASES[case].expect in lines[0]
     assert "Traceback" not in result.stderr
+
+
+async def test_a_failed_database_open_leaves_no_thread_behind(tmp_path: Path) -> None:
+    (tmp_path / "gateway.sqlite3").mkdir()
+    before = set(threading.enumerate())
+    with pytest.raises(StoreError):
+        await Store.open(tmp_path / "gateway.sqlite3")
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == [], f"{len(left)} database thread(s) still running after the failed open"
 
 
 def test_a_read_only_data_dir_stays_untouched(refused_starts: dict[str, tuple[Path, Result]]) -> None:
