@@ -119,45 +119,35 @@ def slack_events(draw: st.DrawFn) -> dict[str, Any]:
     }
     for path in draw(st.lists(st.sampled_from(SLACK_PATHS), max_size=4, unique=True)):
         _apply(event, path, draw(st.one_of(st.just(DROP), JUNK)))
-    return without_known_bug(event)
-
-
-def without_known_bug(event: Any) -> Any:
-    """An `event` that is not an object, or whose `type` is not a string, makes slack-bolt
-    raise while it matches listeners (see the xfail test below); keep those shapes out of
-    the random search so it keeps looking for other problems."""
-    if not isinstance(event, dict):
-        return {"type": "message", "value": event}
-    if "type" in event and not isinstance(event["type"], str):
-        return {**event, "type": json.dumps(event["type"])}
     return event
 
 
-def envelope_without_known_bug(value: Any) -> Any:
-    if isinstance(value, dict) and "event" in value:
-        return {**value, "event": without_known_bug(value["event"])}
-    return value
+def has_known_bug(value: Any) -> bool:
+    """A body whose top-level `event` is not an object makes slack-bolt raise unless the body
+    is an `event_callback` (see the xfail test below); such shapes are kept out of the
+    random search so it keeps looking for other problems."""
+    if not isinstance(value, dict) or "event" not in value:
+        return False
+    return not isinstance(value["event"], dict) and value.get("type") != "event_callback"
 
 
-def has_known_bug(body: bytes, form: bool) -> bool:
-    """True when raw bytes happen to decode to an envelope of the known bug's shape."""
+def raw_has_known_bug(body: bytes, form: bool) -> bool:
+    """True when raw bytes happen to decode to a body of the known bug's shape."""
     text = body.decode("utf-8", "replace")
     if form:
         text = (parse_qs(text).get("payload") or [""])[0]
     try:
-        value = json.loads(text)
+        return has_known_bug(json.loads(text))
     except ValueError:
         return False
-    return bool(envelope_without_known_bug(value) != value)
 
 
 RAW_BODIES = st.one_of(
     st.binary(max_size=300),  # invalid UTF-8 and any bytes
     st.just(b"\xff\xfe{\"type\": \"event_callback\"}"),
     st.just(b"[1, 2, 3]"),
-    JUNK.map(lambda v: json.dumps(envelope_without_known_bug(v)).encode()),
-    st.builds(lambda e: json.dumps({"type": "event_callback", "event": without_known_bug(e), "event_id": 7}).encode(),
-              JUNK),
+    JUNK.filter(lambda v: not has_known_bug(v)).map(lambda v: json.dumps(v).encode()),
+    st.builds(lambda e: json.dumps({"type": "event_callback", "event": e, "event_id": 7}).encode(), JUNK),
     st.builds(lambda c: json.dumps({"type": "url_verification", "challenge": c}).encode(), JUNK),
 )
 
@@ -269,7 +259,7 @@ async def test_junk_slack_events_never_escape(gateway: Gateway, error_log: Error
 @HYPOTHESIS
 @given(body=RAW_BODIES, form=st.booleans())
 async def test_junk_slack_bodies_never_escape(gateway: Gateway, error_log: ErrorLog, body: bytes, form: bool) -> None:
-    assume(not has_known_bug(body, form))
+    assume(not raw_has_known_bug(body, form))
     status = await post_slack(gateway, body, "application/x-www-form-urlencoded" if form else "application/json")
     assert status < 500, status
     assert error_log.lines() == []
@@ -282,6 +272,20 @@ async def test_junk_slack_bodies_never_escape(gateway: Gateway, error_log: Error
 ], ids=["type is an object", "event is null", "event is a string"])
 async def test_malformed_slack_event_envelope_is_dropped(gateway: Gateway, error_log: ErrorLog, event: Any) -> None:
     assert await post_slack(gateway, event_body(event)) == 200
+    assert error_log.lines() == []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product bug: channels/slack.py _malformed_event only drops bodies of type 'event_callback'; any other "
+    "body whose top-level `event` is not an object (null, a string, a number, a list) still reaches "
+    "slack-bolt, whose middleware raises AttributeError/TypeError (ERROR with a traceback from "
+    "channels.slack.bolt), and /slack/events answers 500, so Slack would redeliver it; fix: drop any body "
+    "with a non-object `event`, whatever its `type`"))
+@pytest.mark.parametrize("body", [{"event": None}, {"token": "t", "event": "a string"}, {"type": "x", "event": [1]}],
+                         ids=["event null, no type", "event a string", "other type, event a list"])
+async def test_slack_body_with_a_non_object_event_is_dropped(gateway: Gateway, error_log: ErrorLog,
+                                                             body: dict[str, Any]) -> None:
+    assert await post_slack(gateway, json.dumps(body).encode()) == 200
     assert error_log.lines() == []
 
 

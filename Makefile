@@ -1,0 +1,23 @@
+# make test | bench | soak   (PYTHON=/path/to/venv/bin/python to pick an interpreter)
+PYTHON ?= $(firstword $(wildcard .venv/bin/python) python3)
+# Benchmarks written by other parts of the project, run when present.
+SCRIPT_BENCHES := context_engine context_cost purge
+
+.PHONY: test bench soak
+
+test:
+	$(PYTHON) -m pytest -q
+
+# Tables on stdout, JSON and PNG charts under bench/out/; the charts are copied to docs/img/.
+bench:
+	$(PYTHON) -m bench.gateway_load
+	$(PYTHON) -m bench.startup
+	@for name in $(SCRIPT_BENCHES); do \
+		if [ -f bench/$$name.py ]; then echo "== bench/$$name.py"; $(PYTHON) bench/$$name.py || exit 1; fi; \
+	done
+	mkdir -p docs/img
+	cp bench/out/gateway_load.png bench/out/startup.png docs/img/
+
+# Minutes: repeated SIGKILL rounds under load, then a long hypothesis hunt for bad input.
+soak:
+	$(PYTHON) -m bench.soak
