@@ -764,11 +764,14 @@ def _url_verification(text: str) -> str | None:
 
 
 def _malformed_event(body: Any) -> bool:
-    """An Events API callback whose `event` is not an object or has no string `type`."""
-    if not isinstance(body, dict) or body.get("type") != "event_callback":
+    """A body whose `event` is not an object (whatever the body's type), or an Events API
+    callback whose event has no string `type`: bolt raises on both."""
+    if not isinstance(body, dict) or "event" not in body:
         return False
-    event = body.get("event")
-    return not isinstance(event, dict) or not isinstance(event.get("type"), str)
+    event = body["event"]
+    if not isinstance(event, dict):
+        return True
+    return body.get("type") == "event_callback" and not isinstance(event.get("type"), str)
 
 
 def _event_type(body: Any) -> Any:

@@ -212,6 +212,11 @@ class SessionManager:
         inbound = job.inbound
         store = self.s.store
         cfg = self.s.cfg
+        if job.resume_turn is None and self._stored_unanswered(live, inbound.text):
+            # A crash between storing this message and marking its event left the event
+            # "accepted": continue the stored turn instead of storing the message twice.
+            job = TurnJob(inbound, resume_turn=live.ctx.current_turn)
+            await store.mark_event(inbound.channel, inbound.event_id, "running", turn=job.resume_turn)
         if job.resume_turn is None:
             turn = max(self._last_turns.get(live.key, 0), live.ctx.current_turn) + 1
             self._last_turns[live.key] = turn
@@ -239,6 +244,13 @@ class SessionManager:
             await self.s.usage.add(cfg, inbound.identity, turns=1, tokens=live.turn_tokens)
         await self._send(inbound, result.text)
         await store.mark_event(inbound.channel, inbound.event_id, "answered")
+
+    @staticmethod
+    def _stored_unanswered(live: LiveSession, text: str) -> bool:
+        """The live context ends with an unanswered turn that holds exactly this user text."""
+        turn = live.ctx.current_turn
+        msgs = [m for m in live.ctx.messages if m.turn == turn]
+        return bool(msgs) and msgs[0].role == "user" and msgs[0].content == text and not _is_final_reply(msgs[-1])
 
     async def _run_agent(self, live: LiveSession, inbound: Inbound, timeout: float) -> TurnResult:
         try:

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from bench._procs import Child, gateway_config, start_gateway, telegram_section
 from gateway.store import Store
 from gateway.types import Inbound, Message, inbound_to_dict
@@ -305,17 +303,10 @@ async def test_sigkill_at_random_points_answers_every_update_exactly_once(tmp_pa
     # The known window (kill between sendMessage and the "answered" mark) may repeat a
     # reply: at most the turns in flight at each kill.
     assert report.duplicate_replies <= kills * CONCURRENT_MODEL_CALLS
-    # A kill between storing the user message and marking the event "running" stores the
-    # message twice (test_restart_after_the_user_message_was_stored_... below, xfail);
-    # random kills hit that window only now and then, so it is reported, not asserted.
+    # A kill between storing the user message and marking the event "running" is pinned
+    # down by test_restart_after_the_user_message_was_stored_runs_the_turn_once below.
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: gateway/sessions.py SessionManager._turn stores the user message "
-    "(agent.store → store.add_message, its own commit) and only then marks the event 'running' "
-    "(store.mark_event, a second commit); a crash between the two leaves the event 'accepted', so "
-    "Router.resume_pending submits it as a new TurnJob and the user message is stored again as a "
-    "new turn (the model sees it twice; the first copy stays an unanswered turn)"))
 async def test_restart_after_the_user_message_was_stored_runs_the_turn_once(
     tmp_path: Path, make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
 ) -> None:
