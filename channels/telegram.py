@@ -57,6 +57,7 @@ HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after t
 READY_SLACK_S = 15.0
 POLL_READ_SLACK_S = 10.0  # HTTP read timeout beyond the long-poll timeout
 STOP_TIMEOUT_S = 5.0
+TYPING_CONNECTIONS = 4  # of the 16 pooled connections, at most this many send typing actions
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -295,6 +296,7 @@ class TelegramChannel:
         self._me: BotIdentity | None = None
         self._task: asyncio.Task[None] | None = None
         self._typing_tasks: set[asyncio.Task[None]] = set()
+        self._typing_slots = asyncio.Semaphore(TYPING_CONNECTIONS)
         self._offset = 0
         self._handler_failures: dict[int, int] = {}
         self._in_handler = False
@@ -636,12 +638,16 @@ class TelegramChannel:
         chat = _chat_ref(inbound.chat_id)
         thread = _int_or_none(inbound.thread_id)
         while self._bot is not None and not self._stopping:
-            try:
-                await self._bot.send_chat_action(chat, ChatAction.TYPING, message_thread_id=thread)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a missing indicator is not worth a failure
-                log.debug("telegram: typing indicator failed: %s", exc)
+            # Typing may use a few of the HTTP pool's connections, never the ones replies
+            # need: with many turns in flight a round is skipped instead of queued.
+            if not self._typing_slots.locked():
+                async with self._typing_slots:
+                    try:
+                        await self._bot.send_chat_action(chat, ChatAction.TYPING, message_thread_id=thread)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # a missing indicator is not worth a failure
+                        log.debug("telegram: typing indicator failed: %s", exc)
             await asyncio.sleep(TYPING_INTERVAL_S)
 
     def _require_bot(self) -> _Bot:

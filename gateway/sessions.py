@@ -202,11 +202,13 @@ class SessionManager:
         await self._send(inbound, text)
         await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
 
-    async def _send(self, inbound: Inbound, text: str) -> None:
+    async def _send(self, inbound: Inbound, text: str) -> bool:
         try:
             await self.deliver(inbound, text)
+            return True
         except Exception:
             log.exception("reply could not be delivered", extra={"channel": inbound.channel})
+            return False
 
     async def _turn(self, live: LiveSession, job: TurnJob) -> None:
         inbound = job.inbound
@@ -242,8 +244,9 @@ class SessionManager:
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
         if self.s.usage is not None:  # counted when answered: one write per turn
             await self.s.usage.add(cfg, inbound.identity, turns=1, tokens=live.turn_tokens)
-        await self._send(inbound, result.text)
-        await store.mark_event(inbound.channel, inbound.event_id, "answered")
+        delivered = await self._send(inbound, result.text)
+        # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
+        await store.mark_event(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered")
 
     @staticmethod
     def _stored_unanswered(live: LiveSession, text: str) -> bool:
