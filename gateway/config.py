@@ -155,12 +155,6 @@ class LimitsConfig(_Strict):
     turn_timeout_s: float = Field(default=600, gt=0)
 
 
-class ToolsConfig(_Strict):
-    web_fetch: bool = False
-    web_fetch_allow_private: bool = False
-    web_fetch_max_bytes: int = Field(default=2_000_000, ge=1)
-
-
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -186,7 +180,6 @@ class Config(_Strict):
     channels: ChannelsConfig = ChannelsConfig()
     http: HttpConfig = HttpConfig()
     limits: LimitsConfig = LimitsConfig()
-    tools: ToolsConfig = ToolsConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("timezone")
