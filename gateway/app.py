@@ -183,9 +183,8 @@ class Gateway:
         return refs
 
     def workspace_for(self, inbound: Inbound) -> Path:
-        path = workspace_dir(self.holder.data_dir, memory_scope(inbound, self.cfg.group_session_scope))
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        # No mkdir here (it runs on the loop): adapters create directories off the loop.
+        return workspace_dir(self.holder.data_dir, memory_scope(inbound, self.cfg.group_session_scope))
 
     def _build_channels(self, cfg: Config) -> None:
         from channels.web import WebChannel
