@@ -11,6 +11,7 @@ for one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -22,19 +23,34 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC
 from email.utils import parsedate_to_datetime
-from typing import Any, Literal, get_args
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import aiohttp
-import openai
-from openai.types.chat import ChatCompletion
 
 from gateway.config import ModelConfig
 from gateway.types import ToolCall
 
-try:  # the transport the SDK raises from: httpx2 in openai 3, httpx before
-    import httpx2 as _http
-except ImportError:  # pragma: no cover - older SDKs
-    import httpx as _http  # type: ignore[no-redef]
+if TYPE_CHECKING:
+    import openai
+
+
+@functools.cache
+def _sdk() -> SimpleNamespace:
+    """The openai SDK and its HTTP library, imported on first use: they are most of the
+    gateway's import time, and the first import normally happens in the worker thread
+    that builds the client, so startup and /readyz do not wait for it."""
+    import openai
+    from openai.types.chat import ChatCompletion
+
+    try:  # the transport the SDK raises from: httpx2 in openai 3, httpx before
+        import httpx2 as http
+    except ImportError:  # pragma: no cover - older SDKs
+        import httpx as http  # type: ignore[no-redef]
+    return SimpleNamespace(
+        openai=openai, ChatCompletion=ChatCompletion, http=http,
+        call_failures=(openai.OpenAIError, http.HTTPError, TimeoutError, ValueError),
+    )
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +401,8 @@ def _refused(exc: BaseException) -> bool:
 def _error_from_exception(exc: BaseException) -> ModelError:
     if _refused(exc):
         return ModelError("connection", str(exc) or type(exc).__name__)
+    sdk = _sdk()
+    openai, _http = sdk.openai, sdk.http
     if isinstance(exc, openai.APITimeoutError | TimeoutError | _http.TimeoutException):
         return ModelError("timeout", "the request timed out")
     if isinstance(exc, openai.APIStatusError):
@@ -437,7 +455,7 @@ def _usage(usage: Any) -> tuple[int | None, int | None]:
 
 def reply_from_completion(completion: object) -> ModelReply:
     """Validate a non-streamed response; anything unusable is an invalid_response."""
-    if not isinstance(completion, ChatCompletion):
+    if not isinstance(completion, _sdk().ChatCompletion):
         snippet = " ".join(str(completion).split())[:200]
         raise ModelError("invalid_response", f"not a chat.completion body: {snippet!r}")
     choices = completion.choices
@@ -554,7 +572,6 @@ class StreamAssembly:
 # The client
 
 # What the SDK or its transport may raise while a call is in flight.
-_CALL_FAILURES = (openai.OpenAIError, _http.HTTPError, TimeoutError, ValueError)
 
 
 @dataclass(slots=True)
@@ -645,7 +662,7 @@ class ModelClient:
                 # The transport's timeout covers silence; this one covers a slow trickle.
                 async with asyncio.timeout(self._cfg.timeout_s):
                     completion = await client.chat.completions.create(**params)
-            except _CALL_FAILURES as exc:
+            except _sdk().call_failures as exc:
                 raise _error_from_exception(exc) from exc
             return reply_from_completion(completion)
 
@@ -655,7 +672,7 @@ class ModelClient:
         assembly = StreamAssembly()
         try:
             stream = await client.chat.completions.create(**params)
-        except _CALL_FAILURES as exc:
+        except _sdk().call_failures as exc:
             raise _error_from_exception(exc) from exc
         try:
             chunks = stream.__aiter__()
@@ -664,7 +681,7 @@ class ModelClient:
                     chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
-                except _CALL_FAILURES as exc:
+                except _sdk().call_failures as exc:
                     raise _error_from_exception(exc) from exc
                 text = assembly.add(chunk)
                 if text:
@@ -705,12 +722,12 @@ class ModelClient:
                 # Building the HTTP client loads CA certificates from disk: off the loop.
                 try:
                     self._client = await asyncio.to_thread(self._build_client)
-                except (openai.OpenAIError, _http.InvalidURL, ValueError) as exc:
+                except (_sdk().openai.OpenAIError, _sdk().http.InvalidURL, ValueError) as exc:
                     raise ModelError("connection", f"cannot use model.base_url: {exc}") from exc
             return self._client
 
     def _build_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(api_key=self._cfg.key_value(), base_url=self._cfg.base_url,
+        return _sdk().openai.AsyncOpenAI(api_key=self._cfg.key_value(), base_url=self._cfg.base_url,
                                   timeout=self._cfg.timeout_s, max_retries=0, http_client=_http_client(self._cfg))
 
     def _record(self, started: float, outcome: str, attempt: int, stream: bool, *,
@@ -730,7 +747,7 @@ class ModelClient:
 def _http_client(cfg: ModelConfig) -> Any:
     """The SDK's aiohttp transport when this openai version ships it: the same requests for
     a fraction of the CPU of the default httpx/h11 stack (it matters at hundreds of turns/s)."""
-    factory = getattr(openai, "DefaultAioHttpClient", None)
+    factory = getattr(_sdk().openai, "DefaultAioHttpClient", None)
     if factory is None:
         return None
     try:
