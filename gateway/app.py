@@ -146,6 +146,8 @@ class Gateway:
         self._started = True
         await self.router.resume_pending()
         await self._start_scheduler()
+        for client in services.models.values():
+            services.background.spawn(client.warm_up(), name="model-warm-up")
         if not services.model.configured:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")

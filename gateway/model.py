@@ -603,6 +603,15 @@ class ModelClient:
     def configured(self) -> bool:
         return self._cfg.key_value() is not None
 
+    async def warm_up(self) -> None:
+        """Build the SDK client now (it imports the SDK in a worker thread), so the first
+        chat does not wait for it. Errors surface on the first real call instead."""
+        if self.configured:
+            try:
+                await self._ensure_client()
+            except ModelError:
+                pass
+
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
