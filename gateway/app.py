@@ -141,10 +141,14 @@ class Gateway:
             except OSError as err:
                 await store.close()
                 raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
+        # Turns accepted before a restart queue first, so they keep their place ahead of
+        # messages arriving now; workers start once the channels can deliver replies.
+        pending_commands = await self.router.resume_pending()
         for name, channel in list(self.channels.items()):
             await self._start_channel(name, channel)
+        self.sessions.open.set()
         self._started = True
-        await self.router.resume_pending()
+        await self.router.answer_commands(pending_commands)
         await self._start_scheduler()
         for client in services.models.values():
             services.background.spawn(client.warm_up(), name="model-warm-up")

@@ -10,7 +10,7 @@ import sqlite3
 from collections.abc import Awaitable, Callable
 
 from gateway.access import Pairing, decide
-from gateway.commands import Commands
+from gateway.commands import Commands, parse_command
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
 from gateway.sessions import STORAGE_REPLY, SessionManager, TurnJob
@@ -119,9 +119,12 @@ class Router:
             f"Send it to the bot's admin, who can approve it with /approve {code}. It expires in 1 hour.",
         )
 
-    async def resume_pending(self) -> int:
-        """After a restart: answer every turn that was accepted but not answered."""
+    async def resume_pending(self) -> list[Inbound]:
+        """After a restart, before the channels start: queue every turn that was accepted
+        but not answered, ahead of anything new. Commands among them are returned, to be
+        answered with `answer_commands` once the channels can deliver."""
         pending = await self.s.store.pending_events()
+        commands: list[Inbound] = []
         for ev in pending:
             try:
                 inbound = inbound_from_dict(ev.inbound)
@@ -131,13 +134,22 @@ class Router:
                 continue
             key, scope = self.keys(inbound)
             resume = ev.turn if ev.status == "running" else None
-            if resume is None and await self.commands.handle(inbound, key, scope):
+            if resume is None and parse_command(inbound.text) is not None:
+                commands.append(inbound)
                 continue
             if not await self.sessions.submit(key, scope, TurnJob(inbound, resume_turn=resume)):
-                await self._answer(inbound, BUSY_REPLY, status="busy")
+                log.warning("queue full while resuming", extra={"session": key, "event": ev.event_id})
         if pending:
             log.info("resumed pending turns", extra={"count": len(pending)})
-        return len(pending)
+        return commands
+
+    async def answer_commands(self, commands: list[Inbound]) -> None:
+        for inbound in commands:
+            key, scope = self.keys(inbound)
+            try:
+                await self.commands.handle(inbound, key, scope)
+            except Exception:
+                log.exception("a pending command could not be answered", extra={"session": key})
 
 
 def _with_text(inbound: Inbound, text: str) -> Inbound:

@@ -79,6 +79,9 @@ class SessionManager:
         self._loading: dict[str, asyncio.Lock] = {}
         self._last_turns: dict[str, int] = {}
         self._stopping = False
+        # Jobs queue from the start (turns resumed after a restart first, so they keep their
+        # place before newer messages) but run only once the channels can deliver replies.
+        self.open = asyncio.Event()
 
     # -- live sessions ------------------------------------------------------------------
 
@@ -171,6 +174,7 @@ class SessionManager:
 
     async def _work(self, live: LiveSession) -> None:
         try:
+            await self.open.wait()
             while not live.queue.empty():
                 job = live.queue.get_nowait()
                 self.s.metrics.queue_depth.dec()
@@ -234,8 +238,9 @@ class SessionManager:
                 await self._send(inbound, done[-1].content)
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
                 return
-            if not done:
-                # The turn fell out of the restored window; ask for the message again.
+            if not done or turn != live.ctx.current_turn:
+                # The turn fell out of the restored window, or a newer turn was stored after
+                # it (the agent only ever continues the latest turn): ask for it again.
                 await self._send(inbound, "I restarted before I could answer your last message; "
                                           "please send it again.")
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")

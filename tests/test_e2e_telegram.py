@@ -123,3 +123,26 @@ async def test_restart_in_the_middle_of_a_turn_answers_exactly_once(
     rows = await gw2.services.store.messages("telegram:dm:8")
     assert [m.role for m in rows] == ["user", "assistant"]
     assert rows[0].content == "long question"
+
+
+async def test_a_resumed_turn_keeps_its_place_before_newer_messages(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram, tmp_path
+) -> None:
+    """A turn cut by a crash is answered first, with its own reply, even when the person's
+    next message is already waiting when the gateway comes back."""
+    from gateway.store import Store
+    from gateway.types import Inbound, Message, inbound_to_dict
+
+    store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
+    key = "telegram:dm:12"
+    await store.ensure_session(key, "telegram:user:12", "telegram")
+    first = Inbound(channel="telegram", chat_id="12", user_id="12", text="first question", event_id="900")
+    await store.record_event("telegram", "900", session_key=key, inbound=inbound_to_dict(first))
+    await store.add_message(key, Message(role="user", content="first question", turn=1), seq=0)
+    await store.mark_event("telegram", "900", "running", turn=1)
+    await store.close()
+    fake_telegram.push_message(chat_id=12, user_id=12, text="second question")  # waiting at restart
+
+    await make_gateway(access={"dm_policy": "open"}, channels=telegram_section(fake_telegram))
+    sent = await fake_telegram.wait_sent(2)
+    assert [m["text"] for m in sent] == ["echo: first question", "echo: second question"]
