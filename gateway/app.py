@@ -82,7 +82,7 @@ class Gateway:
         self.services: Services | None = None
         self.scheduler: Any = None
         self.watcher: Any = None
-        self._started = False
+        self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
 
     # -- wiring ------------------------------------------------------------------------
 
@@ -147,7 +147,6 @@ class Gateway:
         for name, channel in list(self.channels.items()):
             await self._start_channel(name, channel)
         self.sessions.open.set()
-        self._started = True
         await self.router.answer_commands(pending_commands)
         await self._start_scheduler()
         for client in services.models.values():
@@ -261,14 +260,6 @@ class Gateway:
             if replacement is not None:
                 self.channels[name] = replacement
                 await self._start_channel(name, replacement)
-
-    @property
-    def _model_cfgs(self) -> tuple[Any, Any]:
-        return getattr(self, "_model_cfg_pair", (self.cfg.model, self.cfg.summary_model))
-
-    @_model_cfgs.setter
-    def _model_cfgs(self, value: tuple[Any, Any]) -> None:
-        self._model_cfg_pair = value
 
     # -- replies ------------------------------------------------------------------------
 

@@ -24,5 +24,4 @@ class LiveSession:
     archived_upto: int = 0  # dialog/ archive written for turns <= this
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
-    busy: bool = False
     turn_tokens: int = 0  # provider-reported tokens of the turn running now

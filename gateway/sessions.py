@@ -178,7 +178,6 @@ class SessionManager:
             while not live.queue.empty():
                 job = live.queue.get_nowait()
                 self.s.metrics.queue_depth.dec()
-                live.busy = True
                 try:
                     if isinstance(job, TurnJob):
                         await self._turn(live, job)
@@ -191,8 +190,6 @@ class SessionManager:
                 except Exception:
                     log.exception("job failed", extra={"session": live.key})
                     await self._send(job.inbound, CRASH_REPLY)
-                finally:
-                    live.busy = False
         finally:
             live.worker = None
 

@@ -161,3 +161,23 @@ async def test_sigterm_during_a_turn_loses_nothing(fake_model: FakeModel, tmp_pa
         assert await store.pending_events() == []
     finally:
         await store.close()
+
+
+async def test_a_model_change_in_the_file_reaches_the_next_request(make_gateway: GatewayFactory,
+                                                                   fake_model: FakeModel, tmp_path: Path) -> None:
+    gw = await make_gateway()
+    await chat(gw, "mo", "before")
+    watcher = ConfigWatcher(gw)
+    await watcher.start()
+    try:
+        path = tmp_path / "config.json"
+        raw = json.loads(path.read_text())
+        raw["model"]["name"] = "another-model"
+        path.write_text(json.dumps(raw))
+        assert await watcher.reload() is True
+        assert gw.services is not None
+        await gw.services.background.wait_idle(5)
+        await chat(gw, "mo", "after")
+    finally:
+        await watcher.stop()
+    assert [r["model"] for r in fake_model.requests] == ["fake-model", "another-model"]
