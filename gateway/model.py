@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import aiohttp
 
 from gateway.config import ModelConfig
+from gateway.model_http import CompletionsEndpoint, RawResponse
 from gateway.types import ToolCall
 
 if TYPE_CHECKING:
@@ -453,36 +454,80 @@ def _usage(usage: Any) -> tuple[int | None, int | None]:
             completion if isinstance(completion, int) else None)
 
 
-def reply_from_completion(completion: object) -> ModelReply:
-    """Validate a non-streamed response; anything unusable is an invalid_response."""
-    if not isinstance(completion, _sdk().ChatCompletion):
-        snippet = " ".join(str(completion).split())[:200]
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def reply_from_json(data: object) -> ModelReply:
+    """Validate a non-streamed chat.completion body (parsed JSON); anything unusable is an
+    invalid_response."""
+    if not isinstance(data, Mapping):
+        snippet = " ".join(str(data).split())[:200]
         raise ModelError("invalid_response", f"not a chat.completion body: {snippet!r}")
-    choices = completion.choices
-    if not choices:
-        error = (completion.model_extra or {}).get("error")
+    choices = data.get("choices")
+    if not choices or not isinstance(choices, list):
+        error = data.get("error")
         if error:  # some gateways answer errors with HTTP 200
             kind, limit = classify_error(None, error)
             raise ModelError(kind, _detail({"error": error}, ""), provider_limit=limit, code=_code(error))
         raise ModelError("invalid_response", "the response has no choices")
     choice = choices[0]
-    message = getattr(choice, "message", None)
-    if message is None:
+    message = choice.get("message") if isinstance(choice, Mapping) else None
+    if not isinstance(message, Mapping):
         raise ModelError("invalid_response", "the response's choice has no message")
     calls = []
-    for call in getattr(message, "tool_calls", None) or []:
-        function = getattr(call, "function", None)
-        name = getattr(function, "name", None)
-        if not name:
+    raw_calls = message.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise ModelError("invalid_response", "the message's tool_calls is not a list")
+    for call in raw_calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not name or not isinstance(name, str):
             raise ModelError("invalid_response", "a tool call has no function name")
-        arguments = getattr(function, "arguments", None)
-        calls.append(ToolCall(id=getattr(call, "id", None) or _new_call_id(), name=name,
-                              arguments=arguments if isinstance(arguments, str) else ""))
-    content = message.content if isinstance(message.content, str) else None
-    prompt, completion_tokens = _usage(completion.usage)
-    return ModelReply(content=content or None, tool_calls=tuple(calls), prompt_tokens=prompt,
-                      completion_tokens=completion_tokens, finish_reason=choice.finish_reason,
-                      model=completion.model)
+        arguments = function.get("arguments")  # type: ignore[union-attr]
+        call_id = call.get("id")
+        calls.append(ToolCall(id=call_id if isinstance(call_id, str) and call_id else _new_call_id(),
+                              name=name, arguments=arguments if isinstance(arguments, str) else ""))
+    content = message.get("content")
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, Mapping) else {}
+    finish, model = choice.get("finish_reason"), data.get("model")
+    return ModelReply(content=(content or None) if isinstance(content, str) else None, tool_calls=tuple(calls),
+                      prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+                      completion_tokens=_int_or_none(usage.get("completion_tokens")),
+                      finish_reason=finish if isinstance(finish, str) else None,
+                      model=model if isinstance(model, str) else None)
+
+
+def reply_from_response(raw: RawResponse) -> ModelReply:
+    """A whole HTTP response of the completions endpoint: a reply, or the ModelError its
+    status and body stand for (the same kinds the SDK's exceptions map to)."""
+    text = raw.body.decode("utf-8", errors="replace")
+    try:
+        data: object = json.loads(text)
+    except ValueError:
+        data = None
+    if raw.status >= 400:
+        body: object = data if data is not None else text.strip()[:2000]
+        if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+            body = body["error"]  # the inner object, as the SDK hands it over
+        message = f"HTTP {raw.status}: {' '.join(text.split())[:500]}"
+        kind, limit = classify_error(raw.status, body, message)
+        raise ModelError(kind, _detail(body, message), status=raw.status, provider_limit=limit,
+                         retry_after=parse_retry_after(raw.headers), code=_code(body))
+    if data is None:
+        snippet = " ".join(text.split())[:200]
+        raise ModelError("invalid_response", f"the response is not JSON: {snippet!r}")
+    return reply_from_json(data)
+
+
+def _transport_error(exc: BaseException) -> ModelError:
+    """What an exception from the aiohttp endpoint means (no HTTP response arrived)."""
+    if _refused(exc):
+        return ModelError("connection", str(exc) or type(exc).__name__)
+    if isinstance(exc, TimeoutError):  # aiohttp's read and connect timeouts are TimeoutErrors
+        return ModelError("timeout", "the request timed out")
+    return ModelError("connection", f"{type(exc).__name__}: {exc}"[:500])
 
 
 @dataclass(slots=True)
@@ -588,8 +633,9 @@ class ModelClient:
         self._sleep = sleep
         self._on_call = on_call
         self._random = random.Random()
-        self._client: openai.AsyncOpenAI | None = None
+        self._client: openai.AsyncOpenAI | None = None  # the SDK, for streamed calls only
         self._client_lock = asyncio.Lock()
+        self._endpoint: CompletionsEndpoint | None = None  # plain calls (see gateway.model_http)
         # Request shape learned from the provider's 400s (each flips at most once).
         self._stream_usage = True
         self._max_tokens_key = "max_tokens"
@@ -604,15 +650,18 @@ class ModelClient:
         return self._cfg.key_value() is not None
 
     async def warm_up(self) -> None:
-        """Build the SDK client now (it imports the SDK in a worker thread), so the first
+        """Open the HTTP pool now (CA certificates load in a worker thread), so the first
         chat does not wait for it. Errors surface on the first real call instead."""
         if self.configured:
             try:
-                await self._ensure_client()
+                await (await self._ensure_endpoint()).open()
             except ModelError:
                 pass
 
     async def close(self) -> None:
+        if self._endpoint is not None:
+            endpoint, self._endpoint = self._endpoint, None
+            await endpoint.close()
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
@@ -626,13 +675,12 @@ class ModelClient:
         a failure after text was passed on is raised, not retried (it would repeat)."""
         if not self.configured:
             raise ModelError("not_configured", "no API key: set model.api_key or OPENAI_API_KEY")
-        client = await self._ensure_client()
         retries = 0
         while True:
             attempt = _Attempt()
             started = time.monotonic()
             try:
-                reply = await self._call(client, messages, tools, on_text, max_tokens, attempt)
+                reply = await self._call(messages, tools, on_text, max_tokens, attempt)
             except ModelError as err:
                 self._record(started, err.kind, retries, on_text is not None, status=err.status)
                 if self._adapt(err, streaming=on_text is not None):
@@ -653,28 +701,31 @@ class ModelClient:
 
     # -- one attempt -------------------------------------------------------------------------
 
-    async def _call(self, client: openai.AsyncOpenAI, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None,
+    async def _call(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     on_text: Callable[[str], Awaitable[None]] | None, max_tokens: int | None,
                     attempt: _Attempt) -> ModelReply:
-        # Messages and tools are plain JSON already: sent as extra_body they skip the SDK's
-        # recursive transform of typed params, which costs ~10 ms per call on long requests.
-        body: dict[str, Any] = {"messages": messages}
+        body: dict[str, Any] = {"model": self._cfg.name, "messages": messages,
+                                self._max_tokens_key: max_tokens or self._cfg.max_output_tokens}
         if tools:
             body["tools"] = tools
-        params: dict[str, Any] = {"model": self._cfg.name, "messages": [], "extra_body": body,
-                                  self._max_tokens_key: max_tokens or self._cfg.max_output_tokens}
         if self._cfg.temperature is not None and self._send_temperature:
-            params["temperature"] = self._cfg.temperature
+            body["temperature"] = self._cfg.temperature
         if on_text is None:
+            endpoint = await self._ensure_endpoint()
             try:
-                # The transport's timeout covers silence; this one covers a slow trickle.
+                # The transport's timeouts cover silence; this one covers a slow trickle.
                 async with asyncio.timeout(self._cfg.timeout_s):
-                    completion = await client.chat.completions.create(**params)
-            except _sdk().call_failures as exc:
-                raise _error_from_exception(exc) from exc
-            return reply_from_completion(completion)
+                    raw = await endpoint.post(body)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise _transport_error(exc) from exc
+            return reply_from_response(raw)
 
+        client = await self._ensure_client()
+        # Messages and tools are plain JSON already: sent as extra_body they skip the SDK's
+        # recursive transform of typed params, which costs ~10 ms per call on long requests.
+        params: dict[str, Any] = {"model": self._cfg.name, "messages": [], "extra_body": {
+            k: v for k, v in body.items() if k in ("messages", "tools")}}
+        params.update((k, v) for k, v in body.items() if k not in ("model", "messages", "tools"))
         params["stream"] = True
         if self._stream_usage:
             params["stream_options"] = {"include_usage": True}
@@ -724,6 +775,16 @@ class ModelClient:
         return False
 
     # -- plumbing ------------------------------------------------------------------------------
+
+    async def _ensure_endpoint(self) -> CompletionsEndpoint:
+        if self._endpoint is None:
+            key = self._cfg.key_value()
+            assert key is not None  # complete() checked `configured`
+            try:
+                self._endpoint = CompletionsEndpoint(self._cfg.base_url, key, self._cfg.timeout_s)
+            except ValueError as exc:
+                raise ModelError("connection", f"cannot use model.base_url: {exc}") from exc
+        return self._endpoint
 
     async def _ensure_client(self) -> openai.AsyncOpenAI:
         async with self._client_lock:

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from tests.conftest import GatewayFactory, chat
-from tests.fakes.openai_server import FakeModel
+from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error
 
 SUMMARY_MARK = "working memory of a long chat"
 
@@ -22,6 +22,19 @@ def chat_requests(fake: FakeModel) -> list[dict[str, Any]]:
 
 def install_summarizer(fake: FakeModel, text: str = "## Goal\nSUMMARY-OF-EARLY-TURNS") -> None:
     fake.respond_with(lambda body: text if is_summary_request(body) else None)
+
+
+def script_chat(fake: FakeModel, *answers: str | ErrorReply) -> None:
+    """Answer the next chat requests with `answers` in order, summary requests with a
+    summary: a background summary can never take an answer meant for the chat."""
+    queue = list(answers)
+
+    def respond(body: dict[str, Any]) -> str | ErrorReply | None:
+        if is_summary_request(body):
+            return "## Goal\nSUMMARY-OF-EARLY-TURNS"
+        return queue.pop(0) if queue else None
+
+    fake.respond_with(respond)
 
 
 def user_texts(body: dict[str, Any]) -> list[str]:
@@ -62,18 +75,15 @@ async def test_overflow_recovery_then_clearing(make_gateway: GatewayFactory, fak
     install_summarizer(fake_model)
     for n in range(1, 8):
         await chat(gw, "ben", f"turn {n} " + "x" * 200)
-    fake_model.overflow(limit=4000)
-    fake_model.reply("recovered answer")
+    script_chat(fake_model, overflow_error(limit=4000), "recovered answer")
     assert await chat(gw, "ben", "after overflow") == "recovered answer"
     retry = chat_requests(fake_model)[-1]
     assert user_texts(retry)[-1] == "after overflow"
     assert len(user_texts(retry)) <= 5  # at most the last 5 turns
 
-    fake_model.overflow(limit=4000)
-    fake_model.overflow(limit=4000)
+    script_chat(fake_model, overflow_error(limit=4000), overflow_error(limit=4000), "fresh start")
     reply = await chat(gw, "ben", "overflow twice")
     assert "cleared" in reply.lower()
-    fake_model.reply("fresh start")
     assert await chat(gw, "ben", "next") == "fresh start"
     fresh = chat_requests(fake_model)[-1]
     assert user_texts(fresh) == ["next"]

@@ -514,15 +514,18 @@ def test_classify_error(name: str) -> None:
         assert classify_error(status, body["error"]) == (kind, limit)
 
 
-async def test_classify_error_through_the_sdk(fake_model: FakeModel, rec: Recorder) -> None:  # noqa: F811
-    """The same table, served over HTTP and raised by the real SDK (one client: fast)."""
+@pytest.mark.parametrize("streaming", [False, True], ids=["direct", "sdk-stream"])
+async def test_classify_error_over_http(fake_model: FakeModel, rec: Recorder, streaming: bool) -> None:  # noqa: F811
+    """The same table, served over HTTP: read by the direct endpoint (plain calls) and
+    raised by the real SDK (streamed calls). One client per path: fast."""
     client = make_client(fake_model, rec, max_retries=0)
+    on_text = Deltas() if streaming else None
     wrong = []
     for name, (status, kind, limit) in sorted(CLASSIFIED.items()):
         for _ in range(2):  # twice: a body the client adapts to (max_tokens) is answered again
             fake_model.error(status, load_body(name))  # type: ignore[arg-type]
         try:
-            await client.complete(USER)
+            await client.complete(USER, on_text=on_text)
         except ModelError as err:
             got = (err.kind, err.provider_limit, err.status, bool(err.detail))
         else:

@@ -213,7 +213,7 @@ class FakeModel:
 
     def overflow(self, limit: int = 8192, requested: int | None = None) -> None:
         """OpenAI's context-length error, as sent when a request exceeds the window."""
-        self._script.append(ErrorReply(400, _overflow_body(limit, requested or limit + 1000)))
+        self._script.append(overflow_error(limit, requested))
 
     def hang(self, seconds: float) -> None:
         self._script.append(Hang(seconds))
@@ -471,6 +471,11 @@ def _reply_from_completion(completion: dict[str, Any]) -> Reply:
 def _error_response(status: int, message: str, *, param: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error",
                                          "param": param, "code": None}}, status=status)
+
+
+def overflow_error(limit: int = 8192, requested: int | None = None) -> ErrorReply:
+    """OpenAI's context-length error as a scripted answer (e.g. for a responder)."""
+    return ErrorReply(400, _overflow_body(limit, requested or limit + 1000))
 
 
 def _overflow_body(limit: int, requested: int) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""The chat-completions endpoint over one pooled aiohttp session (the non-streamed hot path).
+
+Why not the openai SDK here: measured under load (bench/gateway_load.py, py-spy), the SDK's
+request building, httpx layer and response model construction were about half of the
+gateway's CPU per turn, more than everything else a turn does. A non-streamed completion
+is one JSON POST and one JSON answer, so it goes straight through aiohttp; streamed calls
+still use the SDK, whose SSE handling is worth having. This module only moves bytes: it
+raises the transport's own exceptions and returns status, headers and body, and
+`gateway.model` turns them into replies and error kinds exactly as it does for the SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+POOL_SIZE = 64  # connections to the provider; the session manager caps model calls anyway
+USER_AGENT = "chat-gateway"
+
+
+@dataclass(frozen=True, slots=True)
+class RawResponse:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+
+def completions_url(base_url: str | None) -> URL:
+    """`{base_url}/chat/completions`, with the SDK's defaults (OPENAI_BASE_URL, then OpenAI).
+    Raises ValueError for a base URL that is not http(s)."""
+    base = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    url = URL(base.rstrip("/") + "/chat/completions")
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"{base!r} is not an http(s) URL")
+    return url
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """The CA bundle the SDK would use (certifi comes with it), else the system's."""
+    try:
+        import certifi
+    except ImportError:  # pragma: no cover - certifi ships with the openai SDK
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+class CompletionsEndpoint:
+    """POSTs completion requests; open() once on the loop, close() when done."""
+
+    def __init__(self, base_url: str | None, api_key: str, timeout_s: float) -> None:
+        self.url = completions_url(base_url)
+        self._headers = {
+            "Authorization": f"Bearer {api_key}",
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "User-Agent": USER_AGENT,
+        }
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        if self._session is not None:
+            return
+        # Loading CA certificates reads files: off the loop.
+        context = await asyncio.to_thread(_ssl_context) if self.url.scheme == "https" else None
+        connector = aiohttp.TCPConnector(limit=POOL_SIZE, ssl=context if context is not None else True)
+        # trust_env: honour HTTPS_PROXY / NO_PROXY like the SDK does.
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, trust_env=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def post(self, body: dict[str, Any]) -> RawResponse:
+        """One attempt. Raises aiohttp.ClientError, OSError or TimeoutError when no
+        complete HTTP response arrives."""
+        if self._session is None:
+            await self.open()
+        assert self._session is not None
+        payload = json.dumps(body).encode()  # ASCII escapes: a lone surrogate stays valid JSON
+        async with self._session.post(self.url, data=payload, headers=self._headers) as response:
+            data = await response.read()
+            return RawResponse(status=response.status, headers=response.headers, body=data)
