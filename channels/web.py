@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import re
 import uuid
@@ -36,6 +37,9 @@ class WebChannel:
         self.reply_timeout_s = reply_timeout_s
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self._running = False
+        # Event ids for requests without one: unique across restarts (dedup keys persist).
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count(1)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.page), web.post("/api/chat", self.api_chat)]
@@ -96,7 +100,7 @@ class WebChannel:
             return _error(413, f"text is longer than {self.max_chars:,} characters")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
             return _error(400, "id must be a string of at most 128 characters")
-        event_id = request_id or uuid.uuid4().hex
+        event_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         inbound = Inbound(channel="web", chat_id=session, user_id=session, text=text, event_id=event_id,
                           message_id=event_id, user_name=session)
         if event_id in self._waiters:

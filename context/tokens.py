@@ -157,6 +157,7 @@ class TokenCounter:
         self._text_cache: dict[tuple[int, int], int] = {}
         self._message_cache: dict[tuple[Any, ...], int] = {}
         self._tools_cache: dict[str, int] = {}
+        self._last_tools: tuple[list[dict[str, Any]], int] | None = None  # the registry's list, by identity
 
     # -- text ---------------------------------------------------------------------------
 
@@ -236,11 +237,15 @@ class TokenCounter:
     def count_tools(self, tools: list[dict[str, Any]]) -> int:
         if not tools:
             return 0
+        last = self._last_tools
+        if last is not None and last[0] is tools:  # the registry hands out one list: skip the dump
+            return last[1]
         key = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
         cached = self._tools_cache.get(key)
         if cached is None:
             cached = self.count_exact(key) + TOOL_SCHEMA_OVERHEAD * len(tools)
             _remember(self._tools_cache, key, cached)
+        self._last_tools = (tools, cached)
         return cached
 
     def count_request(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]]) -> int:

@@ -9,13 +9,12 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
-from zoneinfo import ZoneInfo
 
 from context.budget import Budget
 from context.engine import Prepared, prepare, recover_overflow
 from context.truncate import cut_tool_result
+from gateway.clock import local_day
 from gateway.config import Config, atomic_write_text
 from gateway.live import LiveSession
 from gateway.model import ModelError, ModelReply
@@ -44,10 +43,9 @@ class TurnResult:
 
 
 def today_line(cfg: Config) -> str:
-    tz = ZoneInfo(cfg.timezone) if cfg.timezone else None
-    now = datetime.now(tz) if tz else datetime.now().astimezone()
     # Only the date: a finer clock would change the prompt every call and defeat prompt caches.
-    return f"Today is {now:%Y-%m-%d} ({now.tzname()})."
+    day, zone = local_day(cfg.timezone)
+    return f"Today is {day} ({zone})."
 
 
 class Agent:

@@ -242,7 +242,8 @@ class Gateway:
             s.models = self._models(cfg, s.metrics)
             self._model_cfgs = (cfg.model, cfg.summary_model)
             for client in old_models.values():
-                s.background.spawn(client.close(), name="close-model")
+                # Turns already talking to the old client finish on it.
+                s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")
         if self.scheduler is not None:
             self.scheduler.update_config(cfg)
         for name in ("telegram", "slack"):

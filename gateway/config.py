@@ -6,6 +6,7 @@ A `Config` is an immutable snapshot; code receives one and never mutates it.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -50,6 +51,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@functools.cache
+def known_window(model_name: str) -> int | None:
+    """The context window of a known model family (longest matching name prefix)."""
+    for prefix, size in sorted(CONTEXT_WINDOWS.items(), key=lambda kv: -len(kv[0])):
+        if model_name.startswith(prefix):
+            return size
+    return None
+
+
 class ModelConfig(_Strict):
     name: str = "gpt-4o-mini"
     base_url: str | None = None  # None: the SDK's default (OpenAI)
@@ -61,12 +71,7 @@ class ModelConfig(_Strict):
     temperature: float | None = None
 
     def window(self) -> int | None:
-        if self.context_window is not None:
-            return self.context_window
-        for prefix, size in sorted(CONTEXT_WINDOWS.items(), key=lambda kv: -len(kv[0])):
-            if self.name.startswith(prefix):
-                return size
-        return None
+        return self.context_window if self.context_window is not None else known_window(self.name)
 
     def key_value(self) -> str | None:
         """The usable API key, or None when unset or an unexpanded `${VAR}`."""

@@ -151,6 +151,11 @@ def _stat(path: Path) -> os.stat_result | None:
     return st if path.is_file() else None
 
 
+def _resolve_and_stat(root: Path, relative: str) -> tuple[Path, os.stat_result | None]:
+    path = resolve_in_workspace(root, relative)
+    return path, _stat(path)
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -302,12 +307,12 @@ class Memory:
             # Our own writes drop the cache; a person's edit is seen within RECHECK_S.
             return cached[1]
         self._prompt_checked[scope] = now
-        try:
-            path = await self._path(scope, MEMORY_FILE)
+        root = self.workspace(scope)
+        try:  # resolve and stat in one thread hop: this runs for every session every RECHECK_S
+            path, st = await asyncio.to_thread(_resolve_and_stat, root, MEMORY_FILE)
         except PathNotAllowed:
             log.warning("MEMORY.md leaves the workspace; not loaded", extra={"scope": scope})
             return ""
-        st = await asyncio.to_thread(_stat, path)
         if st is None:
             self._prompt_cache[scope] = ((0, 0, max_tokens), "")  # no file yet: remembered too
             return ""

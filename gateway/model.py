@@ -11,6 +11,7 @@ for one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -636,6 +637,10 @@ class ModelClient:
         self._client: openai.AsyncOpenAI | None = None  # the SDK, for streamed calls only
         self._client_lock = asyncio.Lock()
         self._endpoint: CompletionsEndpoint | None = None  # plain calls (see gateway.model_http)
+        self._closed = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         # Request shape learned from the provider's 400s (each flips at most once).
         self._stream_usage = True
         self._max_tokens_key = "max_tokens"
@@ -658,13 +663,22 @@ class ModelClient:
             except ModelError:
                 pass
 
-    async def close(self) -> None:
-        if self._endpoint is not None:
-            endpoint, self._endpoint = self._endpoint, None
-            await endpoint.close()
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
+    async def close(self, grace_s: float = 0) -> None:
+        """Close the connections, after letting calls in flight finish for up to grace_s
+        (a reload swaps clients under running turns). Calls after this fail at once."""
+        self._closed = True
+        try:
+            if self._in_flight and grace_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(grace_s):
+                        await self._idle.wait()
+        finally:  # also when shutdown cancels the wait: the pool must not outlive the loop
+            if self._endpoint is not None:
+                endpoint, self._endpoint = self._endpoint, None
+                await endpoint.close()
+            if self._client is not None:
+                client, self._client = self._client, None
+                await client.close()
 
     async def complete(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                        on_text: Callable[[str], Awaitable[None]] | None = None,
@@ -675,8 +689,21 @@ class ModelClient:
         a failure after text was passed on is raised, not retried (it would repeat)."""
         if not self.configured:
             raise ModelError("not_configured", "no API key: set model.api_key or OPENAI_API_KEY")
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._complete(messages, tools, on_text, max_tokens)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        on_text: Callable[[str], Awaitable[None]] | None, max_tokens: int | None) -> ModelReply:
         retries = 0
         while True:
+            if self._closed:
+                raise ModelError("connection", "the model client was replaced by a config change; try again")
             attempt = _Attempt()
             started = time.monotonic()
             try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -53,6 +54,15 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
+def _env_proxy(url: URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
+    """The proxy HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and .netrc) choose for `url`, as the
+    SDK would honour them."""
+    try:
+        return get_env_proxy_for_url(url)
+    except LookupError:
+        return None, None
+
+
 class CompletionsEndpoint:
     """POSTs completion requests; open() once on the loop, close() when done."""
 
@@ -66,28 +76,43 @@ class CompletionsEndpoint:
         }
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._proxy: tuple[URL | None, aiohttp.BasicAuth | None] = (None, None)
+        self._lock = asyncio.Lock()
+        self._closed = False
 
     async def open(self) -> None:
-        if self._session is not None:
-            return
-        # Loading CA certificates reads files: off the loop.
-        context = await asyncio.to_thread(_ssl_context) if self.url.scheme == "https" else None
-        connector = aiohttp.TCPConnector(limit=POOL_SIZE, ssl=context if context is not None else True)
-        # trust_env: honour HTTPS_PROXY / NO_PROXY like the SDK does.
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, trust_env=True)
+        """Idempotent; concurrent callers (the warm-up and the first turns) share one session."""
+        async with self._lock:
+            if self._session is not None:
+                return
+            if self._closed:
+                raise aiohttp.ClientConnectionError("the model endpoint was closed")
+            # CA certificates and proxy settings come from files and the environment: read them
+            # once, off the loop (aiohttp's trust_env would look the proxy up on every request).
+            context = await asyncio.to_thread(_ssl_context) if self.url.scheme == "https" else None
+            self._proxy = await asyncio.to_thread(_env_proxy, self.url)
+            connector = aiohttp.TCPConnector(limit=POOL_SIZE, ssl=context if context is not None else True)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
 
     async def close(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+        """Close the pool; a call after this fails as a connection error (never reopens)."""
+        self._closed = True
+        async with self._lock:
+            if self._session is not None:
+                session, self._session = self._session, None
+                await session.close()
 
     async def post(self, body: dict[str, Any]) -> RawResponse:
         """One attempt. Raises aiohttp.ClientError, OSError or TimeoutError when no
         complete HTTP response arrives."""
-        if self._session is None:
+        session = self._session
+        if session is None:
             await self.open()
-        assert self._session is not None
+            session = self._session
+            assert session is not None
         payload = json.dumps(body).encode()  # ASCII escapes: a lone surrogate stays valid JSON
-        async with self._session.post(self.url, data=payload, headers=self._headers) as response:
+        proxy, proxy_auth = self._proxy
+        async with session.post(self.url, data=payload, headers=self._headers, proxy=proxy,
+                                      proxy_auth=proxy_auth) as response:
             data = await response.read()
             return RawResponse(status=response.status, headers=response.headers, body=data)

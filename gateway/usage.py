@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from zoneinfo import ZoneInfo
-
+from gateway.clock import local_day
 from gateway.config import Config
 from gateway.store import Store
 
 
 def today(cfg: Config) -> str:
-    tz = ZoneInfo(cfg.timezone) if cfg.timezone else None
-    return (datetime.now(tz) if tz else datetime.now().astimezone()).strftime("%Y-%m-%d")
+    return local_day(cfg.timezone)[0]
 
 
 class Usage:

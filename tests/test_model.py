@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -619,3 +621,33 @@ async def test_fake_serves_models_and_counts_requests(fake_model: FakeModel) -> 
     assert [m.id for m in models.data] == ["fake-model"]
     with pytest.raises(TimeoutError, match="got 0 request"):
         await fake_model.wait_requests(1, timeout=0.05)
+
+
+async def test_close_lets_a_call_in_flight_finish_and_refuses_later_calls(
+    fake_model: FakeModel, rec: Recorder,  # noqa: F811
+) -> None:
+    """A reload swaps model clients under running turns: the old one finishes its calls."""
+    client = make_client(fake_model, rec)
+    fake_model.reply("slow answer", delay=0.3)
+    call = asyncio.create_task(client.complete(USER))
+    await fake_model.wait_requests(1, timeout=5)
+
+    await client.close(grace_s=5)
+
+    assert (await call).content == "slow answer"
+    with pytest.raises(ModelError) as caught:
+        await client.complete(USER)
+    assert caught.value.kind == "connection"
+    assert len(fake_model.requests) == 1
+
+
+async def test_concurrent_first_calls_share_one_connection_pool(
+    fake_model: FakeModel, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    client = make_client(fake_model)
+    replies = await asyncio.gather(client.warm_up(), *(client.complete(USER) for _ in range(20)))
+    await client.close()
+    gc.collect()  # a second pool opened by a racing call would now be reported unclosed
+
+    assert [r.content for r in replies[1:]] == ["echo: Hello there"] * 20
+    assert not [r for r in caplog.records if "Unclosed" in r.getMessage()]
