@@ -151,7 +151,7 @@ class HttpConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    max_concurrent_model_calls: int = Field(default=8, ge=1)
+    max_concurrent_model_calls: int = Field(default=32, ge=1)  # providers rate-limit, not us: 429s are retried
     session_queue_size: int = Field(default=5, ge=1)
     max_inbound_chars: int = Field(default=100_000, ge=1)
     max_live_sessions: int = Field(default=1000, ge=1)

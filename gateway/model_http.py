@@ -54,6 +54,23 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
+_tools_json: tuple[object, bytes] | None = None  # the registry's schema list, by identity
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """The request as JSON bytes. The tool schemas are the registry's one list, the same on
+    every call: their JSON is made once and spliced in. ASCII escapes keep a lone surrogate
+    valid JSON."""
+    global _tools_json
+    tools = body.get("tools")
+    if not tools:
+        return json.dumps(body).encode()
+    if _tools_json is None or _tools_json[0] is not tools:
+        _tools_json = (tools, json.dumps(tools).encode())
+    rest = json.dumps({k: v for k, v in body.items() if k != "tools"}).encode()
+    return b"".join((rest[:-1], b', "tools": ', _tools_json[1], b"}"))
+
+
 def _env_proxy(url: URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
     """The proxy HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and .netrc) choose for `url`, as the
     SDK would honour them."""
@@ -110,7 +127,7 @@ class CompletionsEndpoint:
             await self.open()
             session = self._session
             assert session is not None
-        payload = json.dumps(body).encode()  # ASCII escapes: a lone surrogate stays valid JSON
+        payload = _encode(body)
         proxy, proxy_auth = self._proxy
         async with session.post(self.url, data=payload, headers=self._headers, proxy=proxy,
                                       proxy_auth=proxy_auth) as response:

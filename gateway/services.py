@@ -48,7 +48,7 @@ class Services:
     memory: Any = None  # gateway.memory.Memory when available
     usage: Any = None  # gateway.usage.Usage
     background: Background = field(default_factory=lambda: Background("gateway"))
-    model_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
+    model_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
 
     @property
     def cfg(self) -> Config:

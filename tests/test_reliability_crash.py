@@ -47,7 +47,7 @@ fake_telegram = telegram_server.fake_telegram  # the fixture
 RESEND_NOTICE = "please send it again"
 KILL_KINDS = ("model", "send", "poll")
 TERMINAL = {"answered", "ignored", "refused", "busy", "failed"}
-CONCURRENT_MODEL_CALLS = 8  # the gateway's default limits.max_concurrent_model_calls
+CONCURRENT_MODEL_CALLS = 8  # limits.max_concurrent_model_calls here: it bounds the turns a kill can catch
 
 
 class Killer:
@@ -194,7 +194,8 @@ async def run_crash_scenario(workdir: Path, *, sessions: int = 50, messages_per_
     try:
         config = gateway_config(workdir, model.base_url,
                                 telegram=telegram_section(telegram.base_url, telegram.base_file_url,
-                                                          telegram.token, poll_timeout_s=1))
+                                                          telegram.token, poll_timeout_s=1),
+                                limits={"max_concurrent_model_calls": CONCURRENT_MODEL_CALLS})
         waves = [[(1000 + s, f"s{s} m{m} {rng.randrange(10**6)}") for s in range(sessions)]
                  for m in range(messages_per_session)]
         lives = kills + 1
