@@ -68,9 +68,9 @@ class Agent:
                 parts.append("## Long-term memory (MEMORY.md)\n" + text.strip())
         return "\n\n".join(parts)
 
-    async def store(self, live: LiveSession, msg: Message) -> Message:
+    async def store(self, live: LiveSession, msg: Message, *, event: tuple[str, str] | None = None) -> Message:
         stored = await self.s.store.add_message(
-            live.key, msg, seq=live.seq, token_count=self.s.counter.count_message(msg)
+            live.key, msg, seq=live.seq, token_count=self.s.counter.count_message(msg), event=event
         )
         live.seq += 1
         live.ctx.append(stored)

@@ -160,4 +160,26 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (scope, note)
     ) WITHOUT ROWID;
     """,
+    # 3: fewer round trips per turn. A user message stored with the platform event that
+    # brought it marks that event running in the same statement (a trigger), so a crash can
+    # no longer fall between the two; and one insert into `turn_ends` closes a turn: the
+    # event's final status and the person's daily usage together.
+    """
+    ALTER TABLE messages ADD COLUMN event_channel TEXT;
+    ALTER TABLE messages ADD COLUMN event_id TEXT;
+    CREATE TRIGGER messages_start_turn AFTER INSERT ON messages WHEN new.event_id IS NOT NULL BEGIN
+        UPDATE events SET status = 'running', answered_at = new.created_at, turn = new.turn
+         WHERE channel = new.event_channel AND event_id = new.event_id;
+    END;
+
+    CREATE VIEW turn_ends(channel, event_id, status, at, identity, day, tokens) AS
+        SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE 0;
+    CREATE TRIGGER turn_ends_insert INSTEAD OF INSERT ON turn_ends BEGIN
+        UPDATE events SET status = new.status, answered_at = new.at
+         WHERE channel = new.channel AND event_id = new.event_id;
+        INSERT INTO usage(identity, day, turns, tokens)
+            SELECT new.identity, new.day, 1, new.tokens WHERE new.identity IS NOT NULL
+            ON CONFLICT(identity, day) DO UPDATE SET turns = turns + 1, tokens = tokens + excluded.tokens;
+    END;
+    """,
 ]

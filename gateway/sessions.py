@@ -22,6 +22,7 @@ from gateway.keys import workspace_dir
 from gateway.live import LiveSession
 from gateway.services import Services
 from gateway.types import Inbound, Message
+from gateway.usage import today
 
 log = logging.getLogger("gateway.sessions")
 
@@ -224,9 +225,10 @@ class SessionManager:
             turn = max(self._last_turns.get(live.key, 0), live.ctx.current_turn) + 1
             self._last_turns[live.key] = turn
             live.seq = 0
-            # Stored before the model is called (SPEC §3 persistence order).
-            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn))
-            await store.mark_event(inbound.channel, inbound.event_id, "running", turn=turn)
+            # Stored before the model is called (SPEC §3 persistence order); the same
+            # statement marks the event running with this turn.
+            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn),
+                                   event=(inbound.channel, inbound.event_id))
         else:
             turn = job.resume_turn
             done = [m for m in live.ctx.messages if m.turn == turn]
@@ -244,11 +246,12 @@ class SessionManager:
                 return
         result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
-        if self.s.usage is not None:  # counted when answered: one write per turn
-            await self.s.usage.add(cfg, inbound.identity, turns=1, tokens=live.turn_tokens)
         delivered = await self._send(inbound, result.text)
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
-        await store.mark_event(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered")
+        # The turn counts against the person's daily usage in the same statement.
+        usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
+        await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
+                             usage=usage)
 
     @staticmethod
     def _stored_unanswered(live: LiveSession, text: str) -> bool:

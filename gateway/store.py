@@ -225,20 +225,25 @@ class Store:
 
     # -- messages ---------------------------------------------------------------------
 
-    async def add_message(self, key: str, msg: Message, *, seq: int, token_count: int | None = None) -> Message:
+    async def add_message(self, key: str, msg: Message, *, seq: int, token_count: int | None = None,
+                          event: tuple[str, str] | None = None) -> Message:
+        """Store one message. With `event` (channel, event id), the platform event that
+        brought this user message is marked running with its turn in the same statement."""
         calls = (
             json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in msg.tool_calls],
                        ensure_ascii=False)
             if msg.tool_calls else None
         )
-        # One statement: a trigger keeps sessions.updated_at, another the search index.
+        event_channel, event_id = event if event is not None else (None, None)
+        # One statement: triggers keep sessions.updated_at, the search index and the event.
         rows = await self._rows(
             "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
-            "RETURNING id",
+            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
             (
                 key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
                 _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
+                event_channel, event_id,
             ),
         )
         row_id = int(rows[0][0])
@@ -295,6 +300,16 @@ class Store:
         await self._rows(
             "UPDATE events SET status=?, answered_at=?, turn=coalesce(?, turn) WHERE channel=? AND event_id=?",
             (status, time.time(), turn, channel, event_id),
+        )
+
+    async def end_turn(self, channel: str, event_id: str, status: str, *,
+                       usage: tuple[str, str, int] | None = None) -> None:
+        """The event's final status and, with `usage` (identity, day, tokens), one more turn
+        on that person's daily usage: one statement (the `turn_ends` trigger)."""
+        identity, day, tokens = usage if usage is not None else (None, None, 0)
+        await self._rows(
+            "INSERT INTO turn_ends(channel, event_id, status, at, identity, day, tokens) VALUES (?,?,?,?,?,?,?)",
+            (channel, event_id, status, time.time(), identity, day, tokens),
         )
 
     async def event_status(self, channel: str, event_id: str) -> str | None:

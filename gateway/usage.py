@@ -12,15 +12,10 @@ def today(cfg: Config) -> str:
 
 
 class Usage:
+    """Reads today's counts; a turn is counted by `Store.end_turn` when it is answered."""
+
     def __init__(self, store: Store) -> None:
         self.store = store
-
-    async def add(self, cfg: Config, identity: str, *, turns: int = 0, tokens: int = 0) -> None:
-        await self.store.run(
-            "INSERT INTO usage(identity, day, turns, tokens) VALUES (?,?,?,?) ON CONFLICT(identity, day) "
-            "DO UPDATE SET turns=turns+excluded.turns, tokens=tokens+excluded.tokens",
-            (identity, today(cfg), turns, tokens),
-        )
 
     async def get(self, cfg: Config, identity: str) -> tuple[int, int]:
         rows = await self.store.run(
