@@ -110,7 +110,8 @@ class WebChannel:
         try:
             if await self.handler(inbound) is False:
                 return _error(409, f"a message with id {event_id!r} was already received")
-            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=self.reply_timeout_s)
+            async with asyncio.timeout(self.reply_timeout_s):  # shielded: the reply may still come later
+                reply = await asyncio.shield(fut)
         except TimeoutError:
             return _error(504, "no reply in time; the message is saved and will be answered")
         except ConnectionAbortedError as err:

@@ -48,7 +48,7 @@ CHUNK_CHARS = 800  # memory files are indexed in chunks of about this size
 SNIPPET_BEFORE = 80
 SNIPPET_AFTER = 200
 PROMPT_CACHE_SCOPES = 1024  # MEMORY.md texts kept for the system prompt (LRU)
-RECHECK_S = 2.0  # how stale the cached MEMORY.md may be before its mtime is checked again
+RECHECK_S = 10.0  # how stale the cached MEMORY.md may be before its mtime is checked again (a hand edit)
 
 
 @dataclass(frozen=True, slots=True)
