@@ -57,7 +57,11 @@ HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after t
 READY_SLACK_S = 15.0
 POLL_READ_SLACK_S = 10.0  # HTTP read timeout beyond the long-poll timeout
 STOP_TIMEOUT_S = 5.0
-TYPING_CONNECTIONS = 4  # of the 16 pooled connections, at most this many send typing actions
+POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurrent_model_calls)
+# A reply waits this long for a free connection (the queue in front of the pool); the
+# library's 1 s default turned a busy minute into undelivered replies.
+POOL_WAIT_S = 30.0
+TYPING_CONNECTIONS = 4  # of the pooled connections, at most this many send typing actions
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -321,7 +325,8 @@ class TelegramChannel:
             token,
             base_url=self._cfg.base_url,
             base_file_url=self._file_url(),
-            request=HTTPXRequest(connection_pool_size=16, read_timeout=20, write_timeout=20),
+            request=HTTPXRequest(connection_pool_size=POOL_CONNECTIONS, read_timeout=20, write_timeout=20,
+                                 pool_timeout=POOL_WAIT_S),
             get_updates_request=HTTPXRequest(
                 connection_pool_size=1, read_timeout=self._cfg.poll_timeout_s + POLL_READ_SLACK_S
             ),
