@@ -48,6 +48,7 @@ CHUNK_CHARS = 800  # memory files are indexed in chunks of about this size
 SNIPPET_BEFORE = 80
 SNIPPET_AFTER = 200
 PROMPT_CACHE_SCOPES = 1024  # MEMORY.md texts kept for the system prompt (LRU)
+INDEXED_STAMPS_MAX = 10_000
 RECHECK_S = 10.0  # how stale the cached MEMORY.md may be before its mtime is checked again (a hand edit)
 
 
@@ -186,6 +187,29 @@ def _append_lines(path: Path, data: str) -> None:
         os.close(fd)
 
 
+def _append_note(path: Path, header: str, block: str) -> tuple[tuple[int, int] | None, os.stat_result]:
+    """Append `block` to a daily note, starting a new one with `header`. Returns the note's
+    (mtime_ns, size) before (None when it was empty) and its stat after."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        st = os.fstat(fd)
+        if st.st_size == 0:
+            before, data = None, header + block
+        else:
+            before = (st.st_mtime_ns, st.st_size)
+            tail = os.pread(fd, 2, max(0, st.st_size - 2))
+            # One blank line between blocks, also after a torn or hand-edited end.
+            data = ("" if tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n") + block
+        payload = data.encode("utf-8")
+        while payload:
+            payload = payload[os.write(fd, payload):]
+        os.fsync(fd)
+        return before, os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def _scan_memory_files(root: Path) -> dict[str, tuple[int, int]]:
     """MEMORY.md and memory/*.md that really live in the workspace: rel -> (mtime_ns, size)."""
     rels = [MEMORY_FILE]
@@ -247,6 +271,8 @@ class Memory:
         # scope -> ((mtime_ns, size, max_tokens), text): the system prompt stays byte-identical
         self._prompt_cache: OrderedDict[str, tuple[tuple[int, int, int], str]] = OrderedDict()
         self._prompt_checked: dict[str, float] = {}  # scope -> monotonic time of the last stat
+        # (scope, path) -> the (mtime_ns, size) the search index holds for it, as written by us
+        self._indexed: dict[tuple[str, str], tuple[int, int]] = {}
 
     @property
     def data_dir(self) -> Path:
@@ -341,15 +367,23 @@ class Memory:
         return path
 
     async def append_daily(self, scope: str, text: str, *, heading: str | None = None) -> Path:
+        """Append a block to today's note. Appended, not rewritten, and only the new block
+        is indexed: a busy scope's note grows all day, and redoing the whole file on every
+        summary made each one slower than the last."""
         day = self.today()
+        relative = f"{NOTES_DIR}/{day}.md"
         block = (f"## {heading.strip()}\n\n" if heading and heading.strip() else "") + text.strip() + "\n"
-
-        def make(old: str) -> str:
-            if not old.strip():
-                return f"# {day}\n\n{block}"
-            return old.rstrip("\n") + "\n\n" + block
-
-        return await self._rewrite_md(scope, f"{NOTES_DIR}/{day}.md", make)
+        await self._register(scope)
+        async with self.lock(scope):
+            path = await self._path(scope, relative)
+            before, st = await asyncio.to_thread(_append_note, path, f"# {day}\n\n", block)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if before is not None and self._indexed.get((scope, relative)) == before:
+                await self._index_more(scope, relative, block, stamp)
+            else:  # new file, edited by hand, or not indexed by this process yet
+                whole = await asyncio.to_thread(_read, path)
+                await self._index_file(scope, relative, whole, *stamp)
+        return path
 
     async def append_memory_md(self, scope: str, text: str) -> None:
         def make(old: str) -> str:
@@ -440,17 +474,25 @@ class Memory:
         return datetime.fromtimestamp(mtime_ns / 1e9, self._tz).strftime("%Y-%m-%d")
 
     async def _index_file(self, scope: str, relative: str, text: str, mtime_ns: int, size: int) -> None:
-        date = self._file_date(relative, mtime_ns)
+        # memory_files is written last: if we stop half-way, the next search re-indexes.
+        self._indexed.pop((scope, relative), None)
+        await self._store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, relative))
+        await self._index_more(scope, relative, text, (mtime_ns, size))
+
+    async def _index_more(self, scope: str, relative: str, text: str, stamp: tuple[int, int]) -> None:
+        """Index `text` as more chunks of the file, then record the file's new stamp."""
+        date = self._file_date(relative, stamp[0])
         rows = [(scope, relative, date, chunk) for chunk in chunk_text(text)]
         store = self._store
-        # memory_files is written last: if we stop half-way, the next search re-indexes.
-        await store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, relative))
         await store.run_many("INSERT INTO memory_chunks(scope, path, date, content) VALUES (?,?,?,?)", rows)
         await store.run(
             "INSERT INTO memory_files(scope, path, mtime_ns, size) VALUES (?,?,?,?) "
             "ON CONFLICT(scope, path) DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size",
-            (scope, relative, mtime_ns, size),
+            (scope, relative, *stamp),
         )
+        if len(self._indexed) >= INDEXED_STAMPS_MAX:  # a cache: a miss costs one full re-index
+            self._indexed.clear()
+        self._indexed[(scope, relative)] = stamp
 
     async def _refresh_index(self, scope: str) -> None:
         """Re-index the scope's memory files that changed on disk (e.g. edited by a person)."""
@@ -462,6 +504,7 @@ class Memory:
             async with db.execute(sql, (scope,)) as cur:
                 indexed = {row[0]: (row[1], row[2]) for row in await cur.fetchall()}
             for rel in indexed.keys() - on_disk.keys():
+                self._indexed.pop((scope, rel), None)
                 await self._store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, rel))
                 await self._store.run("DELETE FROM memory_files WHERE scope=? AND path=?", (scope, rel))
             for rel, stamp in on_disk.items():

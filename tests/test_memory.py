@@ -197,6 +197,26 @@ async def test_index_follows_edits_made_outside_the_gateway(memory: Memory) -> N
     assert await memory.search("s", "web:s", "emacs") == []
 
 
+async def test_appended_notes_are_indexed_block_by_block_and_hand_edits_still_win(
+    memory: Memory, store: Store,
+) -> None:
+    await memory.append_daily("s", "the first block mentions kumquats", heading="Turns 0")
+    for i in range(1, 30):
+        await memory.append_daily("s", f"summary block {i}: decided on plan-{i:03d}", heading=f"Turns {i}")
+    rows = await store.run("SELECT count(*) FROM memory_chunks WHERE scope='s'")
+    assert await memory.search("s", "web:s", "kumquats") and await memory.search("s", "web:s", "plan-029")
+    text = (memory.workspace("s") / "memory" / "2026-11-28.md").read_text()
+    assert text.startswith("# 2026-11-28\n\n## Turns 0\n\nthe first") and "\n\n## Turns 29\n\nsummary block 29" in text
+    assert rows[0][0] >= 30  # one chunk per appended block: nothing was re-indexed twice
+
+    path = memory.workspace("s") / "memory" / "2026-11-28.md"
+    path.write_text("# 2026-11-28\n\nrewritten by hand: plan-777\n")  # a person's edit, then a new block
+    await memory.append_daily("s", "after the edit: plan-888")
+    assert await memory.search("s", "web:s", "kumquats") == []  # the whole note was indexed again
+    assert await memory.search("s", "web:s", "plan-777") and await memory.search("s", "web:s", "plan-888")
+    assert path.read_text() == "# 2026-11-28\n\nrewritten by hand: plan-777\n\nafter the edit: plan-888\n"
+
+
 # -- tools and isolation -------------------------------------------------------------------
 
 
