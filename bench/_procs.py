@@ -238,6 +238,20 @@ def telegram_section(base_url: str, base_file_url: str, token: str, *, poll_time
 # ---------------------------------------------------------------------------- fake model process
 
 
+BENCH_SUMMARY = "\n".join(
+    f"## {section}\n- " + "; ".join(f"{section.lower()} item {i} with a few specific words" for i in range(4))
+    for section in ("Goal", "Constraints & Preferences", "Progress", "Key Decisions", "Next Steps",
+                    "Critical Context")
+)  # ~1,300 characters, the six sections the summary prompt asks for
+
+
+def _is_summary_request(body: Any) -> bool:
+    try:
+        return str(body["messages"][0]["content"]).startswith("You keep the working memory of a long chat")
+    except (KeyError, IndexError, TypeError):
+        return False
+
+
 def _stamped_model_class() -> type:
     """FakeModel plus a per-turn record of its own handler time (imported lazily: the
     parent process of a benchmark does not need the test fakes)."""
@@ -251,6 +265,10 @@ def _stamped_model_class() -> type:
             self.stats_url = ""
             if delay_s > 0:
                 self.default = lambda body: Reply(text=f"echo: {last_user_text(body)}", delay=delay_s)
+            # A summary request gets a summary of a real one's size: an echo of the prompt
+            # (previous summary + transcript) would grow with every summary and bloat requests.
+            self.respond_with(lambda body: Reply(text=BENCH_SUMMARY, delay=delay_s) if _is_summary_request(body)
+                              else None)
 
         async def start(self) -> None:
             await super().start()

@@ -12,6 +12,7 @@ workspace, because only then do we know whose workspace it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -630,19 +631,22 @@ class TelegramChannel:
 
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
-        task = asyncio.create_task(self._keep_typing(inbound), name="telegram-typing")
+        done = asyncio.Event()
+        task = asyncio.create_task(self._keep_typing(inbound, done), name="telegram-typing")
         self._typing_tasks.add(task)
+        task.add_done_callback(self._typing_tasks.discard)
         try:
             yield
         finally:
-            task.cancel()
-            self._typing_tasks.discard(task)
-            await asyncio.wait({task}, timeout=1)
+            # Told to stop, never cancelled: a request cancelled in flight could leave its
+            # pooled connection checked out (seen under uvloop), and after enough turns
+            # replies waited for a connection that never came back. The reply does not wait.
+            done.set()
 
-    async def _keep_typing(self, inbound: Inbound) -> None:
+    async def _keep_typing(self, inbound: Inbound, done: asyncio.Event) -> None:
         chat = _chat_ref(inbound.chat_id)
         thread = _int_or_none(inbound.thread_id)
-        while self._bot is not None and not self._stopping:
+        while self._bot is not None and not self._stopping and not done.is_set():
             # Typing may use a few of the HTTP pool's connections, never the ones replies
             # need: with many turns in flight a round is skipped instead of queued.
             if not self._typing_slots.locked():
@@ -653,7 +657,9 @@ class TelegramChannel:
                         raise
                     except Exception as exc:  # a missing indicator is not worth a failure
                         log.debug("telegram: typing indicator failed: %s", exc)
-            await asyncio.sleep(TYPING_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(TYPING_INTERVAL_S):
+                    await done.wait()
 
     def _require_bot(self) -> _Bot:
         if self._bot is None:

@@ -32,6 +32,23 @@ def _print_problems(path: Path | None, err: ConfigError) -> None:
         print(f"  - {problem}", file=sys.stderr)
 
 
+def _dump_tasks() -> None:
+    """Print every task's stack to stderr: the first thing to look at when a gateway seems stuck."""
+    tasks = asyncio.all_tasks()
+    print(f"--- {len(tasks)} tasks ---", file=sys.stderr)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"{task.get_name()}:", file=sys.stderr)
+        awaited: object = task.get_coro()
+        for _ in range(40):  # follow the await chain down to what it is waiting on
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                print(f"    waiting on {awaited!r}"[:300], file=sys.stderr)
+                break
+            print(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=sys.stderr)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    print("--- end of tasks ---", file=sys.stderr, flush=True)
+
+
 async def _run(path: Path | None) -> int:
     from gateway.app import Gateway, StartupError
     from gateway.reload import ConfigWatcher
@@ -44,6 +61,8 @@ async def _run(path: Path | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 <pid>`: what is everything waiting on?
     try:
         await gateway.start()
     except StartupError as err:

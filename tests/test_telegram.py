@@ -285,6 +285,8 @@ async def test_forum_topic_gets_its_own_session(
     async with channel.typing(first):
         action = await fake_telegram.wait_call("sendChatAction")
     assert action == {"chat_id": -1005, "action": "typing", "message_thread_id": 5}
+    if channel._typing_tasks:  # told to stop, it ends on its own right away (never cancelled mid-request)
+        await asyncio.wait(set(channel._typing_tasks), timeout=1)
     assert not channel._typing_tasks
 
     await channel.send(first, "topic answer")
