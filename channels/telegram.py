@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not turns
 MAX_FILE_BYTES = 20 * 1024 * 1024  # the Bot API's own getFile limit
 TYPING_INTERVAL_S = 4.0  # Telegram shows "typing" for ~5 s
+TYPING_DELAY_S = 0.5  # the indicator starts once a turn takes longer than this
 MAX_RETRY_WAIT_S = 60.0  # longest flood-control wait we honour in one go
 SEND_ATTEMPTS = 5
 HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after this
@@ -646,6 +647,11 @@ class TelegramChannel:
     async def _keep_typing(self, inbound: Inbound, done: asyncio.Event) -> None:
         chat = _chat_ref(inbound.chat_id)
         thread = _int_or_none(inbound.thread_id)
+        # A reply that comes at once needs no indicator: that is half the Bot API calls of a
+        # quick turn, and a person cannot tell the difference.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(TYPING_DELAY_S):
+                await done.wait()
         while self._bot is not None and not self._stopping and not done.is_set():
             # Typing may use a few of the HTTP pool's connections, never the ones replies
             # need: with many turns in flight a round is skipped instead of queued.
