@@ -1,22 +1,24 @@
 """Benchmark: the whole gateway under N concurrent sessions, web API and Telegram.
 
-    /work/venv/bin/python -m bench.gateway_load [--sessions 10 100 1000] [--seconds 8] [--paced 100 20]
+    /work/venv/bin/python -m bench.gateway_load [--sessions 10 100 1000] [--seconds 8] [--paced 100 50]
 
 Three processes: the gateway (`python -m gateway run --config` a temp config), a fake
 model that answers at once (`python -m bench._procs model`), and this one, which drives
 the load with an aiohttp client and hosts the fake Telegram Bot API. Every session sends
 turns back to back for a fixed time, through `POST /api/chat` or as Telegram updates
 (timed until the matching sendMessage arrives). One more run per path paces 100
-sessions to 20 turns/s in total: the latency below saturation (back to back, latency is
-N / throughput by Little's law). The same load against a bare aiohttp echo server in
-front of the same model (`python -m bench._procs echo`) is the ceiling.
+sessions to 50 turns/s in total (one message every 2 s from each, far busier than people
+chat): the latency below saturation. Back to back, latency is N / throughput by Little's
+law, so it measures throughput again, not added latency; the bare server's own b2b rows
+show that (about 80 ms p50 at 100 sessions). The same load against a bare aiohttp echo
+server in front of the same model (`python -m bench._procs echo`) is the ceiling.
 
 Per N and path: turns/s; gateway CPU ms per turn (utime+stime from /proc, from the
 start of the load until the process is idle again, so background work the turns caused
 counts); p50/p99 added latency (end to end minus the model server's own handler time for
 that turn); RSS per live session (RSS growth / N, measured idle after the load).
-Goals: ≥ 300 turns/s through the web API, p99 added latency ≤ 50 ms at 100 sessions,
-≤ 100 KB RSS per idle live session. Writes bench/out/gateway_load.{json,png}.
+Goals: ≥ 300 turns/s through the web API, p99 added latency ≤ 50 ms at 100 sessions
+(judged on the paced runs), ≤ 100 KB RSS per idle live session. Writes bench/out/gateway_load.{json,png}.
 """
 
 from __future__ import annotations
@@ -306,9 +308,16 @@ def goals(results: list[RunResult]) -> list[str]:
         best = max(r.turns_per_s for r in web)
         lines.append(f"web API ≥ {GOAL_TURNS_PER_S} turns/s: best {best:.0f} → {verdict(best >= GOAL_TURNS_PER_S)}")
     for r in gw:
-        if r.sessions == 100:
+        if r.sessions == 100 and r.offered:
             lines.append(f"p99 added ≤ {GOAL_P99_ADDED_MS} ms at 100 sessions ({r.path}, {load_label(r)}): "
                          f"{r.p99_added_ms:.1f} ms → {verdict(r.p99_added_ms <= GOAL_P99_ADDED_MS)}")
+    for r in gw:
+        if r.sessions == 100 and not r.offered:
+            bare = next((c for c in results if c.target == "ceiling" and c.path == r.path
+                         and c.sessions == 100 and not c.offered), None)
+            versus = f"; the bare server: {bare.p99_added_ms:.0f} ms" if bare else ""
+            lines.append(f"(p99 at 100 sessions back to back, {r.path}: {r.p99_added_ms:.0f} ms — saturation, "
+                         f"≈ 100 / {r.turns_per_s:.0f} turns/s{versus})")
     idle = [r for r in gw if r.sessions >= 100 and r.offered is None]
     if idle:
         worst = max(r.rss_per_session_kb for r in idle)
@@ -393,7 +402,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=8.0, help="load time per run")
     parser.add_argument("--paths", nargs="+", choices=["web", "telegram"], default=["web", "telegram"])
     parser.add_argument("--targets", nargs="+", choices=["gateway", "ceiling"], default=["gateway", "ceiling"])
-    parser.add_argument("--paced", type=float, nargs=2, metavar=("SESSIONS", "RATE"), default=[100, 20],
+    parser.add_argument("--paced", type=float, nargs=2, metavar=("SESSIONS", "RATE"), default=[100, 50],
                         help="one more run per path with SESSIONS sessions offering RATE turns/s in total "
                              "(latency below saturation); RATE 0 skips it")
     args = parser.parse_args()

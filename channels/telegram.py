@@ -640,7 +640,7 @@ class TelegramChannel:
             yield
         finally:
             # Told to stop, never cancelled: a request cancelled in flight could leave its
-            # pooled connection checked out (seen under uvloop), and after enough turns
+            # pooled connection checked out (seen with uvloop), and after enough turns
             # replies waited for a connection that never came back. The reply does not wait.
             done.set()
 

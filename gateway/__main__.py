@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config import Config, ConfigError, load_config
@@ -129,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.path}: OK")
             return 0
         if command == "run":
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                return runner.run(_run(getattr(args, "config", None)))
+            return asyncio.run(_run(getattr(args, "config", None)))
         if command == "chat":
             return asyncio.run(_chat(args.config))
         if command == "pairing":
@@ -142,18 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     parser.print_help()
     return 2
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when installed and not switched off (GATEWAY_LOOP=asyncio): the same program
-    for about a quarter less CPU per turn under load (bench/gateway_load.py)."""
-    if os.environ.get("GATEWAY_LOOP", "").strip().lower() == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

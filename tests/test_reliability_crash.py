@@ -304,14 +304,15 @@ async def test_sigkill_at_random_points_answers_every_update_exactly_once(tmp_pa
     # The known window (kill between sendMessage and the "answered" mark) may repeat a
     # reply: at most the turns in flight at each kill.
     assert report.duplicate_replies <= kills * CONCURRENT_MODEL_CALLS
-    # A kill between storing the user message and marking the event "running" is pinned
-    # down by test_restart_after_the_user_message_was_stored_runs_the_turn_once below.
+    # Storing the user message marks its event "running" in the same statement (migration
+    # 3), so a kill cannot fall between the two any more; a database left in that state by
+    # an older version is still recovered (the test below).
 
 
 async def test_restart_after_the_user_message_was_stored_runs_the_turn_once(
     tmp_path: Path, make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
 ) -> None:
-    # The database exactly as a SIGKILL between those two commits leaves it.
+    # The database exactly as a SIGKILL between those two commits left it before migration 3.
     store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
     inbound = Inbound(channel="telegram", chat_id="9", user_id="9", text="are you there?", event_id="500",
                       message_id="1", extra={"chat_type": "private"})
