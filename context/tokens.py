@@ -155,7 +155,6 @@ class TokenCounter:
     def __init__(self, model_name: str | None = None) -> None:
         self._encode, self.encoding_name = load_encoder(model_name)
         self._text_cache: dict[tuple[int, int], int] = {}
-        self._message_cache: dict[tuple[Any, ...], int] = {}
         self._tools_cache: dict[str, int] = {}
         self._last_tools: tuple[list[dict[str, Any]], int] | None = None  # the registry's list, by identity
 
@@ -191,17 +190,12 @@ class TokenCounter:
     # -- messages -----------------------------------------------------------------------
 
     def count_message(self, msg: Message) -> int:
-        """Content, framing and tool calls of one message as sent (cached)."""
-        content = msg.content
-        key = (msg.role, len(content), hash(content), msg.tool_calls, msg.tool_call_id)
-        cached = self._message_cache.get(key)
-        if cached is None:
-            # Only what the OpenAI format sends: calls on assistant messages, ids on results.
-            calls = [(tc.id, tc.name, tc.arguments) for tc in msg.tool_calls if msg.role == "assistant"]
-            call_id = (msg.tool_call_id or "") if msg.role == "tool" else None
-            cached = self._parts_tokens(content, calls, call_id)
-            _remember(self._message_cache, key, cached)
-        return cached
+        """Content, framing and tool calls of one message as sent. Not cached as a whole:
+        its texts are, and a per-message entry cost more memory per session than it saved."""
+        # Only what the OpenAI format sends: calls on assistant messages, ids on results.
+        calls = [(tc.id, tc.name, tc.arguments) for tc in msg.tool_calls] if msg.role == "assistant" else ()
+        call_id = (msg.tool_call_id or "") if msg.role == "tool" else None
+        return self._parts_tokens(msg.content, calls, call_id)
 
     def count_dict(self, msg: dict[str, Any]) -> int:
         """The same count for a message already in OpenAI chat format."""
