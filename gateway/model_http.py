@@ -91,6 +91,10 @@ class CompletionsEndpoint:
             "Accept": "application/json",
             "User-Agent": USER_AGENT,
         }
+        # The SDK's other environment settings, so switching transports changes nothing.
+        for env, header in (("OPENAI_ORG_ID", "OpenAI-Organization"), ("OPENAI_PROJECT_ID", "OpenAI-Project")):
+            if os.environ.get(env):
+                self._headers[header] = os.environ[env]
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._proxy: tuple[URL | None, aiohttp.BasicAuth | None] = (None, None)

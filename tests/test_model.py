@@ -651,3 +651,18 @@ async def test_concurrent_first_calls_share_one_connection_pool(
 
     assert [r.content for r in replies[1:]] == ["echo: Hello there"] * 20
     assert not [r for r in caplog.records if "Unclosed" in r.getMessage()]
+
+
+async def test_plain_calls_send_the_key_and_the_sdk_environment_headers(
+    fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-123")
+    monkeypatch.setenv("OPENAI_PROJECT_ID", "proj-9")
+    client = make_client(fake_model)
+    await client.complete(USER)
+    await client.close()
+
+    headers = {k.lower(): v for k, v in fake_model.request_headers[-1].items()}
+    assert headers["authorization"] == "Bearer test-key"
+    assert (headers["openai-organization"], headers["openai-project"]) == ("org-123", "proj-9")
+    assert fake_model.requests[-1]["model"] == "fake-model"
