@@ -666,3 +666,17 @@ async def test_plain_calls_send_the_key_and_the_sdk_environment_headers(
     assert headers["authorization"] == "Bearer test-key"
     assert (headers["openai-organization"], headers["openai-project"]) == ("org-123", "proj-9")
     assert fake_model.requests[-1]["model"] == "fake-model"
+
+
+@pytest.mark.parametrize("base_url", ["ftp://models.example/v1", "localhost:8000/v1"])
+async def test_a_base_url_that_is_not_http_is_a_clear_connection_error(
+    fake_model: FakeModel, rec: Recorder, base_url: str,  # noqa: F811
+) -> None:
+    client = make_client(fake_model, rec, base_url=base_url, max_retries=0)
+    with pytest.raises(ModelError) as caught:
+        await client.complete(USER)
+    await client.close()
+
+    assert caught.value.kind == "connection" and "model.base_url" in str(caught.value)
+    assert "model.base_url" in caught.value.user_message()
+    assert fake_model.requests == []
