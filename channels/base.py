@@ -19,6 +19,8 @@ from gateway.types import Inbound
 # adapter may acknowledge the platform event after it returns. The result is False for
 # an event seen before (nothing more will happen for it), True or None otherwise.
 InboundHandler = Callable[[Inbound], Awaitable[bool | None]]
+# Whether the router would serve this message (no side effects): files are fetched only then.
+AccessCheck = Callable[[Inbound], Awaitable[bool]]
 
 
 @runtime_checkable

@@ -48,7 +48,7 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
-from channels.base import InboundHandler
+from channels.base import AccessCheck, InboundHandler
 from channels.slack_format import clean_text, slack_to_text, split_message, to_mrkdwn
 from gateway.config import SlackConfig
 from gateway.types import Attachment, Inbound
@@ -279,10 +279,12 @@ class SlackChannel:
         sleep: Sleep = asyncio.sleep,  # waits out Retry-After; tests inject their own
         start_timeout_s: float = 15.0,
         ping_interval_s: float = 10.0,
+        admits: AccessCheck | None = None,
     ) -> None:
         self._cfg = cfg
         self._handler = handler
         self._workspace_for = workspace_for
+        self._admits = admits
         self._sleep = sleep
         self._start_timeout_s = start_timeout_s
         self._ping_interval_s = ping_interval_s
@@ -511,7 +513,7 @@ class SlackChannel:
             name = await self._user_name(inbound.user_id)
             if name:
                 inbound = replace(inbound, user_name=name)
-        if parsed.files:
+        if parsed.files and (self._admits is None or await self._admits(inbound)):
             try:
                 inbound = await self._attach(inbound, parsed.files)
             except Exception:

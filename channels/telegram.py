@@ -41,7 +41,7 @@ from telegram.error import (
 )
 from telegram.request import HTTPXRequest
 
-from channels.base import InboundHandler
+from channels.base import AccessCheck, InboundHandler
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
 from gateway.config import TelegramConfig
 from gateway.types import Attachment, Inbound
@@ -292,10 +292,12 @@ class TelegramChannel:
         workspace_for: Callable[[Inbound], Path],
         commands: Sequence[tuple[str, str]] = (),
         sleep: Sleep = asyncio.sleep,
+        admits: AccessCheck | None = None,
     ) -> None:
         self._cfg = cfg
         self._handler = handler
         self._workspace_for = workspace_for
+        self._admits = admits
         self._commands = [(str(c), str(d)) for c, d in commands]
         self._sleep = sleep  # waits while sending (flood control, retries); injectable for tests
         self._bot: _Bot | None = None
@@ -506,7 +508,9 @@ class TelegramChannel:
             return True
         self._in_handler = True
         try:
-            inbound = await self._with_files(parsed)
+            inbound = parsed.inbound
+            if parsed.file is None or self._admits is None or await self._admits(inbound):
+                inbound = await self._with_files(parsed)
             await self._handler(inbound)
         except asyncio.CancelledError:
             raise

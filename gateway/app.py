@@ -209,11 +209,12 @@ class Gateway:
             from channels.telegram import TelegramChannel
 
             return TelegramChannel(cfg.channels.telegram, self.router.handle, workspace_for=self.workspace_for,
-                                   commands=BOT_COMMANDS)
+                                   commands=BOT_COMMANDS, admits=self.router.admits)
         if name == "slack" and cfg.channels.slack.enabled:
             from channels.slack import SlackChannel
 
-            return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for)
+            return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for,
+                                admits=self.router.admits)
         return None
 
     async def _start_channel(self, name: str, channel: Any) -> None:

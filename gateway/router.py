@@ -9,7 +9,7 @@ import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 
-from gateway.access import Pairing, decide
+from gateway.access import LOCAL_CHANNELS, Pairing, decide
 from gateway.commands import Commands, parse_command
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
@@ -55,6 +55,15 @@ class Router:
                 log.exception("storage notice could not be delivered", extra={"channel": inbound.channel})
             return True
 
+    async def admits(self, inbound: Inbound) -> bool:
+        """Whether `inbound` would be served (the access decision of `_handle`, without its
+        side effects). Channels ask before downloading a message's files, so a stranger's
+        upload is never fetched."""
+        approved = False
+        if not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
+            approved = await self.pairing.is_approved(inbound.identity)
+        return decide(self.s.cfg, inbound, approved=approved).action == "allow"
+
     async def _handle(self, inbound: Inbound) -> bool:
         cfg = self.s.cfg
         self.s.metrics.inbound.labels(inbound.channel).inc()
@@ -71,7 +80,7 @@ class Router:
             log.info("duplicate event dropped", extra={"session": key, "event": inbound.event_id})
             return False
         approved = False
-        if not inbound.is_group and inbound.channel not in ("web", "terminal"):
+        if not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
             approved = await self.pairing.is_approved(inbound.identity)
         decision = decide(cfg, inbound, approved=approved)
         if decision.action == "ignore":

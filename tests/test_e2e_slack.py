@@ -113,3 +113,23 @@ async def test_slash_command_context(make_gateway: GatewayFactory, fake_model: F
     answer = (fake_slack.responses or fake_slack.ephemeral)[0]
     assert "token" in str(answer).lower()
     assert fake_model.requests == []  # commands never call the model
+
+
+async def test_a_strangers_file_is_never_downloaded(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                    fake_slack: FakeSlack) -> None:
+    await make_gateway(admins=["slack:U1"], access={"dm_policy": "allowlist"},
+                       channels=slack_section(fake_slack))
+    await fake_slack.wait_connected()
+    strangers = fake_slack.add_file("payload.bin", b"a stranger's upload")
+    admins = fake_slack.add_file("notes.txt", b"the admin's notes")
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U9", "text": "take this",
+                                 "ts": "500.1", "channel": "D9", "files": [strangers]})
+    (refusal,) = await fake_slack.wait_posted(1)
+    assert refusal["channel"] == "D9" and "private" in refusal["text"]
+
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U1", "text": "my notes",
+                                 "ts": "600.1", "channel": "D1", "files": [admins]})
+    await fake_slack.wait_posted(2)
+
+    assert fake_slack.downloads == [admins["id"]]  # the admin's file was fetched, the stranger's never
+    assert "notes.txt" in fake_model.requests[-1]["messages"][-1]["content"]

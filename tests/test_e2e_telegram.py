@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -146,3 +147,24 @@ async def test_a_resumed_turn_keeps_its_place_before_newer_messages(
     await make_gateway(access={"dm_policy": "open"}, channels=telegram_section(fake_telegram))
     sent = await fake_telegram.wait_sent(2)
     assert [m["text"] for m in sent] == ["echo: first question", "echo: second question"]
+
+
+async def test_a_strangers_file_is_never_downloaded(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                    fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(admins=[f"telegram:{ADMIN}"], channels=telegram_section(fake_telegram))
+    fake_telegram.add_file("strangers", b"20 MB of something", "documents/file_9.bin")
+    fake_telegram.add_file("admins", b"%PDF-1.4 notes", "documents/file_10.pdf")
+    fake_telegram.push_message(chat_id=77, user_id=77, caption="take this", document={
+        "file_id": "strangers", "file_unique_id": "s9", "file_name": "payload.bin", "file_size": 18})
+    (refusal,) = await fake_telegram.wait_sent(1)
+    assert "pairing code" in refusal["text"] and refusal["chat_id"] == 77
+
+    fake_telegram.push_message(chat_id=ADMIN, user_id=ADMIN, caption="my notes", document={
+        "file_id": "admins", "file_unique_id": "a10", "file_name": "notes.pdf", "file_size": 14})
+    await fake_telegram.wait_sent(2)
+
+    fetched = [call["file_id"] for call in fake_telegram.calls_of("getFile")]
+    assert fetched == ["admins"]  # the admin's file was fetched, the stranger's never
+    assert gw.services is not None
+    assert not list(Path(gw.services.cfg.data_dir).glob("**/payload.bin"))
+    assert "notes.pdf" in fake_model.requests[-1]["messages"][-1]["content"]
