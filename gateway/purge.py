@@ -1,9 +1,10 @@
 """The retention purge (SPEC §7): what is past its time goes, in small batches.
 
 Sessions whose last activity is older than `session_retention_days` go with their
-messages and summaries; dedup records of platform events older than 7 days go; saved
-tool outputs (tool_results/*.txt) older than `tool_result_ttl_days` go unless a live
-context still points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
+messages and summaries, and so do the older messages of sessions still in use; dedup
+records of platform events older than 7 days go; saved tool outputs
+(tool_results/*.txt) older than `tool_result_ttl_days` go unless a live context still
+points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
 
 Every statement deletes at most one batch and commits, and the loop yields between
 batches, so a chat's write never waits behind the whole purge.
@@ -53,9 +54,9 @@ async def purge(
     live_references: Callable[[], set[Path]], batch: int = ROW_BATCH,
 ) -> PurgeReport:
     started = time.monotonic()
-    sessions, messages, summaries = await _purge_sessions(
-        store, before=now - session_retention_days * DAY, batch=batch
-    )
+    before = now - session_retention_days * DAY
+    sessions, messages, summaries = await _purge_sessions(store, before=before, batch=batch)
+    messages += await _purge_old_messages(store, before=before, batch=batch)
     events = 0
     while (n := await store.delete_events_before(now - DEDUP_DAYS * DAY, limit=batch)) > 0:
         events += n
@@ -94,6 +95,19 @@ async def _purge_sessions(store: Store, *, before: float, batch: int) -> tuple[i
             break  # every one of them became active again meanwhile: nothing more is expired
         await asyncio.sleep(0)
     return sessions, messages, summaries
+
+
+async def _purge_old_messages(store: Store, *, before: float, batch: int) -> int:
+    """Messages past retention in sessions that are still active (SPEC §4.5 purges both).
+    Only the old front of the table is walked: ids below the first newer message."""
+    newest_kept = await store.first_message_id_since(before)
+    if newest_kept is None:
+        return 0  # nothing newer: every old message belonged to an expired session
+    deleted = 0
+    while (n := await store.delete_messages_before(before, below_id=newest_kept, limit=batch)) > 0:
+        deleted += n
+        await asyncio.sleep(0)  # let queued chat writes in between batches
+    return deleted
 
 
 def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:

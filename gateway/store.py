@@ -410,6 +410,20 @@ class Store:
             (*keys, before, limit),
         )
 
+    async def first_message_id_since(self, at: float) -> int | None:
+        """The id of the oldest message created at or after `at`. Messages are stored in
+        time order, so this walks (by rowid) only the older ones in front of it."""
+        rows = await self._rows("SELECT id FROM messages WHERE created_at >= ? ORDER BY id LIMIT 1", (at,))
+        return int(rows[0][0]) if rows else None
+
+    async def delete_messages_before(self, before: float, *, below_id: int, limit: int) -> int:
+        """Delete up to `limit` messages created before `before` among ids below `below_id`."""
+        return await self._delete(
+            "DELETE FROM messages WHERE id IN (SELECT id FROM messages WHERE id < ? AND created_at < ? "
+            "ORDER BY id LIMIT ?)",
+            (below_id, before, limit),
+        )
+
     async def delete_session_summaries(self, keys: list[str], *, limit: int) -> int:
         if not keys:
             return 0

@@ -71,15 +71,16 @@ async def test_purge_removes_exactly_what_is_past_retention(store: Store, memory
     report = await purge(store, memory.data_dir, now=NOW.timestamp(), session_retention_days=30,
                          tool_result_ttl_days=7, live_references=lambda: {referenced}, batch=2)
 
+    # 6 of the expired session, and the turn of the active one older than 30 days (31 days)
     assert (report.sessions, report.messages, report.summaries, report.events, report.tool_results) == \
-        (1, 6, 1, 1, 1)
+        (1, 8, 1, 1, 1)
     wal = Path(f"{store.path}-wal")
     assert not wal.exists() or wal.stat().st_size == 0  # checkpointed and truncated
     assert await store.get_session("telegram:dm:old") is None
     assert await store.count_messages("telegram:dm:old") == 0
     assert await store.latest_summary("telegram:dm:old") is None
     assert await store.get_session("telegram:dm:recent") is not None
-    assert await store.count_messages("telegram:dm:recent") == 6
+    assert [m.turn for m in await store.messages("telegram:dm:recent")] == [2, 2, 3, 3]  # 30 and 29 days
     assert await store.latest_summary("telegram:dm:recent") is not None
     assert await store.event_status("telegram", "8-days") is None
     assert await store.event_status("telegram", "6-days") == "accepted"
@@ -106,8 +107,9 @@ async def test_a_session_active_again_is_kept(store: Store, memory: Memory) -> N
                                                          created_at=ago(0.1)), seq=20)
     report = await purge(store, memory.data_dir, now=NOW.timestamp(), session_retention_days=30,
                          tool_result_ttl_days=7, live_references=set)
-    assert report.sessions == 0 and report.messages == 0
-    assert await store.count_messages("telegram:dm:back") == 7
+    assert report.sessions == 0 and report.messages == 6  # the session stays; its old messages go
+    assert [m.content for m in await store.messages("telegram:dm:back")] == ["I'm back"]
+    assert await store.latest_summary("telegram:dm:back") is not None
 
 
 async def test_the_scheduler_records_each_purge(store: Store, memory: Memory) -> None:
