@@ -660,8 +660,8 @@ class ModelClient:
         if self.configured:
             try:
                 await (await self._ensure_endpoint()).open()
-            except ModelError:
-                pass
+            except (ModelError, aiohttp.ClientError, OSError) as err:  # e.g. an unreadable CA bundle
+                log.debug("model warm-up failed: %s", err)
 
     async def close(self, grace_s: float = 0) -> None:
         """Close the connections, after letting calls in flight finish for up to grace_s
