@@ -6,6 +6,10 @@ honours Retry-After; everything else surfaces as a `ModelError` whose `kind` tel
 agent what to do. `classify_error()` is the pure part: it recognizes context overflow in
 every provider's wording (so the agent can recover, §4.4) and never mistakes another 400
 for one.
+
+Transports: a plain call is one JSON POST through `gateway.model_http` (the openai SDK's
+request and response handling cost more CPU than the rest of a turn); a streamed call
+goes through the SDK. Both end in the same ModelReply / ModelError kinds.
 """
 
 from __future__ import annotations
@@ -384,7 +388,7 @@ def retry_delay(attempt: int, retry_after: float | None, jitter: float) -> float
 
 
 # ----------------------------------------------------------------------------------------
-# Turning SDK results into ModelReply
+# Turning responses (direct or from the SDK) into ModelReply
 
 
 def _refused(exc: BaseException) -> bool:
