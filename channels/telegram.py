@@ -350,8 +350,11 @@ class TelegramChannel:
     async def stop(self) -> None:
         self._stopping = True
         task, self._task = self._task, None
-        for typing_task in list(self._typing_tasks):
-            typing_task.cancel()
+        typing = set(self._typing_tasks)
+        for typing_task in typing:
+            typing_task.cancel()  # shutting down: the bot's connections close right after
+        if typing:
+            await asyncio.wait(typing, timeout=1)
         if task is not None:
             if not self._in_handler:
                 task.cancel()  # idle in a long poll: nothing to lose
