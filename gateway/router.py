@@ -9,7 +9,7 @@ import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 
-from gateway.access import LOCAL_CHANNELS, Pairing, decide
+from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
 from gateway.commands import Commands, parse_command
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
@@ -59,10 +59,13 @@ class Router:
         """Whether `inbound` would be served (the access decision of `_handle`, without its
         side effects). Channels ask before downloading a message's files, so a stranger's
         upload is never fetched."""
+        return (await self._decide(inbound)).action == "allow"
+
+    async def _decide(self, inbound: Inbound) -> Decision:
         approved = False
         if not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
             approved = await self.pairing.is_approved(inbound.identity)
-        return decide(self.s.cfg, inbound, approved=approved).action == "allow"
+        return decide(self.s.cfg, inbound, approved=approved)
 
     async def _handle(self, inbound: Inbound) -> bool:
         cfg = self.s.cfg
@@ -79,10 +82,7 @@ class Router:
             self.s.metrics.dedup_hits.labels(inbound.channel).inc()
             log.info("duplicate event dropped", extra={"session": key, "event": inbound.event_id})
             return False
-        approved = False
-        if not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
-            approved = await self.pairing.is_approved(inbound.identity)
-        decision = decide(cfg, inbound, approved=approved)
+        decision = await self._decide(inbound)
         if decision.action == "ignore":
             await self.s.store.mark_event(inbound.channel, inbound.event_id, "ignored")
             return True
