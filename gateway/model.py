@@ -754,9 +754,8 @@ class ModelClient:
         client = await self._ensure_client()
         # Messages and tools are plain JSON already: sent as extra_body they skip the SDK's
         # recursive transform of typed params, which costs ~10 ms per call on long requests.
-        params: dict[str, Any] = {"model": self._cfg.name, "messages": [], "extra_body": {
-            k: v for k, v in body.items() if k in ("messages", "tools")}}
-        params.update((k, v) for k, v in body.items() if k not in ("model", "messages", "tools"))
+        params = dict(body, messages=[], extra_body={"messages": messages, **({"tools": tools} if tools else {})})
+        params.pop("tools", None)
         params["stream"] = True
         if self._stream_usage:
             params["stream_options"] = {"include_usage": True}

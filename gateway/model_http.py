@@ -54,23 +54,6 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
-_tools_json: tuple[object, bytes] | None = None  # the registry's schema list, by identity
-
-
-def _encode(body: dict[str, Any]) -> bytes:
-    """The request as JSON bytes. The tool schemas are the registry's one list, the same on
-    every call: their JSON is made once and spliced in. ASCII escapes keep a lone surrogate
-    valid JSON."""
-    global _tools_json
-    tools = body.get("tools")
-    if not tools:
-        return json.dumps(body).encode()
-    if _tools_json is None or _tools_json[0] is not tools:
-        _tools_json = (tools, json.dumps(tools).encode())
-    rest = json.dumps({k: v for k, v in body.items() if k != "tools"}).encode()
-    return b"".join((rest[:-1], b', "tools": ', _tools_json[1], b"}"))
-
-
 def _env_proxy(url: URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
     """The proxy HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and .netrc) choose for `url`, as the
     SDK would honour them."""
@@ -100,6 +83,7 @@ class CompletionsEndpoint:
         self._proxy: tuple[URL | None, aiohttp.BasicAuth | None] = (None, None)
         self._lock = asyncio.Lock()
         self._closed = False
+        self._tools_json: tuple[object, bytes] | None = None  # the registry's schema list, by identity
 
     async def open(self) -> None:
         """Idempotent; concurrent callers (the warm-up and the first turns) share one session."""
@@ -131,9 +115,21 @@ class CompletionsEndpoint:
             await self.open()
             session = self._session
             assert session is not None
-        payload = _encode(body)
+        payload = self._encode(body)
         proxy, proxy_auth = self._proxy
         async with session.post(self.url, data=payload, headers=self._headers, proxy=proxy,
                                       proxy_auth=proxy_auth) as response:
             data = await response.read()
             return RawResponse(status=response.status, headers=response.headers, body=data)
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        """The request as JSON bytes. The tool schemas are the registry's one list, the same
+        on every call: their JSON is made once and spliced in. ASCII escapes keep a lone
+        surrogate valid JSON."""
+        tools = body.get("tools")
+        if not tools:
+            return json.dumps(body).encode()
+        if self._tools_json is None or self._tools_json[0] is not tools:
+            self._tools_json = (tools, json.dumps(tools).encode())
+        rest = json.dumps({k: v for k, v in body.items() if k != "tools"}).encode()
+        return b"".join((rest[:-1], b', "tools": ', self._tools_json[1], b"}"))
