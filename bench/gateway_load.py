@@ -131,56 +131,54 @@ async def pace(interval: float, next_start: float, deadline: float) -> float:
     return next_start + interval
 
 
-async def web_session(http: aiohttp.ClientSession, url: str, name: str, deadline: float,
-                      samples: list[Sample], errors: list[str], *, interval: float = 0.0,
-                      phase: float = 0.0) -> None:
+Turn = Callable[[str], Awaitable[str | None]]  # sends one tagged turn: an error text, or None
+
+
+async def session(turn: Turn, prefix: str, deadline: float, samples: list[Sample], errors: list[str], *,
+                  interval: float = 0.0, phase: float = 0.0) -> None:
+    """One session: turns tagged `prefix-N` until the deadline, back to back or paced."""
     n = 0
     slot = time.monotonic() + phase
     while time.monotonic() < deadline:
         slot = await pace(interval, slot, deadline)
         if time.monotonic() >= deadline:
             break
-        tag = f"bench-{name}-{n}"
+        tag = f"{prefix}-{n}"
         n += 1
         started = time.perf_counter()
+        error = await turn(tag)
+        if error is not None:
+            errors.append(error)
+            continue
+        samples.append(Sample(tag, time.perf_counter() - started))
+
+
+def web_turn(http: aiohttp.ClientSession, url: str, name: str) -> Turn:
+    async def turn(tag: str) -> str | None:
         try:
             async with http.post(url + "/api/chat", json={"session": name, "text": tag},
                                  timeout=aiohttp.ClientTimeout(total=TURN_TIMEOUT_S)) as resp:
                 body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-            errors.append(f"{name}: {type(err).__name__}")
-            continue
-        took = time.perf_counter() - started
+            return f"{name}: {type(err).__name__}"
         if resp.status != 200 or body.get("reply") != f"echo: {tag}":
-            errors.append(f"{name}: HTTP {resp.status} {str(body)[:80]}")
-            continue
-        samples.append(Sample(tag, took))
+            return f"{name}: HTTP {resp.status} {str(body)[:80]}"
+        return None
+
+    return turn
 
 
-async def telegram_session(fake: LoadTelegram, chat_id: int, deadline: float,
-                           samples: list[Sample], errors: list[str], *, interval: float = 0.0,
-                           phase: float = 0.0) -> None:
-    n = 0
-    slot = time.monotonic() + phase
-    while time.monotonic() < deadline:
-        slot = await pace(interval, slot, deadline)
-        if time.monotonic() >= deadline:
-            break
-        tag = f"bench-t{chat_id}-{n}"
-        n += 1
+def telegram_turn(fake: LoadTelegram, chat_id: int) -> Turn:
+    async def turn(tag: str) -> str | None:
         reply = fake.expect(chat_id)
-        started = time.perf_counter()
         fake.push_message(chat_id=chat_id, user_id=chat_id, text=tag)
         try:
             text = await asyncio.wait_for(reply, TURN_TIMEOUT_S)
         except TimeoutError:
-            errors.append(f"chat {chat_id}: no reply in {TURN_TIMEOUT_S:.0f}s")
-            continue
-        took = time.perf_counter() - started
-        if text != f"echo: {tag}":
-            errors.append(f"chat {chat_id}: unexpected reply {text[:80]!r}")
-            continue
-        samples.append(Sample(tag, took))
+            return f"chat {chat_id}: no reply in {TURN_TIMEOUT_S:.0f}s"
+        return None if text == f"echo: {tag}" else f"chat {chat_id}: unexpected reply {text[:80]!r}"
+
+    return turn
 
 
 # ---------------------------------------------------------------------------- one run
@@ -220,10 +218,8 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             warm_samples: list[Sample] = []
             warm_errors: list[str] = []
             warm_deadline = time.monotonic() + 0.5
-            if path == "web":
-                await web_session(http, child.url, "warm", warm_deadline, warm_samples, warm_errors)
-            else:
-                await telegram_session(fake, 1, warm_deadline, warm_samples, warm_errors)
+            warm = web_turn(http, child.url, "warm") if path == "web" else telegram_turn(fake, 1)
+            await session(warm, "bench-warm", warm_deadline, warm_samples, warm_errors)
             if warm_errors:
                 raise RuntimeError(f"warm-up failed: {warm_errors[:3]}\n{child.log_text()[-2000:]}")
             await settle(child)
@@ -237,16 +233,10 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             started = time.monotonic()
             deadline = started + seconds
             interval = sessions / rate if rate else 0.0
-            drivers: list[Awaitable[None]]
-            if path == "web":
-                drivers = [web_session(http, child.url, f"s{i}", deadline, samples, errors,
-                                       interval=interval, phase=i * interval / sessions)
-                           for i in range(sessions)]
-            else:
-                drivers = [telegram_session(fake, 100_000 + i, deadline, samples, errors,
-                                            interval=interval, phase=i * interval / sessions)
-                           for i in range(sessions)]
-            await asyncio.gather(*drivers)
+            turns = ([web_turn(http, child.url, f"s{i}") for i in range(sessions)] if path == "web"
+                     else [telegram_turn(fake, 100_000 + i) for i in range(sessions)])
+            await asyncio.gather(*(session(turn, f"bench-{i}", deadline, samples, errors, interval=interval,
+                                           phase=i * interval / sessions) for i, turn in enumerate(turns)))
             elapsed = time.monotonic() - started
             fake.forget_history()
             await settle(child)
