@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -20,8 +21,11 @@ from typing import Any
 
 import aiosqlite
 
+from gateway.group_commit import GroupInsert
 from gateway.migrations import MIGRATIONS
 from gateway.types import Message, ToolCall, Truncation
+
+log = logging.getLogger("gateway.store")
 
 
 class StoreError(Exception):
@@ -112,6 +116,24 @@ class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
         self._db = db
         self.path = path
+        # The three inserts of every turn, group-committed (gateway/group_commit.py).
+        self._messages = GroupInsert(
+            self._rows,
+            "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
+            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            returning="id, session_key", key_of=lambda r: r[1],
+        )
+        self._events = GroupInsert(
+            self._rows,
+            "INSERT OR IGNORE INTO events(channel, event_id, session_key, status, inbound, created_at) "
+            "VALUES (?,?,?,?,?,?)",
+            returning="channel, event_id", key_of=lambda r: (r[0], r[1]),
+        )
+        self._turn_ends = GroupInsert(
+            self._rows,
+            "INSERT INTO turn_ends(channel, event_id, status, at, identity, day, tokens) VALUES (?,?,?,?,?,?,?)",
+        )
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -119,6 +141,7 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StoreError(f"cannot open the database {path}: {err}") from err
+        # Group commits make one statement per batch size: room for them in the cache.
         connecting = aiosqlite.connect(str(path), timeout=10, isolation_level=None)
         try:
             db = await connecting
@@ -151,6 +174,11 @@ class Store:
             await self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={number};\nCOMMIT;")
 
     async def close(self) -> None:
+        for name, batched in (("messages", self._messages), ("events", self._events),
+                              ("turn_ends", self._turn_ends)):
+            await batched.close()
+            if batched.flushes:
+                log.info("group commits", extra={"table": name, "rows": batched.rows, "flushes": batched.flushes})
         try:
             await self._db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
         except aiosqlite.Error:
@@ -235,18 +263,16 @@ class Store:
             if msg.tool_calls else None
         )
         event_channel, event_id = event if event is not None else (None, None)
-        # One statement: triggers keep sessions.updated_at, the search index and the event.
-        rows = await self._rows(
-            "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
-            (
-                key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
-                _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
-                event_channel, event_id,
-            ),
-        )
-        row_id = int(rows[0][0])
+        # One row of a group-committed insert: triggers keep sessions.updated_at, the search
+        # index and the event.
+        stored = await self._messages.submit(key, (
+            key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
+            _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
+            event_channel, event_id,
+        ))
+        if stored is None:
+            raise StoreError(f"the message of session {key} was not stored")
+        row_id = int(stored[0])
         return Message(
             role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
             tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
@@ -288,13 +314,11 @@ class Store:
         status: str = "accepted",
     ) -> bool:
         """Record a platform event; False when it was seen before (a redelivery)."""
-        rows = await self._rows(
-            "INSERT OR IGNORE INTO events(channel, event_id, session_key, status, inbound, created_at) "
-            "VALUES (?,?,?,?,?,?) RETURNING 1",
-            (channel, event_id, session_key, status,
-             json.dumps(inbound, ensure_ascii=False) if inbound is not None else None, time.time()),
-        )
-        return len(rows) == 1
+        fresh = await self._events.submit((channel, event_id), (
+            channel, event_id, session_key, status,
+            json.dumps(inbound, ensure_ascii=False) if inbound is not None else None, time.time(),
+        ))
+        return fresh is not None
 
     async def mark_event(self, channel: str, event_id: str, status: str, *, turn: int | None = None) -> None:
         await self._rows(
@@ -307,10 +331,8 @@ class Store:
         """The event's final status and, with `usage` (identity, day, tokens), one more turn
         on that person's daily usage: one statement (the `turn_ends` trigger)."""
         identity, day, tokens = usage if usage is not None else (None, None, 0)
-        await self._rows(
-            "INSERT INTO turn_ends(channel, event_id, status, at, identity, day, tokens) VALUES (?,?,?,?,?,?,?)",
-            (channel, event_id, status, time.time(), identity, day, tokens),
-        )
+        await self._turn_ends.submit((channel, event_id),
+                                     (channel, event_id, status, time.time(), identity, day, tokens))
 
     async def event_status(self, channel: str, event_id: str) -> str | None:
         rows = await self._rows("SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id))

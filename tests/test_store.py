@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from pathlib import Path
+
+import pytest
 
 from gateway.config import Config
 from gateway.store import Store
@@ -38,3 +42,88 @@ async def test_end_turn_sets_the_status_and_counts_usage_once_per_turn(tmp_path:
 
     assert statuses == ["answered", "undelivered", "answered"]
     assert counted == (2, 150)
+
+
+# -- group commit (gateway/group_commit.py) ---------------------------------------------
+
+
+async def test_concurrent_messages_share_commits_and_each_caller_gets_its_own_row(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db")
+    keys = [f"web:u{i}" for i in range(40)]
+    for key in keys:
+        await store.ensure_session(key, key, "web")
+
+    stored = await asyncio.gather(*(
+        store.add_message(key, Message(role="user", content=f"hello from {key}", turn=1), seq=0) for key in keys
+    ))
+    flushes = store._messages.flushes
+    by_id = {row[0]: row[1] for row in await store.run("SELECT id, content FROM messages")}
+    await store.close()
+
+    assert flushes < len(keys)  # rows went together
+    assert len(by_id) == len(keys)
+    for key, msg in zip(keys, stored, strict=True):
+        assert msg.id is not None and by_id[msg.id] == f"hello from {key}"
+
+
+async def test_rows_of_one_session_keep_their_order_across_commits(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db")
+    await store.ensure_session("web:ann", "web:ann", "web")
+    await store.ensure_session("web:bob", "web:bob", "web")
+
+    # Queued before any commit ran: one session's rows cannot share a batch, so they take
+    # successive commits in the order they came.
+    writes = [store.add_message(key, Message(role="user", content=f"{key} {n}", turn=n), seq=0)
+              for n in range(1, 6) for key in ("web:ann", "web:bob")]
+    stored = await asyncio.gather(*writes)
+    ann = await store.messages("web:ann")
+    await store.close()
+
+    assert [m.content for m in ann] == [f"web:ann {n}" for n in range(1, 6)]
+    ann_ids = [m.id for m in stored if m.content.startswith("web:ann")]
+    assert ann_ids == sorted(set(ann_ids))  # distinct rows, in order
+
+
+async def test_one_bad_row_fails_alone_and_its_neighbours_are_stored(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db")
+    good = [store.add_message(f"web:u{i}", Message(role="user", content=f"fine {i}", turn=1), seq=0)
+            for i in range(5)]
+    # NOT NULL on messages.content: the database refuses this row.
+    bad = store.add_message("web:bad", Message(role="user", content=None, turn=1), seq=0)  # type: ignore[arg-type]
+    results = await asyncio.gather(*good, bad, return_exceptions=True)
+    counted = await store.count_messages()
+    await store.close()
+
+    assert all(isinstance(r, Message) for r in results[:5])
+    assert isinstance(results[5], sqlite3.IntegrityError)
+    assert counted == 5
+
+
+async def test_a_redelivered_event_in_the_same_batch_is_fresh_only_once(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db")
+    answers = await asyncio.gather(*(
+        store.record_event("slack", event, session_key=None, inbound=None)
+        for event in ("e1", "e2", "e1", "e3", "e1")
+    ))
+    await store.close()
+
+    assert answers == [True, True, False, True, False]
+
+
+async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_it(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db")
+    others = [asyncio.ensure_future(store.add_message(f"web:u{i}", Message(role="user", content="x", turn=1),
+                                                      seq=0)) for i in range(10)]
+    cancelled = asyncio.ensure_future(
+        store.add_message("web:gone", Message(role="user", content="kept", turn=1), seq=0))
+    await asyncio.sleep(0)  # queued, not yet committed
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.gather(*others)
+    await store.close()  # drains whatever is still queued
+
+    reopened = await Store.open(tmp_path / "gateway.db")
+    kept = await reopened.messages("web:gone")
+    await reopened.close()
+    assert [m.content for m in kept] == ["kept"]
