@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import aiohttp
 
 from gateway.config import ModelConfig
-from gateway.model_http import CompletionsEndpoint, RawResponse
+from gateway.model_http import CompletionsEndpoint, RawResponse, completions_url
 from gateway.types import ToolCall
 
 if TYPE_CHECKING:
@@ -827,6 +827,7 @@ class ModelClient:
             return self._client
 
     def _build_client(self) -> openai.AsyncOpenAI:
+        completions_url(self._cfg.base_url)  # the same checks (and errors) as plain calls
         return _sdk().openai.AsyncOpenAI(api_key=self._cfg.key_value(), base_url=self._cfg.base_url,
                                   timeout=self._cfg.timeout_s, max_retries=0, http_client=_http_client(self._cfg))
 

@@ -42,6 +42,10 @@ def completions_url(base_url: str | None) -> URL:
     url = URL(base.rstrip("/") + "/chat/completions")
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"{base!r} is not an http(s) URL")
+    if "?" in base or "#" in base:
+        # The path is appended to the base (here and in the SDK), so a query string or a
+        # fragment would end up in the middle of the URL: refuse it rather than mangle it.
+        raise ValueError(f"{base!r} has a query string or fragment; give the plain base URL")
     return url
 
 

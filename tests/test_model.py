@@ -668,15 +668,21 @@ async def test_plain_calls_send_the_key_and_the_sdk_environment_headers(
     assert fake_model.requests[-1]["model"] == "fake-model"
 
 
-@pytest.mark.parametrize("base_url", ["ftp://models.example/v1", "localhost:8000/v1"])
-async def test_a_base_url_that_is_not_http_is_a_clear_connection_error(
-    fake_model: FakeModel, rec: Recorder, base_url: str,  # noqa: F811
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("base_url", ["ftp://models.example/v1", "localhost:8000/v1",
+                                      "{fake}?api-version=2024-06-01", "{fake}#v1"])
+async def test_a_base_url_that_is_not_a_plain_http_base_is_a_clear_connection_error(
+    fake_model: FakeModel, rec: Recorder, base_url: str, streamed: bool,  # noqa: F811
 ) -> None:
-    client = make_client(fake_model, rec, base_url=base_url, max_retries=0)
+    client = make_client(fake_model, rec, base_url=base_url.format(fake=fake_model.base_url), max_retries=0)
     with pytest.raises(ModelError) as caught:
-        await client.complete(USER)
+        await client.complete(USER, on_text=_ignore_text if streamed else None)
     await client.close()
 
     assert caught.value.kind == "connection" and "model.base_url" in str(caught.value)
     assert "model.base_url" in caught.value.user_message()
     assert fake_model.requests == []
+
+
+async def _ignore_text(_text: str) -> None:
+    return None
