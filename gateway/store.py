@@ -21,11 +21,14 @@ from typing import Any
 
 import aiosqlite
 
+from gateway.checkpointer import Checkpointer
 from gateway.group_commit import GroupInsert
 from gateway.migrations import MIGRATIONS
 from gateway.types import Message, ToolCall, Truncation
 
 log = logging.getLogger("gateway.store")
+
+CHECKPOINT_INTERVAL_S = 1.0
 
 
 class StoreError(Exception):
@@ -112,10 +115,30 @@ def _row_to_message(row: aiosqlite.Row) -> Message:
     )
 
 
+async def _connect(path: Path) -> aiosqlite.Connection:
+    """An autocommit connection with rows by name. Raises OSError or aiosqlite.Error."""
+    connecting = aiosqlite.connect(str(path), timeout=10, isolation_level=None)
+    try:
+        db = await connecting
+    except (OSError, aiosqlite.Error):
+        # aiosqlite stops its worker thread without waiting; wait here, or the thread
+        # reports to an event loop that may be closed by then.
+        worker = getattr(connecting, "_thread", connecting)
+        if isinstance(worker, threading.Thread) and worker.ident is not None:
+            for _ in range(200):  # it ends within milliseconds; bounded all the same
+                if not worker.is_alive():
+                    break
+                await asyncio.sleep(0.005)
+        raise
+    db.row_factory = aiosqlite.Row
+    return db
+
+
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
         self._db = db
         self.path = path
+        self._checkpointer: Checkpointer | None = None
         # The three inserts of every turn, group-committed (gateway/group_commit.py).
         self._messages = GroupInsert(
             self._rows,
@@ -136,32 +159,25 @@ class Store:
         )
 
     @classmethod
-    async def open(cls, path: Path) -> Store:
+    async def open(cls, path: Path, *, checkpoint_interval_s: float | None = CHECKPOINT_INTERVAL_S) -> Store:
+        """Open (creating and migrating) the database. With `checkpoint_interval_s`, WAL
+        checkpoints run from a connection of their own (gateway/checkpointer.py)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StoreError(f"cannot open the database {path}: {err}") from err
-        # Group commits make one statement per batch size: room for them in the cache.
-        connecting = aiosqlite.connect(str(path), timeout=10, isolation_level=None)
         try:
-            db = await connecting
+            db = await _connect(path)
         except (OSError, aiosqlite.Error) as err:
-            # aiosqlite stops its worker thread without waiting; wait here, or the thread
-            # reports to an event loop that may be closed by then.
-            worker = getattr(connecting, "_thread", connecting)
-            if isinstance(worker, threading.Thread) and worker.ident is not None:
-                for _ in range(200):  # it ends within milliseconds; bounded all the same
-                    if not worker.is_alive():
-                        break
-                    await asyncio.sleep(0.005)
             raise StoreError(f"cannot open the database {path}: {err}") from err
-        db.row_factory = aiosqlite.Row
         store = cls(db, path)
         try:
             await store._setup()
         except (OSError, aiosqlite.Error) as err:
             await db.close()
             raise StoreError(f"cannot initialise the database {path}: {err}") from err
+        if checkpoint_interval_s is not None:
+            await store._start_checkpointer(checkpoint_interval_s)
         return store
 
     async def _setup(self) -> None:
@@ -173,7 +189,19 @@ class Store:
                 continue
             await self._db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={number};\nCOMMIT;")
 
+    async def _start_checkpointer(self, interval_s: float) -> None:
+        try:
+            self._checkpointer = await Checkpointer.start(self.path, interval_s, _connect)
+        except (OSError, aiosqlite.Error) as err:
+            # SQLite's own checkpoints (in the committing statement) stay on: slower, not wrong.
+            log.warning("no separate WAL checkpoint connection", extra={"error": str(err)[:200]})
+            return
+        await self._db.execute_fetchall("PRAGMA wal_autocheckpoint=0")
+
     async def close(self) -> None:
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            await checkpointer.close()
         for name, batched in (("messages", self._messages), ("events", self._events),
                               ("turn_ends", self._turn_ends)):
             await batched.close()

@@ -127,3 +127,42 @@ async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_
     kept = await reopened.messages("web:gone")
     await reopened.close()
     assert [m.content for m in kept] == ["kept"]
+
+
+# -- WAL checkpoints off the chat's connection (gateway/checkpointer.py) ------------------
+
+
+async def test_checkpoints_run_on_their_own_connection_and_keep_the_wal_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.db"
+    store = await Store.open(path, checkpoint_interval_s=3600)  # the timer stays out of the way
+    own = await store.run("PRAGMA wal_autocheckpoint")
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+
+    async def write(batch: int) -> None:
+        await asyncio.gather(*(store.add_message(f"web:u{batch}-{i}", Message(role="user", content="x" * 500,
+                                                                              turn=1), seq=0) for i in range(100)))
+
+    await write(1)
+    await checkpointer.checkpoint_once()  # under the size limit: PASSIVE only
+    copied, truncations = checkpointer.pages, checkpointer.truncations
+    await write(2)
+    checkpointer.max_wal_bytes = 1  # over the limit: the WAL is folded in and truncated
+    await checkpointer.checkpoint_once()
+    wal_bytes = (tmp_path / "gateway.db-wal").stat().st_size
+    await store.close()
+
+    assert own[0][0] == 0  # the chat's connection never checkpoints inside a commit
+    assert copied > 0 and truncations == 0
+    assert checkpointer.truncations == 1 and wal_bytes == 0
+    reopened = await Store.open(path, checkpoint_interval_s=None)
+    assert await reopened.count_messages() == 200
+    await reopened.close()
+
+
+async def test_without_the_checkpointer_sqlite_checkpoints_as_usual(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db", checkpoint_interval_s=None)
+    own = await store.run("PRAGMA wal_autocheckpoint")
+    await store.close()
+
+    assert own[0][0] == 1000 and store._checkpointer is None
