@@ -10,9 +10,11 @@ one, with a connection and a thread of its own, runs a PASSIVE checkpoint every
 
 A PASSIVE checkpoint never rewinds the WAL: the next commit does, but only when nothing
 was appended since. Under steady writes that moment never comes and the WAL would grow
-without end, so once it is over `max_wal_bytes` a TRUNCATE checkpoint follows. That one
-holds writers back while it runs, but the PASSIVE pass just before left it little to
-copy. `PRAGMA journal_size_limit` trims a WAL that was rewound in a quiet moment.
+without end, so once it is over `max_wal_bytes`, `fold` runs a RESTART checkpoint on
+the store's own connection (2-5 ms): the PASSIVE pass just before left it little to
+copy, and on the writer's own connection it waits for no lock. From this connection it
+would hold the writer back, and SQLite's busy handler retries in sleeps of up to 100 ms;
+TRUNCATE instead of RESTART cost ~45 ms (cutting a 32 MB file).
 """
 
 from __future__ import annotations
@@ -27,30 +29,29 @@ import aiosqlite
 log = logging.getLogger("gateway.store")
 
 Connect = Callable[[Path], Awaitable[aiosqlite.Connection]]
+Fold = Callable[[], Awaitable[object]]
 
 MAX_WAL_BYTES = 32 * 2**20
 
 
 class Checkpointer:
-    def __init__(self, db: aiosqlite.Connection, interval_s: float, max_wal_bytes: int) -> None:
+    def __init__(self, db: aiosqlite.Connection, interval_s: float, max_wal_bytes: int, fold: Fold) -> None:
         self._db = db
+        self._fold = fold
         self.interval_s = interval_s
         self.max_wal_bytes = max_wal_bytes
         self._task: asyncio.Task[None] | None = None
         self._page_size = 4096
         self.runs = 0
         self.pages = 0  # WAL frames copied into the database file
-        self.truncations = 0
+        self.folds = 0  # times the WAL was over the limit and `fold` ran
 
     @classmethod
-    async def start(cls, path: Path, interval_s: float, connect: Connect, *,
+    async def start(cls, path: Path, interval_s: float, connect: Connect, fold: Fold, *,
                     max_wal_bytes: int = MAX_WAL_BYTES) -> Checkpointer:
         db = await connect(path)
-        checkpointer = cls(db, interval_s, max_wal_bytes)
+        checkpointer = cls(db, interval_s, max_wal_bytes, fold)
         try:
-            # TRUNCATE waits for a commit in progress: as long as the chat's connection would.
-            await db.execute_fetchall("PRAGMA busy_timeout=5000")
-            await db.execute_fetchall(f"PRAGMA journal_size_limit={max_wal_bytes}")
             rows = list(await db.execute_fetchall("PRAGMA page_size"))
         except BaseException:
             await db.close()
@@ -82,8 +83,8 @@ class Checkpointer:
         frames, copied = int(rows[0][1]), int(rows[0][2])
         self.pages += max(0, copied)
         if frames * self._page_size > self.max_wal_bytes:
-            await self._db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
-            self.truncations += 1
+            await self._fold()
+            self.folds += 1
 
     async def close(self, timeout: float = 5.0) -> None:
         task, self._task = self._task, None

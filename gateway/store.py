@@ -28,7 +28,7 @@ from gateway.types import Message, ToolCall, Truncation
 
 log = logging.getLogger("gateway.store")
 
-CHECKPOINT_INTERVAL_S = 1.0
+CHECKPOINT_INTERVAL_S = 0.2
 
 
 class StoreError(Exception):
@@ -191,12 +191,17 @@ class Store:
 
     async def _start_checkpointer(self, interval_s: float) -> None:
         try:
-            self._checkpointer = await Checkpointer.start(self.path, interval_s, _connect)
+            self._checkpointer = await Checkpointer.start(self.path, interval_s, _connect, self._restart_wal)
         except (OSError, aiosqlite.Error) as err:
             # SQLite's own checkpoints (in the committing statement) stay on: slower, not wrong.
             log.warning("no separate WAL checkpoint connection", extra={"error": str(err)[:200]})
             return
         await self._db.execute_fetchall("PRAGMA wal_autocheckpoint=0")
+
+    async def _restart_wal(self) -> None:
+        """Checkpoint on this connection so that the next commit writes the WAL from its
+        start (RESTART: the file keeps its size and is reused; truncating it costs more)."""
+        await self._rows("PRAGMA wal_checkpoint(RESTART)")
 
     async def close(self) -> None:
         checkpointer, self._checkpointer = self._checkpointer, None
@@ -505,5 +510,4 @@ class Store:
         """Fold the WAL back into the database file and truncate it (after a purge).
         Raises aiosqlite.OperationalError while another write on this connection is
         between its statement and its commit."""
-        async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
-            await cur.fetchall()
+        await self._rows("PRAGMA wal_checkpoint(TRUNCATE)")
