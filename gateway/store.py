@@ -466,9 +466,13 @@ class Store:
         )
 
     async def first_message_id_since(self, at: float) -> int | None:
-        """The id of the oldest message created at or after `at`. Messages are stored in
-        time order, so this walks (by rowid) only the older ones in front of it."""
-        rows = await self._rows("SELECT id FROM messages WHERE created_at >= ? ORDER BY id LIMIT 1", (at,))
+        """The id of the first message created at or after `at`: one seek in the
+        created_at index. (`ORDER BY id` made SQLite sort every newer message: 0.2 s of the
+        database thread at 2M messages, on every start's purge.) Messages are stored in
+        time order, so older ones are in front of it; a clock that went back only leaves
+        some old rows for a later purge, it never puts a newer one in front."""
+        rows = await self._rows("SELECT id FROM messages WHERE created_at >= ? ORDER BY created_at LIMIT 1",
+                                (at,))
         return int(rows[0][0]) if rows else None
 
     async def delete_messages_before(self, before: float, *, below_id: int, limit: int) -> int:
