@@ -112,6 +112,7 @@ class Gateway:
         except StoreError as err:
             raise StartupError(str(err)) from None
         metrics = Metrics()
+        metrics.watch_store(store.write_stats)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from gateway.store import StoreStats
 
 
 class Metrics:
@@ -34,5 +40,31 @@ class Metrics:
         self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
         self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
 
+    def watch_store(self, stats: Callable[[], StoreStats]) -> None:
+        """The store's write counters, read at each scrape."""
+        self.registry.register(_StoreCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        rows = CounterMetricFamily("gateway_db_rows_written", "Rows written by group commit", labels=["table"])
+        commits = CounterMetricFamily("gateway_db_commits", "Group commits (one multi-row insert each)",
+                                      labels=["table"])
+        for table, n in st.rows.items():
+            rows.add_metric([table], n)
+            commits.add_metric([table], st.commits.get(table, 0))
+        yield rows
+        yield commits
+        yield CounterMetricFamily("gateway_db_wal_checkpoints", "Background WAL checkpoints",
+                                  value=st.checkpoints)
+        yield CounterMetricFamily("gateway_db_wal_checkpointed_pages", "WAL pages copied into the database",
+                                  value=st.checkpointed_pages)
+        yield CounterMetricFamily("gateway_db_wal_restarts", "WAL restarts after it passed its size limit",
+                                  value=st.wal_restarts)

@@ -115,6 +115,15 @@ def _row_to_message(row: aiosqlite.Row) -> Message:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    rows: dict[str, int]  # rows written by group commit, by table
+    commits: dict[str, int]  # the commits (multi-row statements) they took
+    checkpoints: int
+    checkpointed_pages: int
+    wal_restarts: int
+
+
 async def _connect(path: Path) -> aiosqlite.Connection:
     """An autocommit connection with rows by name. Raises OSError or aiosqlite.Error."""
     connecting = aiosqlite.connect(str(path), timeout=10, isolation_level=None)
@@ -198,6 +207,19 @@ class Store:
             return
         await self._db.execute_fetchall("PRAGMA wal_autocheckpoint=0")
 
+    def write_stats(self) -> StoreStats:
+        """Counters since open, for /metrics: how well writes batch, how checkpoints go."""
+        ck = self._checkpointer
+        return StoreStats(
+            rows={name: g.rows for name, g in self._grouped()},
+            commits={name: g.flushes for name, g in self._grouped()},
+            checkpoints=ck.runs if ck else 0, checkpointed_pages=ck.pages if ck else 0,
+            wal_restarts=ck.folds if ck else 0,
+        )
+
+    def _grouped(self) -> tuple[tuple[str, GroupInsert], ...]:
+        return (("messages", self._messages), ("events", self._events), ("turn_ends", self._turn_ends))
+
     async def _restart_wal(self) -> None:
         """Checkpoint on this connection so that the next commit writes the WAL from its
         start (RESTART: the file keeps its size and is reused; truncating it costs more)."""
@@ -207,8 +229,7 @@ class Store:
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             await checkpointer.close()
-        for name, batched in (("messages", self._messages), ("events", self._events),
-                              ("turn_ends", self._turn_ends)):
+        for name, batched in self._grouped():
             await batched.close()
             if batched.flushes:
                 log.info("group commits", extra={"table": name, "rows": batched.rows, "flushes": batched.flushes})

@@ -154,6 +154,10 @@ async def test_health_ready_and_metrics(make_gateway: GatewayFactory, fake_model
             text = await resp.text()
     assert 'gateway_inbound_messages_total{channel="web"} 1.0' in text
     assert 'gateway_turns_total{channel="web",outcome="ok"} 1.0' in text
+    # The turn's user message and reply, by group commit (one commit each: one session).
+    assert 'gateway_db_rows_written_total{table="messages"} 2.0' in text
+    assert 'gateway_db_commits_total{table="messages"} 2.0' in text
+    assert "gateway_db_wal_checkpoints_total" in text
     assert "test-key" not in text
 
 
