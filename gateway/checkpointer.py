@@ -41,6 +41,8 @@ class Checkpointer:
         self.interval_s = interval_s
         self.max_wal_bytes = max_wal_bytes
         self._task: asyncio.Task[None] | None = None
+        self._writes: Callable[[], int] = lambda: -1
+        self._seen: int | None = None  # `writes` before the last checkpoint that went through
         self._page_size = 4096
         self.runs = 0
         self.pages = 0  # WAL frames copied into the database file
@@ -48,9 +50,12 @@ class Checkpointer:
 
     @classmethod
     async def start(cls, path: Path, interval_s: float, connect: Connect, fold: Fold, *,
-                    max_wal_bytes: int = MAX_WAL_BYTES) -> Checkpointer:
+                    writes: Callable[[], int] = lambda: -1, max_wal_bytes: int = MAX_WAL_BYTES) -> Checkpointer:
+        """`writes` counts the store's statements: while it stands still there is nothing
+        new to copy, and an idle gateway makes no checkpoint calls."""
         db = await connect(path)
         checkpointer = cls(db, interval_s, max_wal_bytes, fold)
+        checkpointer._writes = writes
         try:
             rows = list(await db.execute_fetchall("PRAGMA page_size"))
         except BaseException:
@@ -64,6 +69,9 @@ class Checkpointer:
         failed = False
         while True:
             await asyncio.sleep(self.interval_s)
+            mark = self._writes()
+            if mark == self._seen and mark != -1:
+                continue
             try:
                 await self.checkpoint_once()
             except asyncio.CancelledError:
@@ -74,6 +82,7 @@ class Checkpointer:
                 failed = True
                 continue
             failed = False
+            self._seen = mark
 
     async def checkpoint_once(self) -> None:
         rows = list(await self._db.execute_fetchall("PRAGMA wal_checkpoint(PASSIVE)"))

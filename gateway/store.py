@@ -148,6 +148,7 @@ class Store:
         self._db = db
         self.path = path
         self._checkpointer: Checkpointer | None = None
+        self._statements = 0  # through _rows; the checkpointer skips its turn while it stands still
         # The three inserts of every turn, group-committed (gateway/group_commit.py).
         self._messages = GroupInsert(
             self._rows,
@@ -200,7 +201,8 @@ class Store:
 
     async def _start_checkpointer(self, interval_s: float) -> None:
         try:
-            self._checkpointer = await Checkpointer.start(self.path, interval_s, _connect, self._restart_wal)
+            self._checkpointer = await Checkpointer.start(self.path, interval_s, _connect, self._restart_wal,
+                                                          writes=lambda: self._statements)
         except (OSError, aiosqlite.Error) as err:
             # SQLite's own checkpoints (in the committing statement) stay on: slower, not wrong.
             log.warning("no separate WAL checkpoint connection", extra={"error": str(err)[:200]})
@@ -250,6 +252,7 @@ class Store:
         Every statement goes through here (or `run_many`): a cursor left open would be
         finalized by the garbage collector on the event loop's thread while aiosqlite's
         thread uses the connection ("bad parameter or other API misuse")."""
+        self._statements += 1
         return list(await self._db.execute_fetchall(sql, args))
 
     async def run(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
@@ -469,6 +472,7 @@ class Store:
             return [r[0] for r in await cur.fetchall()]
 
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
+        self._statements += 1
         cur = await self._db.execute(sql, tuple(args))
         count = cur.rowcount
         await cur.close()

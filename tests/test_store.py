@@ -166,3 +166,23 @@ async def test_without_the_checkpointer_sqlite_checkpoints_as_usual(tmp_path: Pa
     await store.close()
 
     assert own[0][0] == 1000 and store._checkpointer is None
+
+
+async def test_an_idle_store_makes_no_checkpoint_calls(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "gateway.db", checkpoint_interval_s=0.01)
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    await store.add_message("web:ann", Message(role="user", content="hello", turn=1), seq=0)
+    async with asyncio.timeout(5):
+        while checkpointer.runs == 0:  # noqa: ASYNC110 - the checkpointer runs on a timer
+            await asyncio.sleep(0.01)
+    ran = checkpointer.runs
+    await asyncio.sleep(0.2)  # twenty timer ticks with nothing written
+    idle_runs = checkpointer.runs - ran
+    await store.add_message("web:ann", Message(role="assistant", content="hi", turn=1), seq=1)
+    async with asyncio.timeout(5):
+        while checkpointer.runs == ran + idle_runs:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await store.close()
+
+    assert idle_runs <= 1  # at most the one already due when the first write was seen
