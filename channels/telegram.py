@@ -39,10 +39,10 @@ from telegram.error import (
     RetryAfter,
     TelegramError,
 )
-from telegram.request import HTTPXRequest
 
 from channels.base import AccessCheck, InboundHandler
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
+from channels.telegram_http import AiohttpRequest
 from gateway.config import TelegramConfig
 from gateway.types import Attachment, Inbound
 from gateway.workspace import resolve_in_workspace
@@ -329,10 +329,10 @@ class TelegramChannel:
             token,
             base_url=self._cfg.base_url,
             base_file_url=self._file_url(),
-            request=HTTPXRequest(connection_pool_size=POOL_CONNECTIONS, read_timeout=20, write_timeout=20,
-                                 pool_timeout=POOL_WAIT_S),
-            get_updates_request=HTTPXRequest(
-                connection_pool_size=1, read_timeout=self._cfg.poll_timeout_s + POLL_READ_SLACK_S
+            request=AiohttpRequest(pool_size=POOL_CONNECTIONS, read_timeout=20, write_timeout=20,
+                                   pool_timeout=POOL_WAIT_S, proxy_for=self._cfg.base_url),
+            get_updates_request=AiohttpRequest(
+                pool_size=1, read_timeout=self._cfg.poll_timeout_s + POLL_READ_SLACK_S, proxy_for=self._cfg.base_url
             ),
         )
         self._stopping = False
