@@ -45,7 +45,8 @@ class Checkpointer:
         self._seen: int | None = None  # `writes` before the last checkpoint that went through
         self._page_size = 4096
         self.runs = 0
-        self.pages = 0  # WAL frames copied into the database file
+        self.wal_frames = 0  # frames in the WAL at the last checkpoint
+        self.wal_copied = 0  # of those, copied into the database file
         self.folds = 0  # times the WAL was over the limit and `fold` ran
 
     @classmethod
@@ -90,7 +91,7 @@ class Checkpointer:
         if not rows or rows[0][1] is None or rows[0][1] < 0:
             return  # not in WAL mode
         frames, copied = int(rows[0][1]), int(rows[0][2])
-        self.pages += max(0, copied)
+        self.wal_frames, self.wal_copied = frames, max(0, copied)
         if frames * self._page_size > self.max_wal_bytes:
             await self._fold()
             self.folds += 1

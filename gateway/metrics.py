@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -64,7 +64,7 @@ class _StoreCollector(Collector):
         yield commits
         yield CounterMetricFamily("gateway_db_wal_checkpoints", "Background WAL checkpoints",
                                   value=st.checkpoints)
-        yield CounterMetricFamily("gateway_db_wal_checkpointed_pages", "WAL pages copied into the database",
-                                  value=st.checkpointed_pages)
+        yield GaugeMetricFamily("gateway_db_wal_frames", "Pages in the WAL at the last checkpoint",
+                                value=st.wal_frames)
         yield CounterMetricFamily("gateway_db_wal_restarts", "WAL restarts after it passed its size limit",
                                   value=st.wal_restarts)

@@ -120,7 +120,7 @@ class StoreStats:
     rows: dict[str, int]  # rows written by group commit, by table
     commits: dict[str, int]  # the commits (multi-row statements) they took
     checkpoints: int
-    checkpointed_pages: int
+    wal_frames: int  # frames in the WAL when last checked
     wal_restarts: int
 
 
@@ -215,7 +215,7 @@ class Store:
         return StoreStats(
             rows={name: g.rows for name, g in self._grouped()},
             commits={name: g.flushes for name, g in self._grouped()},
-            checkpoints=ck.runs if ck else 0, checkpointed_pages=ck.pages if ck else 0,
+            checkpoints=ck.runs if ck else 0, wal_frames=ck.wal_frames if ck else 0,
             wal_restarts=ck.folds if ck else 0,
         )
 

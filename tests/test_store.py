@@ -145,7 +145,7 @@ async def test_checkpoints_run_on_their_own_connection_and_keep_the_wal_bounded(
 
     await write(1)
     await checkpointer.checkpoint_once()  # under the size limit: PASSIVE only
-    copied, folds = checkpointer.pages, checkpointer.folds
+    copied, folds = checkpointer.wal_copied, checkpointer.folds
     await write(2)
     checkpointer.max_wal_bytes = 1  # over the limit: the WAL is restarted from the store's connection
     await checkpointer.checkpoint_once()
