@@ -16,11 +16,12 @@ import asyncio
 from typing import Any
 
 import aiohttp
-from aiohttp.helpers import get_env_proxy_for_url
 from telegram._utils.defaultvalue import DefaultValue
 from telegram.error import NetworkError, TimedOut
 from telegram.request import BaseRequest, RequestData
 from yarl import URL
+
+from gateway.proxy import env_proxy
 
 
 class AiohttpRequest(BaseRequest):
@@ -46,7 +47,7 @@ class AiohttpRequest(BaseRequest):
     async def initialize(self) -> None:
         if self._session is None or self._session.closed:
             if self._proxy_for:
-                self._proxy = await asyncio.to_thread(_env_proxy, URL(self._proxy_for))
+                self._proxy = await asyncio.to_thread(env_proxy, URL(self._proxy_for))
             connector = aiohttp.TCPConnector(limit=self._pool_size)
             # No cookie jar: the Bot API sets none, and filtering cookies costs on every call.
             self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
@@ -107,9 +108,3 @@ def _chosen(value: Any, default: float | None) -> float | None:
     """A timeout the caller passed, or this transport's default for it."""
     return default if isinstance(value, DefaultValue) else value
 
-
-def _env_proxy(url: URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
-    try:
-        return get_env_proxy_for_url(url)
-    except LookupError:
-        return None, None

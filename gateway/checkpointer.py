@@ -35,13 +35,14 @@ MAX_WAL_BYTES = 32 * 2**20
 
 
 class Checkpointer:
-    def __init__(self, db: aiosqlite.Connection, interval_s: float, max_wal_bytes: int, fold: Fold) -> None:
+    def __init__(self, db: aiosqlite.Connection, interval_s: float, max_wal_bytes: int, fold: Fold,
+                 writes: Callable[[], int]) -> None:
         self._db = db
         self._fold = fold
+        self._writes = writes
         self.interval_s = interval_s
         self.max_wal_bytes = max_wal_bytes
         self._task: asyncio.Task[None] | None = None
-        self._writes: Callable[[], int] = lambda: -1
         self._seen: int | None = None  # `writes` before the last checkpoint that went through
         self._page_size = 4096
         self.runs = 0
@@ -51,12 +52,11 @@ class Checkpointer:
 
     @classmethod
     async def start(cls, path: Path, interval_s: float, connect: Connect, fold: Fold, *,
-                    writes: Callable[[], int] = lambda: -1, max_wal_bytes: int = MAX_WAL_BYTES) -> Checkpointer:
+                    writes: Callable[[], int], max_wal_bytes: int = MAX_WAL_BYTES) -> Checkpointer:
         """`writes` counts the store's statements: while it stands still there is nothing
         new to copy, and an idle gateway makes no checkpoint calls."""
         db = await connect(path)
-        checkpointer = cls(db, interval_s, max_wal_bytes, fold)
-        checkpointer._writes = writes
+        checkpointer = cls(db, interval_s, max_wal_bytes, fold, writes)
         try:
             rows = list(await db.execute_fetchall("PRAGMA page_size"))
         except BaseException:
@@ -71,7 +71,7 @@ class Checkpointer:
         while True:
             await asyncio.sleep(self.interval_s)
             mark = self._writes()
-            if mark == self._seen and mark != -1:
+            if mark == self._seen:
                 continue
             try:
                 await self.checkpoint_once()

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
+
+from gateway.proxy import env_proxy
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 POOL_SIZE = 64  # connections to the provider; the session manager caps model calls anyway
@@ -58,15 +59,6 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
-def _env_proxy(url: URL) -> tuple[URL | None, aiohttp.BasicAuth | None]:
-    """The proxy HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and .netrc) choose for `url`, as the
-    SDK would honour them."""
-    try:
-        return get_env_proxy_for_url(url)
-    except LookupError:
-        return None, None
-
-
 class CompletionsEndpoint:
     """POSTs completion requests; open() once on the loop, close() when done."""
 
@@ -99,7 +91,7 @@ class CompletionsEndpoint:
             # CA certificates and proxy settings come from files and the environment: read them
             # once, off the loop (aiohttp's trust_env would look the proxy up on every request).
             context = await asyncio.to_thread(_ssl_context) if self.url.scheme == "https" else None
-            self._proxy = await asyncio.to_thread(_env_proxy, self.url)
+            self._proxy = await asyncio.to_thread(env_proxy, self.url)
             connector = aiohttp.TCPConnector(limit=POOL_SIZE, ssl=context if context is not None else True)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
 

@@ -10,6 +10,7 @@ interface a PostgreSQL store could join later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -235,10 +236,8 @@ class Store:
             await batched.close()
             if batched.flushes:
                 log.info("group commits", extra={"table": name, "rows": batched.rows, "flushes": batched.flushes})
-        try:
-            await self._db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
-        except aiosqlite.Error:
-            pass
+        with contextlib.suppress(aiosqlite.Error):
+            await self.checkpoint()
         await self._db.close()
 
     @property
