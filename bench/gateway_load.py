@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import tempfile
 import time
 from collections import defaultdict
@@ -258,10 +257,7 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
         await fake.stop()
     if code not in (0, -15):
         notes.append(f"exit code {code}")
-    log_lines = child.log_text().splitlines()
-    if os.environ.get("BENCH_SHOW_GROUP_COMMITS"):
-        print(*[line for line in log_lines if "group commits" in line], sep="\n")
-    error_lines = [line for line in log_lines if " ERROR " in line]
+    error_lines = [line for line in child.log_text().splitlines() if " ERROR " in line]
     if error_lines:
         notes.append(f"{len(error_lines)} ERROR log lines, e.g. {error_lines[0][20:140]!r}")
     added = [s.seconds - times[s.tag] for s in samples if s.tag in times]
