@@ -8,8 +8,9 @@ runs with `process_before_response`, so an event is acknowledged only after the 
 handler returned (exactly-once, SPEC §3.1); a handler error leaves it unacknowledged and
 Slack redelivers.
 
-Replies: in a channel, the reply goes into the thread of the message (its thread_ts, or
-its own ts), so a thread is a session; in a DM, straight into the DM. Slash commands
+Replies go where the message was written: into its thread when it was in one (a thread
+is a session of its own), else top-level in the channel or DM (the channel's top level is
+one session per person, or one shared, per `group_session_scope`). Slash commands
 (`/context`, `/config`, …) are acknowledged at once (Slack's 3 s deadline) and answered
 ephemerally, only to the person who ran them: through the command's `response_url`
 (no channel membership needed; at most 5 posts within 30 minutes), falling back to
@@ -168,6 +169,9 @@ def parse_event(event: Any, *, bot_user_id: str | None, bot_id: str | None = Non
     channel_type = event.get("channel_type")
     is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
     parent_user = event.get("parent_user_id")
+    thread = _ident(event.get("thread_ts"))
+    if thread == ts:
+        thread = None  # a thread's parent may carry its own ts as thread_ts: still top-level
     inbound = Inbound(
         channel="slack",
         chat_id=channel,
@@ -177,7 +181,7 @@ def parse_event(event: Any, *, bot_user_id: str | None, bot_id: str | None = Non
         # different event ids, but the same channel and ts.
         event_id=f"{channel}:{ts}",
         message_id=ts,
-        thread_id=_ident(event.get("thread_ts")),
+        thread_id=thread,
         is_group=not is_dm,
         mentioned=mentioned or kind == "app_mention",
         reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
@@ -236,10 +240,10 @@ def verify_signature(
 
 
 def reply_thread(inbound: Inbound) -> str | None:
-    """Where a reply goes: the message's thread in a channel (a new one on the message
-    itself when it was not in a thread); in a DM only a thread the person chose."""
-    if inbound.is_group:
-        return inbound.thread_id or inbound.message_id
+    """Where a reply goes: where the message was written. A thread is its own session, so
+    a reply in a thread stays there; a top-level message belongs to the channel's top-level
+    session (per person or shared, `group_session_scope`), so its reply is top-level too:
+    a thread opened for it would be a new session that forgets the question."""
     return inbound.thread_id
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,34 +65,37 @@ def new_code() -> str:
 
 
 class Pairing:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.clock = clock  # wall-clock seconds; tests move it
 
     async def is_approved(self, identity: str) -> bool:
         return bool(await self.store.run("SELECT 1 FROM approved_users WHERE identity=?", (identity,)))
 
     async def code_for(self, identity: str, now: float | None = None) -> tuple[str, bool]:
-        """The person's live code (reused while valid) and whether it is new; rate limited."""
-        now = time.time() if now is None else now
+        """The person's live code (reused while valid) and whether it is new; rate limited.
+        Only a new code is worth a message: a stranger who keeps writing gets one per hour."""
+        now = self.clock() if now is None else now
+        code = new_code()
+        # One statement decides and inserts, so messages handled at the same time (Slack
+        # delivers events concurrently) make one code and one reply, not one each.
+        made = await self.store.run(
+            "INSERT INTO pairing_codes(code, identity, created_at, expires_at) SELECT ?,?,?,? "
+            "WHERE NOT EXISTS (SELECT 1 FROM pairing_codes WHERE identity=? "
+            "AND ((approved_at IS NULL AND expires_at>?) OR created_at>?)) RETURNING code",
+            (code, identity, now, now + PAIRING_TTL_S, identity, now, now - PAIRING_MIN_INTERVAL_S),
+        )
+        if made:
+            return code, True
         live = await self.store.run(
             "SELECT code FROM pairing_codes WHERE identity=? AND approved_at IS NULL "
             "AND expires_at>? ORDER BY created_at DESC LIMIT 1", (identity, now),
         )
-        if live:
-            return str(live[0][0]), False
-        last = await self.store.run("SELECT max(created_at) FROM pairing_codes WHERE identity=?", (identity,))
-        if last and last[0][0] and now - float(last[0][0]) < PAIRING_MIN_INTERVAL_S:
-            return "", False
-        code = new_code()
-        await self.store.run(
-            "INSERT INTO pairing_codes(code, identity, created_at, expires_at) VALUES (?,?,?,?)",
-            (code, identity, now, now + PAIRING_TTL_S),
-        )
-        return code, True
+        return (str(live[0][0]), False) if live else ("", False)
 
     async def approve(self, code: str, approved_by: str, now: float | None = None) -> str | None:
         """Approve a code; returns the approved identity, or None for an unknown/expired code."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         code = code.strip().upper()
         # Claiming the code and reading its owner is one statement: a code approves once.
         rows = await self.store.run(

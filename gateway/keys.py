@@ -21,27 +21,34 @@ def session_key(inbound: Inbound, group_scope: GroupScope = "user") -> str:
         return f"{ch}:{inbound.chat_id}"
     if not inbound.is_group:
         return f"{ch}:dm:{inbound.chat_id if ch == 'slack' else inbound.user_id}"
-    if ch == "slack":
-        # Every Slack conversation in a channel lives in a thread (ours or the person's).
-        thread = inbound.thread_id or inbound.message_id
-        if thread is None:  # slash commands in a channel: no thread to belong to
-            return f"slack:channel:{inbound.chat_id}:user:{inbound.user_id}"
-        return f"slack:channel:{inbound.chat_id}:thread:{thread}"
+    room = "channel" if ch == "slack" else "group"
     if inbound.thread_id:
-        return f"{ch}:group:{inbound.chat_id}:topic:{inbound.thread_id}"
+        # A Slack thread or a Telegram topic is a conversation of its own.
+        return f"{ch}:{room}:{inbound.chat_id}:{'thread' if ch == 'slack' else 'topic'}:{inbound.thread_id}"
     if group_scope == "group":
-        return f"{ch}:group:{inbound.chat_id}"
-    return f"{ch}:group:{inbound.chat_id}:user:{inbound.user_id}"
+        return f"{ch}:{room}:{inbound.chat_id}"
+    return f"{ch}:{room}:{inbound.chat_id}:user:{inbound.user_id}"
+
+
+def is_shared(inbound: Inbound, group_scope: GroupScope = "user") -> bool:
+    """Whether several people can write in the message's session (SPEC §1, shared session):
+    a group session in "group" mode, every Telegram topic and every Slack thread."""
+    if inbound.channel in ("web", "terminal") or not inbound.is_group:
+        return False
+    return bool(inbound.thread_id) or group_scope == "group"
 
 
 def memory_scope(inbound: Inbound, group_scope: GroupScope = "user") -> str:
-    """Whose long-term memory the session reads and writes."""
+    """Whose long-term memory the session reads and writes. A shared session always uses
+    the group's scope, never the scope of whoever wrote first: one person's MEMORY.md,
+    notes and files never reach a turn another person's message caused. The scope is a
+    function of the session key alone, so a session keeps one scope whoever writes."""
     ch = inbound.channel
     if ch in ("web", "terminal"):
         return f"{ch}:{inbound.chat_id}"
     if not inbound.is_group:
         return f"{ch}:user:{inbound.user_id}"
-    if group_scope == "group":
+    if is_shared(inbound, group_scope):
         return f"{ch}:group:{inbound.chat_id}"
     return f"{ch}:group:{inbound.chat_id}:user:{inbound.user_id}"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
@@ -19,6 +20,9 @@ from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 log = logging.getLogger("gateway.router")
 
 Reply = Callable[[Inbound, str], Awaitable[None]]
+
+REFUSAL_INTERVAL_S = 3600  # a stranger is told "private" once an hour, not once a message
+_REFUSALS_KEPT = 10_000  # bounded: a crowd of strangers cannot grow it without end
 
 BUSY_REPLY = "I'm still working on your earlier messages; please wait for my answer before sending more."
 
@@ -36,6 +40,7 @@ class Router:
         self.commands = commands
         self.pairing = pairing
         self.reply = reply
+        self._refused: OrderedDict[str, float] = OrderedDict()  # identity → when last told
 
     def keys(self, inbound: Inbound) -> tuple[str, str]:
         scope_mode = self.s.cfg.group_session_scope
@@ -116,15 +121,22 @@ class Router:
 
     async def _refuse(self, inbound: Inbound, action: str) -> None:
         if action == "refuse":
+            now, who = self.pairing.clock(), inbound.identity
+            told = self._refused.get(who)
+            if told is not None and now - told < REFUSAL_INTERVAL_S:
+                return
+            self._refused[who] = now
+            self._refused.move_to_end(who)
+            while len(self._refused) > _REFUSALS_KEPT:
+                self._refused.popitem(last=False)
             await self.reply(inbound, "Sorry, this bot is private. Ask its admin to add you.")
             return
         code, new = await self.pairing.code_for(inbound.identity)
-        if not code:
-            return  # rate limited: stay quiet rather than flood
-        note = "" if new else " (still valid)"
+        if not new:
+            return  # their code was sent when it was made and is still valid: no flood of replies
         await self.reply(
             inbound,
-            f"Hi! This bot answers approved people only. Your pairing code is {code}{note}. "
+            f"Hi! This bot answers approved people only. Your pairing code is {code}. "
             f"Send it to the bot's admin, who can approve it with /approve {code}. It expires in 1 hour.",
         )
 

@@ -286,10 +286,12 @@ class Store:
     # -- sessions ---------------------------------------------------------------------
 
     async def ensure_session(self, key: str, scope: str, channel: str) -> SessionRow:
+        """The session's row, created on first use. `scope` always wins over the stored one:
+        a row from an older version may carry the scope of the person who wrote first."""
         now = time.time()
         rows = await self._rows(
             "INSERT INTO sessions(key, scope, channel, created_at, updated_at) VALUES (?,?,?,?,?) "
-            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at RETURNING *",
+            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at, scope=excluded.scope RETURNING *",
             (key, scope, channel, now, now),
         )
         return _session_row(rows[0])

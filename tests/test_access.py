@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from gateway.access import PAIRING_TTL_S, Pairing, decide
@@ -66,5 +67,18 @@ async def test_pairing_codes(tmp_path: Path) -> None:
         assert await pairing.approve(fresh, "telegram:1", now=5000 + PAIRING_TTL_S + 3) == "slack:U9"
         # Rate limited: no new code within a minute of the last one.
         assert (await pairing.code_for("slack:U9", now=5000 + PAIRING_TTL_S + 10))[0] == ""
+    finally:
+        await store.close()
+
+
+async def test_messages_at_the_same_time_make_one_code(tmp_path: Path) -> None:
+    store = await Store.open(tmp_path / "db.sqlite3")
+    try:
+        pairing = Pairing(store, clock=lambda: 1000.0)
+        results = await asyncio.gather(*(pairing.code_for("slack:U9") for _ in range(20)))
+        assert sum(new for _, new in results) == 1  # one reply, whichever message came first
+        assert len({code for code, _ in results}) == 1
+        rows = await store.run("SELECT count(*) FROM pairing_codes WHERE identity='slack:U9'")
+        assert rows[0][0] == 1
     finally:
         await store.close()

@@ -1,14 +1,17 @@
 """The whole gateway with the real slack-bolt against the fake Slack API: Socket Mode DMs,
-threads as sessions, twins and retries answered once, signed HTTP events."""
+top-level and thread sessions, memory scopes of shared threads, twins and retries
+answered once, signed HTTP events."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import aiohttp
 
 from gateway.app import Gateway
+from gateway.keys import workspace_dir
 from tests.conftest import GatewayFactory
 from tests.fakes import slack_server
 from tests.fakes.openai_server import FakeModel
@@ -45,20 +48,85 @@ async def test_dm_and_threads_over_socket_mode(make_gateway: GatewayFactory, fak
     (posted,) = await fake_slack.wait_posted(1)
     assert posted["channel"] == "D5" and posted["text"] == "dm answer"
 
-    fake_model.reply("thread one")
-    fake_model.reply("thread two")
-    await fake_slack.push_event(_mention(fake_slack, "200.1", "first thread"))
+    # Top-level mentions: one session per (channel, person), answered where they were asked.
+    fake_model.reply("top one")
+    fake_model.reply("top two")
+    await fake_slack.push_event(_mention(fake_slack, "200.1", "first question"))
     await fake_slack.wait_posted(2)
-    await fake_slack.push_event(_mention(fake_slack, "300.1", "second thread"))
+    await fake_slack.push_event(_mention(fake_slack, "300.1", "second question"))
     posted = await fake_slack.wait_posted(3)
-    assert posted[1]["thread_ts"] == "200.1" and posted[2]["thread_ts"] == "300.1"
+    assert [p["channel"] for p in posted[1:]] == ["C1", "C1"]
+    assert "thread_ts" not in posted[1] and "thread_ts" not in posted[2]
+    assert "first question" in str(fake_model.requests[2]["messages"])  # the same conversation
+    # A thread is a conversation of its own, answered in the thread.
+    fake_model.reply("in the thread")
+    await fake_slack.push_event(_mention(fake_slack, "301.1", "a side question", thread_ts="300.1"))
+    posted = await fake_slack.wait_posted(4)
+    assert posted[3]["thread_ts"] == "300.1"
+    assert "first question" not in str(fake_model.requests[3]["messages"])
     assert gw.services is not None
     store = gw.services.store
     assert await store.count_messages("slack:dm:D5") == 2
-    assert await store.count_messages("slack:channel:C1:thread:200.1") == 2
+    assert await store.count_messages("slack:channel:C1:user:U5") == 4
     assert await store.count_messages("slack:channel:C1:thread:300.1") == 2
-    # The second thread's request did not carry the first thread's words.
-    assert "first thread" not in str(fake_model.requests[2]["messages"])
+
+
+async def test_group_mode_shares_the_channels_top_level(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                        fake_slack: FakeSlack) -> None:
+    gw = await make_gateway(access={"allow_from": ["slack:C1"]}, group_session_scope="group",
+                            channels=slack_section(fake_slack))
+    await fake_slack.wait_connected()
+    await fake_slack.push_event(_mention(fake_slack, "200.1", "the plan is blue", user="U5"))
+    await fake_slack.wait_posted(1)
+    await fake_slack.push_event(_mention(fake_slack, "210.1", "what is the plan?", user="U6"))
+    posted = await fake_slack.wait_posted(2)
+    assert "the plan is blue" in str(fake_model.requests[1]["messages"])
+    assert all("thread_ts" not in p for p in posted)
+    assert gw.services is not None
+    assert await gw.services.store.count_messages("slack:channel:C1") == 4
+
+
+A_SECRET = "Alice's locker code is 4312"
+B_FACT = "Bob prefers tea"
+
+
+async def test_a_thread_never_uses_one_persons_memory(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                      fake_slack: FakeSlack) -> None:
+    """Alice (U5) keeps a secret from the channel's top level, then talks in a thread on her
+    message; Bob (U6) joins the thread. Bob's turns never see Alice's MEMORY.md (prompt or
+    read_file) and his memory_write lands in the channel's scope (SPEC §1, shared session)."""
+    gw = await make_gateway(access={"allow_from": ["slack:C1"]}, channels=slack_section(fake_slack))
+    assert gw.services is not None
+    await fake_slack.wait_connected()
+    fake_model.tool_call("memory_write", {"text": A_SECRET, "target": "memory"})
+    fake_model.reply("noted")
+    await fake_slack.push_event(_mention(fake_slack, "200.1", "remember my locker code", user="U5"))
+    await fake_slack.wait_posted(1)
+    fake_model.reply("hi Alice")
+    await fake_slack.push_event(_mention(fake_slack, "201.1", "hello thread", user="U5", thread_ts="200.1"))
+    await fake_slack.wait_posted(2)
+    mark = len(fake_model.requests)
+    fake_model.tool_call("read_file", {"path": "MEMORY.md"})
+    fake_model.tool_call("memory_write", {"text": B_FACT, "target": "memory"})
+    fake_model.reply("done")
+    await fake_slack.push_event(_mention(fake_slack, "202.1", "what do you know?", user="U6", thread_ts="200.1"))
+    posted = await fake_slack.wait_posted(3)
+    assert posted[2]["thread_ts"] == "200.1"
+
+    bobs = fake_model.requests[mark:]
+    assert len(bobs) == 3
+    # Requests 0-1 are Alice's own top-level session; from 2 on the thread's (hers, then Bob's).
+    assert "4312" in json.dumps(fake_model.requests[1])
+    for request in fake_model.requests[2:]:
+        assert "4312" not in json.dumps(request), "Alice's memory reached a shared session"
+    read_result = [m for m in bobs[1]["messages"] if m["role"] == "tool"][-1]["content"]
+    assert "4312" not in read_result
+
+    data_dir = gw.services.data_dir
+    alices = (workspace_dir(data_dir, "slack:group:C1:user:U5") / "MEMORY.md").read_text()
+    channels = (workspace_dir(data_dir, "slack:group:C1") / "MEMORY.md").read_text()
+    assert A_SECRET in alices and B_FACT not in alices
+    assert B_FACT in channels and A_SECRET not in channels
 
 
 async def test_twins_and_retries_give_one_reply(make_gateway: GatewayFactory, fake_model: FakeModel,
@@ -97,7 +165,7 @@ async def test_http_events_are_signature_checked(make_gateway: GatewayFactory, f
     assert await _post_events(gw, *signed_event_request(SIGNING, event)) == 200
     assert await _post_events(gw, *signed_event_request(SIGNING, event, retry_num=1)) == 200
     (posted,) = await fake_slack.wait_posted(1)
-    assert posted["text"] == "signed and answered" and posted["thread_ts"] == "500.1"
+    assert posted["text"] == "signed and answered" and posted["channel"] == "C1"
     assert gw.services is not None
     await gw.services.background.wait_idle(5)
     assert len(fake_slack.posted) == 1

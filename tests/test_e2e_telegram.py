@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from gateway.access import PAIRING_TTL_S
 from gateway.app import Gateway
+from gateway.keys import workspace_dir
+from gateway.store import Store
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -168,3 +172,109 @@ async def test_a_strangers_file_is_never_downloaded(make_gateway: GatewayFactory
     assert gw.services is not None
     assert not list(Path(gw.services.cfg.data_dir).glob("**/payload.bin"))
     assert "notes.pdf" in fake_model.requests[-1]["messages"][-1]["content"]
+
+
+A_SECRET = "Alice's locker code is 4312"
+B_FACT = "Bob prefers tea"
+
+
+async def test_a_topic_never_uses_one_persons_memory(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                     fake_telegram: FakeTelegram, tmp_path: Path) -> None:
+    """Alice (5) keeps a secret in her own group session, then opens a topic; Bob (6) writes
+    in it. Bob's turns never see Alice's MEMORY.md (prompt or read_file) and his
+    memory_write lands in the group's scope, not hers (SPEC §1, shared session)."""
+    topic_key = "telegram:group:-100:topic:9"
+    # A session row left by an older version, stored with Alice's scope: it must not stick.
+    store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
+    await store.ensure_session(topic_key, "telegram:group:-100:user:5", "telegram")
+    await store.close()
+
+    gw = await make_gateway(access={"allow_from": ["*"]}, channels=telegram_section(fake_telegram))
+    assert gw.services is not None
+    bot = f"@{fake_telegram.bot_username}"
+    mention = [{"type": "mention", "offset": 0, "length": len(bot)}]
+
+    def say(user: int, text: str, topic: int | None = None) -> None:
+        fake_telegram.push_message(chat_id=-100, user_id=user, text=f"{bot} {text}", chat_type="supergroup",
+                                   entities=mention, thread_id=topic)
+
+    fake_model.tool_call("memory_write", {"text": A_SECRET, "target": "memory"})
+    fake_model.reply("noted")
+    say(5, "remember my locker code")
+    await fake_telegram.wait_sent(1)
+    fake_model.reply("hi Alice")
+    say(5, "hello topic", topic=9)
+    await fake_telegram.wait_sent(2)
+    mark = len(fake_model.requests)
+    fake_model.tool_call("read_file", {"path": "MEMORY.md"})
+    fake_model.tool_call("memory_write", {"text": B_FACT, "target": "memory"})
+    fake_model.reply("done")
+    say(6, "what do you know about us?", topic=9)
+    await fake_telegram.wait_sent(3)
+
+    bobs = fake_model.requests[mark:]
+    assert len(bobs) == 3
+    # Requests 0-1 are Alice's own session; from 2 on the topic's (hers, then Bob's).
+    assert "4312" in json.dumps(fake_model.requests[1])
+    for request in fake_model.requests[2:]:
+        assert "4312" not in json.dumps(request), "Alice's memory reached a shared session"
+    read_result = [m for m in bobs[1]["messages"] if m["role"] == "tool"][-1]["content"]
+    assert "4312" not in read_result
+
+    data_dir = gw.services.data_dir
+    alices = (workspace_dir(data_dir, "telegram:group:-100:user:5") / "MEMORY.md").read_text()
+    groups = (workspace_dir(data_dir, "telegram:group:-100") / "MEMORY.md").read_text()
+    assert A_SECRET in alices and B_FACT not in alices
+    assert B_FACT in groups and A_SECRET not in groups
+    row = await gw.services.store.get_session(topic_key)
+    assert row is not None and row.scope == "telegram:group:-100"
+
+
+async def test_a_stranger_gets_one_pairing_reply_per_hour(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                          fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(channels=telegram_section(fake_telegram))
+    assert gw.services is not None and gw.pairing is not None
+    now = [time.time()]
+    gw.pairing.clock = lambda: now[0]
+    store = gw.services.store
+
+    for i in range(30):
+        last = fake_telegram.push_message(chat_id=77, user_id=77, text=f"hello? {i}")
+    await fake_telegram.wait_confirmed(last + 1)  # polling confirms an update once it was handled
+    await gw.services.background.wait_idle(5)
+    (first,) = fake_telegram.sent
+    code = re.search(r"pairing code is ([A-Z0-9]{8})", first["text"])
+    assert code and first["chat_id"] == 77
+    codes = await store.run("SELECT count(*) FROM pairing_codes WHERE identity='telegram:77'")
+    assert codes[0][0] == 1
+
+    now[0] += PAIRING_TTL_S + 1  # the code expired: the next message gets a new one, once
+    fake_telegram.push_message(chat_id=77, user_id=77, text="still there?")
+    last = fake_telegram.push_message(chat_id=77, user_id=77, text="hello??")
+    await fake_telegram.wait_confirmed(last + 1)
+    sent = await fake_telegram.wait_sent(2)
+    await gw.services.background.wait_idle(5)
+    assert len(fake_telegram.sent) == 2
+    second = re.search(r"pairing code is ([A-Z0-9]{8})", sent[1]["text"])
+    assert second and second.group(1) != code.group(1)
+    codes = await store.run("SELECT count(*) FROM pairing_codes WHERE identity='telegram:77'")
+    assert codes[0][0] == 2
+    assert fake_model.requests == []
+
+
+async def test_a_refused_stranger_is_told_once_per_hour(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                        fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(access={"dm_policy": "allowlist"}, channels=telegram_section(fake_telegram))
+    assert gw.services is not None and gw.pairing is not None
+    now = [time.time()]
+    gw.pairing.clock = lambda: now[0]
+
+    for i in range(10):
+        last = fake_telegram.push_message(chat_id=78, user_id=78, text=f"let me in {i}")
+    await fake_telegram.wait_confirmed(last + 1)
+    await gw.services.background.wait_idle(5)
+    assert [s["text"] for s in fake_telegram.sent] == ["Sorry, this bot is private. Ask its admin to add you."]
+    now[0] += 3601
+    fake_telegram.push_message(chat_id=78, user_id=78, text="and now?")
+    await fake_telegram.wait_sent(2)
+    assert fake_model.requests == []

@@ -152,7 +152,7 @@ async def test_dm_round_trip_acks_after_the_handler(fake_slack: FakeSlack, make_
     assert "thread_ts" not in post
 
 
-async def test_mention_replies_in_the_message_thread(
+async def test_a_top_level_mention_is_answered_top_level(
     fake_slack: FakeSlack, make_channel: MakeChannel
 ) -> None:
     handler = Recorder(lambda inbound: "**done**")
@@ -162,9 +162,12 @@ async def test_mention_replies_in_the_message_thread(
 
     [inbound] = handler.inbounds
     assert inbound.text == "what is up?" and inbound.mentioned and inbound.is_group
-    assert session_key(inbound) == f"slack:channel:C1:thread:{event['ts']}"
+    assert inbound.thread_id is None
+    assert session_key(inbound) == "slack:channel:C1:user:U1"
+    assert session_key(inbound, "group") == "slack:channel:C1"
     [post] = await fake_slack.wait_posted(1)
-    assert post["channel"] == "C1" and post["thread_ts"] == event["ts"]
+    # The top level is the session, so the answer stays there (a thread would be a new one).
+    assert post["channel"] == "C1" and "thread_ts" not in post
     assert post["text"] == "*done*"  # Markdown → mrkdwn
 
 
@@ -173,14 +176,17 @@ async def test_threads_are_sessions(fake_slack: FakeSlack, make_channel: MakeCha
     await make_channel(handler)
     first, second = mention("one"), mention("two")
     follow_up = mention("more", thread_ts=first["ts"])
-    for event in (first, second, follow_up):
+    # A thread's parent that carries its own ts as thread_ts is still a top-level message.
+    parent_ts = next_ts()
+    parent = mention("parent", ts=parent_ts, thread_ts=parent_ts)
+    for event in (first, second, follow_up, parent):
         await fake_slack.wait_acked(await fake_slack.push_event(event))
 
     keys = [session_key(i) for i in handler.inbounds]
-    assert keys[0] != keys[1]
-    assert keys[2] == keys[0] == f"slack:channel:C1:thread:{first['ts']}"
-    posts = await fake_slack.wait_posted(3)
-    assert [p["thread_ts"] for p in posts] == [first["ts"], second["ts"], first["ts"]]
+    assert keys[0] == keys[1] == keys[3] == "slack:channel:C1:user:U1"
+    assert keys[2] == f"slack:channel:C1:thread:{first['ts']}"
+    posts = await fake_slack.wait_posted(4)
+    assert [p.get("thread_ts") for p in posts] == [None, None, first["ts"], None]
 
 
 async def test_twins_and_retries_share_one_event_id(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:
@@ -421,7 +427,7 @@ async def test_http_valid_signature_is_accepted(
     assert status == 200
     assert [i.text for i in handler.inbounds] == ["via http"]  # before the 200 went out
     [post] = fake_slack.posted
-    assert post["thread_ts"] == event["ts"]
+    assert post["channel"] == "C1" and "thread_ts" not in post  # answered where it was asked
 
     # Slack's retry of the same delivery maps to the same event id.
     retry = signed_event_request(SIGNING_SECRET, event_callback(event), retry_num=1)
