@@ -42,6 +42,55 @@ class ToolError(Exception):
     """A failure the model should see as the tool's result (bad args, missing file)."""
 
 
+class ToolArgumentError(ToolError):
+    """The call's arguments were wrong; the message says which and how to call again."""
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list,), "object": (dict,),
+}
+_SHOWN_CHARS = 60  # how much of a bad value an error repeats back
+
+
+def shown(value: Any) -> str:
+    """A bad value as an error repeats it: short, so a huge argument is not echoed whole."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}… ({len(text):,} characters)"
+
+
+def check_arguments(parameters: dict[str, Any], args: dict[str, Any]) -> None:
+    """Check `args` against the parts of a tool's JSON schema that built-in tools use
+    (required, additionalProperties, type, minimum, maximum, enum); models do not always
+    follow the schema they were given."""
+    properties: dict[str, Any] = parameters.get("properties", {})
+    for name in parameters.get("required", ()):
+        if args.get(name) is None:
+            raise ToolArgumentError(f"the argument {name!r} is required")
+    if parameters.get("additionalProperties") is False:
+        unknown = sorted(set(args) - set(properties))
+        if unknown:
+            raise ToolArgumentError(f"unknown argument {shown(unknown[0])}; the arguments are "
+                                    + ", ".join(properties))
+    for name, rule in properties.items():
+        value = args.get(name)
+        if value is None:
+            continue
+        kind = rule.get("type")
+        if kind in _JSON_TYPES and (not isinstance(value, _JSON_TYPES[kind])
+                                    or (isinstance(value, bool) and kind != "boolean")):
+            raise ToolArgumentError(f"{name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+                                    f"not {shown(value)}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and "minimum" in rule and value < rule["minimum"]:
+            raise ToolArgumentError(f"{name} must be {rule['minimum']} or more, not {shown(value)}")
+        if number and "maximum" in rule and value > rule["maximum"]:
+            raise ToolArgumentError(f"{name} must be {rule['maximum']} or less, not {shown(value)}")
+        if "enum" in rule and value not in rule["enum"]:
+            raise ToolArgumentError(f"{name} must be one of {', '.join(map(repr, rule['enum']))}, "
+                                    f"not {shown(value)}")
+
+
 class Tool(Protocol):
     name: str
     description: str
