@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from gateway.app import Gateway
+from gateway.store import Store
+from gateway.summarizer import FOLD_MAX_TURNS, summary_delta
+from gateway.types import Message
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error
 from tests.test_e2e_context import chat_requests, is_summary_request, script_chat, user_texts
@@ -183,3 +186,44 @@ async def test_another_error_on_the_overflow_retry_gets_its_own_message(
     assert "refused the API key (HTTP 401)" in reply and "model.api_key" in reply
     assert "went wrong" not in reply
 
+
+
+async def test_a_long_history_is_caught_up_in_bounded_pieces_after_a_restart(
+    make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A session from an older version: 120 answered turns, no summary, nothing in memory/.
+    # Turns 31-32 are missing (purged): the pieces count stored turns, not numbers.
+    store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
+    await store.ensure_session("web:gus", "web:gus", "web")
+    turns = [n for n in range(1, 121) if n not in (31, 32)]
+    for n in turns:
+        await store.add_message("web:gus", Message(role="user", content=f"message {n}", turn=n), seq=0)
+        await store.add_message("web:gus", Message(role="assistant", content=f"reply {n}", turn=n), seq=1)
+    await store.close()
+
+    gw = await make_gateway()
+    fold_with_cumulative_summaries(fake_model)
+    await chat(gw, "gus", "message 121")  # restores turns 118-120; 1-117 are caught up
+    await settle(gw)
+    asked = [r for r in fake_model.requests if is_summary_request(r)]
+    pieces = [sorted(int(n) for n in re.findall(r"^User: message (\d+)$", r["messages"][-1]["content"], re.M))
+              for r in asked]
+    assert [len(p) for p in pieces] == [FOLD_MAX_TURNS, FOLD_MAX_TURNS, 115 - 2 * FOLD_MAX_TURNS]
+    assert [n for p in pieces for n in p] == [n for n in turns if n <= 117]  # in order, each once
+    note, rows = await scope_files(gw, "web:gus")
+    assert Counter(r["content"] for r in rows if r["role"] == "user") == Counter(
+        f"message {n}" for n in turns if n <= 117)
+    assert all(note.count(f"the user said: message {n}\n") == 1 for n in turns if n <= 117)
+    assert gw.services is not None
+    latest = await gw.services.store.latest_summary("web:gus")
+    assert latest is not None and latest.upto_turn == 117
+
+
+def test_summary_delta_keeps_only_new_or_changed_lines_under_their_headings() -> None:
+    previous = "## Goal\n- ship v2\n\n## Progress\n### Done\n- tests\n### Blocked\n(none)\n\n## Next Steps\n- docs"
+    current = ("## Goal\n- ship v2\n\n## Progress\n### Done\n- tests\n- release notes\n### Blocked\n- CI is red\n\n"
+               "## Next Steps\n- docs\n\n## Critical Context\n(none)")
+    assert summary_delta(previous, current) == (
+        "## Progress\n### Done\n- release notes\n### Blocked\n- CI is red")
+    assert summary_delta(None, current) == current
+    assert summary_delta(current, current) == ""
