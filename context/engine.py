@@ -41,7 +41,7 @@ __all__ = [
     "recover_overflow",
 ]
 
-SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow"]
+SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow", "restore"]
 Strategy = Literal[
     "turn_budget",
     "token_budget_halve",

@@ -35,6 +35,15 @@ OVERFLOW_CLEARED = (
 )
 
 
+EMPTY_REPLY = "(The model returned an empty answer. Please try again or rephrase.)"
+
+
+def step_limit_reply(max_steps: int) -> str:
+    """Said when even the answer-now call after the step limit gave no text."""
+    return (f"I used all {max_steps} steps I may take for one message without reaching an answer. "
+            "Tell me to continue, or narrow the question down.")
+
+
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
@@ -100,7 +109,9 @@ class Agent:
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
             step += 1
-            final = step >= cfg.agent_max_steps
+            # Steps 1..agent_max_steps may call tools; when the last of them still asked
+            # for one, this extra step has no tools and must answer (SPEC §1, §5).
+            final = step > cfg.agent_max_steps
             tools = [] if final else self.s.tools.schemas()
             budget = Budget.from_config(cfg)
             system = await self.system_prompt(live, cfg)
@@ -119,10 +130,15 @@ class Agent:
                 if recovered:
                     return await self._clear_after_overflow(live)
                 recovered = True
-                reply_or_none = await self._recover(live, cfg, system, tools, err)
-                if reply_or_none is None:
+                outcome = await self._recover(live, cfg, system, tools, err)
+                if outcome is None:
                     return await self._clear_after_overflow(live)
-                reply, prepared = reply_or_none
+                if isinstance(outcome, ModelError):
+                    # The retry failed for another reason (rate limit, outage…): say that one.
+                    log.warning("model error on the overflow retry", extra={
+                        "session": live.key, "kind": outcome.kind, "detail": outcome.detail[:300]})
+                    return TurnResult(outcome.user_message(), "model_error")
+                reply, prepared = outcome
             live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
             if reply.prompt_tokens:
                 live.ctx.calibrate(prepared.tokens, reply.prompt_tokens)
@@ -133,7 +149,7 @@ class Agent:
             text = (reply.content or "").strip()
             if not calls:
                 if not text:
-                    text = "(The model returned an empty answer. Please try again or rephrase.)"
+                    text = step_limit_reply(cfg.agent_max_steps) if final else EMPTY_REPLY
                 await self.store(live, Message(role="assistant", content=text, turn=live.ctx.current_turn))
                 return TurnResult(text, "ok")
             await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
@@ -143,8 +159,9 @@ class Agent:
 
     async def _recover(
         self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError
-    ) -> tuple[ModelReply, Prepared] | None:
-        """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once."""
+    ) -> tuple[ModelReply, Prepared] | ModelError | None:
+        """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once.
+        None when the retry overflows again; the error when it fails otherwise."""
         log.warning("context overflow; recovering", extra={"session": live.key,
                                                           "provider_limit": err.provider_limit})
         prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=Budget.from_config(cfg),
@@ -156,7 +173,7 @@ class Agent:
             if again.kind == "overflow":
                 self.s.metrics.overflow_recoveries.labels("cleared").inc()
                 return None
-            raise
+            return again
         self.s.metrics.overflow_recoveries.labels("recovered").inc()
         return reply, prepared
 
@@ -164,6 +181,7 @@ class Agent:
         turn = live.ctx.current_turn
         live.ctx.clear()
         # The next turn starts a fresh live context, also after a restart.
+        live.context_start = turn + 1
         await self.s.store.set_context_start(live.key, turn + 1)
         await self.store(live, Message(role="assistant", content=OVERFLOW_CLEARED, turn=turn))
         return TurnResult(OVERFLOW_CLEARED, "overflow_cleared")

@@ -148,15 +148,23 @@ class Commands:
     async def _clear(self, live: LiveSession) -> str:
         turn = max(await self.s.store.last_turn(live.key), live.ctx.current_turn)
         live.ctx.clear()
+        live.context_start = turn + 1
         await self.s.store.set_context_start(live.key, turn + 1)
         return "Started a fresh context. Earlier messages stay stored and can be found with memory search."
 
     async def _compact(self, live: LiveSession) -> str:
-        effect = compact(live.ctx, keep_turns=2)
-        if effect is None:
+        before = live.ctx.turn_count
+        effect = compact(live.ctx, keep_turns=2, counter=self.s.counter)
+        dropped = before - live.ctx.turn_count
+        if dropped <= 0:
             return "Nothing to compact yet: the context holds 2 turns or fewer."
-        self.sessions.agent.summarizer.submit(live, effect)
-        return f"Summarizing turns up to {effect.upto_turn}; the last 2 turns stay as they are."
+        # No effect means a summary prepared ahead (the prefetch) covers the dropped turns
+        # already: it is injected from the next turn on like a fresh one.
+        if effect is not None:
+            self.sessions.agent.summarizer.submit(live, effect)
+        what = "are being summarized" if effect is not None else "are covered by the summary already made"
+        return (f"Compacted: {dropped} earlier turn{'s' if dropped != 1 else ''} left the live context and {what}; "
+                "the last 2 turns stay as they are.")
 
     # -- /config and /approve ---------------------------------------------------------------
 

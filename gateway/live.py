@@ -21,7 +21,7 @@ class LiveSession:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     worker: asyncio.Task[Any] | None = None
     seq: int = 0  # order of the next message within the current turn
-    archived_upto: int = 0  # dialog/ archive written for turns <= this
+    context_start: int = 1  # first turn after the last /context clear (turns before it are cleared)
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now

@@ -129,9 +129,15 @@ class SessionManager:
         await asyncio.to_thread(workspace.mkdir, parents=True, exist_ok=True)
         live = LiveSession(key=key, scope=scope, channel=channel, workspace=workspace, ctx=ctx,
                            queue=asyncio.Queue(maxsize=cfg.limits.session_queue_size))
-        live.archived_upto = summary.upto_turn if summary else 0
+        live.context_start = start
         live.seq = len(open_turn)
         self._last_turns[key] = await store.last_turn(key)
+        # The turns before the restored ones left the context with the restart: those no
+        # summary covers yet go to long-term memory in the background (SPEC §4.5).
+        first_live = (restored or open_turn)[0].turn if restored or open_turn else None
+        covered = max(summary.upto_turn if summary else 0, start - 1)
+        if first_live is not None and first_live - 1 > covered:
+            self.agent.summarizer.catch_up(live, first_live - 1)
         log.debug("session restored", extra={"session": key, "messages": len(restored)})
         return live
 

@@ -343,6 +343,17 @@ class Store:
         )
         return [_row_to_message(r) for r in rows]
 
+    async def turn_messages(self, key: str, *, from_turn: int, to_turn: int, max_turns: int) -> list[Message]:
+        """Messages of the first `max_turns` stored turns in [from_turn, to_turn] (catch-up
+        summaries read a long history in bounded pieces)."""
+        rows = await self._rows(
+            "SELECT * FROM messages WHERE session_key=? AND turn>=? AND turn<=(SELECT coalesce(max(turn), -1) "
+            "FROM (SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn BETWEEN ? AND ? "
+            "ORDER BY turn LIMIT ?)) ORDER BY turn, seq, id",
+            (key, from_turn, key, from_turn, to_turn, max_turns),
+        )
+        return [_row_to_message(r) for r in rows]
+
     async def recent_messages(self, key: str, *, turns: int, from_turn: int = 1) -> list[Message]:
         """Messages of the last `turns` turns at or after `from_turn` (for restore)."""
         found = [r[0] for r in await self._rows(
@@ -420,7 +431,11 @@ class Store:
         )
 
     async def latest_summary(self, key: str) -> StoredSummary | None:
-        rows = await self._rows("SELECT * FROM summaries WHERE session_key=? ORDER BY id DESC LIMIT 1", (key,))
+        """The summary that covers the most turns (its `upto_turn` is how far the session's
+        long-term memory and dialog/ archive reach)."""
+        rows = await self._rows(
+            "SELECT * FROM summaries WHERE session_key=? ORDER BY upto_turn DESC, id DESC LIMIT 1", (key,)
+        )
         if not rows:
             return None
         row = rows[0]

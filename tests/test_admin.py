@@ -58,11 +58,13 @@ async def test_config_read_refused_and_written(make_gateway: GatewayFactory, fak
     written = json.loads(path.read_text())
     assert written["agent_max_steps"] == 1 and written["model"]["api_key"] == "test-key"
     assert gw.cfg.agent_max_steps == 1
-    # Applied to the live session's next request: one step means no tools are offered.
+    # Applied to the live session's next turn: after one tool-calling step the next
+    # request offers no tools (with the default 15 it would).
+    fake_model.tool_call("current_time", {})
     fake_model.reply("second")
     fake_telegram.push_message(chat_id=3, user_id=3, text="again")
     await fake_telegram.wait_sent(7)
-    assert fake_model.requests[0].get("tools") and not fake_model.requests[-1].get("tools")
+    assert fake_model.requests[-2].get("tools") and not fake_model.requests[-1].get("tools")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".config.json")] == []
 
 

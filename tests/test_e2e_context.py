@@ -100,9 +100,9 @@ async def test_restart_restores_text_only_recent_turns(make_gateway: GatewayFact
         await chat(gw, "cy", f"question {n}")
     await gw.stop()
     gw2 = await make_gateway(agent_max_context_turns=24)
-    fake_model.reply("restored")
+    script_chat(fake_model, "restored")  # turns 1-2 are summarized meanwhile (SPEC §4.5)
     await chat(gw2, "cy", "question 7")
-    last = fake_model.requests[-1]
+    last = chat_requests(fake_model)[-1]
     assert user_texts(last) == ["question 3", "question 4", "question 5", "question 6", "question 7"]
     assert not any(m["role"] == "tool" or m.get("tool_calls") for m in last["messages"])
     assert [m["content"] for m in last["messages"] if m["role"] == "assistant"] == [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 from gateway.app import Gateway
 from tests.conftest import GatewayFactory, chat, post_chat
-from tests.fakes.openai_server import FakeModel
+from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall, last_user_text
 
 
 def _texts(request: dict) -> list[str]:
@@ -49,19 +51,40 @@ async def test_unknown_tool_and_bad_arguments_get_error_results(
     assert results[1].startswith("error: the arguments are not a valid JSON object")
 
 
-async def test_step_cap_asks_for_a_final_answer_without_tools(
+async def test_step_cap_lets_every_step_call_tools_then_asks_once_without_tools(
     make_gateway: GatewayFactory, fake_model: FakeModel
 ) -> None:
     gw = await make_gateway(agent_max_steps=3)
-    for _ in range(5):
-        fake_model.tool_call("current_time", {})
+
+    def insist_on_tools(body: dict[str, Any]) -> Reply:
+        # A model that always wants another tool, as long as it is offered any.
+        if body.get("tools"):
+            return Reply(tool_calls=(ScriptedCall("current_time", "{}", f"call_{len(fake_model.requests)}"),))
+        return Reply(text="Here is what I found so far.")
+
+    fake_model.respond_with(insist_on_tools)
     reply = await chat(gw, "dave", "loop forever")
     requests = fake_model.requests
-    assert len(requests) == 3
-    assert requests[0].get("tools") and requests[1].get("tools")
-    assert not requests[2].get("tools")
-    # The third scripted reply was a tool call; without tools the agent answers with text.
-    assert reply
+    assert len(requests) == 4  # 3 tool-calling steps, then one answer-now call
+    assert all(r.get("tools") for r in requests[:3])
+    assert "tools" not in requests[3] and "tool_choice" not in requests[3]
+    assert "step limit" in last_user_text(requests[3])  # the injected answer-now instruction
+    assert sum(m["role"] == "tool" for m in requests[3]["messages"]) == 3  # all 3 steps' tools ran
+    assert reply == "Here is what I found so far."
+    assert gw.services is not None
+    stored = await gw.services.store.messages("web:dave")
+    assert stored[-1].role == "assistant" and stored[-1].content == reply and not stored[-1].tool_calls
+
+
+async def test_step_cap_never_answers_with_a_placeholder(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    gw = await make_gateway(agent_max_steps=2)
+    for _ in range(3):  # the third call has no tools; a provider that still sends no text
+        fake_model.tool_call("current_time", {})
+    reply = await chat(gw, "dora", "loop")
+    assert len(fake_model.requests) == 3 and "tools" not in fake_model.requests[2]
+    assert "empty answer" not in reply and "2 steps" in reply
 
 
 async def test_rate_limit_then_success(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:

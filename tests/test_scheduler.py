@@ -3,19 +3,28 @@ OpenAI-compatible model server and a controllable clock."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from apscheduler.triggers.cron import CronTrigger
 from pydantic import SecretStr
 
 from gateway.config import Config, ModelConfig
 from gateway.consolidate import NoteDelta, take_within_budget
 from gateway.memory import Memory, NoteFile
 from gateway.model import ModelClient
-from gateway.scheduler import JOB_CONSOLIDATION, JOB_PURGE, Scheduler, cron_trigger, last_fire_time
+from gateway.scheduler import (
+    JOB_CONSOLIDATION,
+    JOB_PURGE,
+    MISFIRE_GRACE_S,
+    Scheduler,
+    cron_trigger,
+    last_fire_time,
+)
 from gateway.store import Store
 from tests.conftest import Clock
 from tests.fakes.openai_server import ErrorReply, FakeModel, last_user_text
@@ -218,7 +227,29 @@ async def test_the_scheduled_job_is_registered_and_stop_is_clean(
     sched = make_scheduler(store, memory, model, clock)
     assert sched.next_consolidation() == datetime(2026, 11, 29, 0, 0, tzinfo=UTC)
     await sched.start()
+    aps = sched._aps  # the real APScheduler instance: what it holds is what will fire
+    assert aps is not None and aps.running
+    jobs = {job.id: job for job in aps.get_jobs()}
+    assert set(jobs) == {JOB_CONSOLIDATION, JOB_PURGE}
+    now = datetime.now(UTC)  # APScheduler plans with the real clock
+    for job_id, (hour, minute) in {JOB_CONSOLIDATION: (0, 0), JOB_PURGE: (3, 30)}.items():
+        job = jobs[job_id]
+        assert isinstance(job.trigger, CronTrigger) and str(job.trigger.timezone) == "UTC"
+        fields = {f.name: str(f) for f in job.trigger.fields}
+        assert (fields["hour"], fields["minute"]) == (str(hour), str(minute))
+        nxt = job.next_run_time
+        assert now < nxt <= now + timedelta(days=1) and (nxt.hour, nxt.minute, nxt.second) == (hour, minute, 0)
+        assert job.misfire_grace_time == MISFIRE_GRACE_S and job.coalesce and job.max_instances == 1
+
+    # A reloaded cron reschedules the same job in APScheduler.
+    sched.update_config(Config(timezone="UTC", memory_consolidation_cron="15 4 * * 1"))
+    job = aps.get_job(JOB_CONSOLIDATION)
+    assert job is not None and (job.next_run_time.strftime("%a %H:%M")) == "Mon 04:15"
+    assert job.next_run_time <= now + timedelta(days=7)
+
     await sched.stop()  # cancels the startup work if it is still running
+    await asyncio.sleep(0)
+    assert not aps.running and sched._aps is None
     await sched.stop()
 
 
