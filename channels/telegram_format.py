@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -40,6 +41,7 @@ _MD_OPTIONS = (
     | pyromark.Options.ENABLE_TASKLISTS
     | pyromark.Options.ENABLE_MATH
 )
+_SPOILER_TAG = "tg-spoiler>"  # the converter writes ||x|| as <tg-spoiler>x</tg-spoiler>
 _MAX_ESCAPE_ROUNDS = 32  # each round escapes at least one `<`; past this, send plain text
 
 
@@ -84,7 +86,12 @@ def render_markdown(markdown: str, limit: int = TELEGRAM_TEXT_LIMIT) -> list[Chu
     Markdown the converter cannot handle is sent as it was written."""
     source = sanitize_text(markdown)
     try:
-        text, entities = convert(escape_raw_html(source))
+        prepared = escape_raw_html(source)
+        text, entities = convert(prepared)
+        if text.count(_SPOILER_TAG) > source.count(_SPOILER_TAG):
+            # The converter's ||spoiler|| step put its tags where Markdown then read them
+            # as text (a code span across two blocks): convert again without spoilers.
+            text, entities = convert(_escape_double_bars(prepared))
         entity_dicts = [e.to_dict() for e in entities]
     except Exception:  # a converter bug must not cost the reply
         log.warning("markdown conversion failed; sending the reply unformatted", exc_info=True)
@@ -133,6 +140,26 @@ def _raw_html_starts(markdown: str) -> list[int]:
         elif "InlineMath" in payload and source[end:end + 1].isdigit():
             offsets.update((start, end - 1))
     return sorted(offsets)
+
+
+def _escape_double_bars(markdown: str) -> str:
+    """Every `|` in a run of two or more, outside code, backslash-escaped: the converter
+    then finds no `||spoiler||` to rewrite."""
+    source = markdown.encode("utf-8")
+    code: list[tuple[int, int]] = []
+    for payload, where in pyromark.events_with_range(markdown, options=_MD_OPTIONS):
+        if not isinstance(payload, dict):
+            continue
+        start = payload.get("Start")
+        if (isinstance(start, dict) and "CodeBlock" in start) or any(
+            key in payload for key in ("Code", "InlineMath", "DisplayMath")
+        ):
+            code.append((where["start"], where["end"]))
+    offsets: list[int] = []
+    for run in re.finditer(rb"\|{2,}", source):
+        if not any(a <= run.start() < b for a, b in code):
+            offsets += range(run.start(), run.end())
+    return _insert_backslashes(markdown, offsets)
 
 
 def _insert_backslashes(markdown: str, offsets: list[int]) -> str:

@@ -17,7 +17,9 @@ from telegram import Bot, MessageEntity
 from telegram.error import BadRequest
 
 from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown
+from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
+from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
 from tests.fakes.telegram_text import EntityError, parse_html, parse_markdown_v2, parse_message, utf16_len
 
@@ -56,6 +58,15 @@ def shown(markdown: str, limit: int = TELEGRAM_TEXT_LIMIT) -> list[str]:
 )
 def test_raw_html_in_a_reply_is_shown_as_written(reply: str, visible: str) -> None:
     assert shown(reply) == [visible]
+
+
+def test_a_misplaced_spoiler_never_shows_its_tag() -> None:
+    # The converter's ||spoiler|| rewrite ignores block boundaries; here its tags landed
+    # inside a code span and were shown as "<tg-spoiler>" in place of the bars.
+    [text] = shown("`||\n# `||")
+    assert "tg-spoiler" not in text and text.count("`||") == 2
+    [chunk] = render_markdown("a ||secret|| b")
+    assert chunk.text == "a secret b" and chunk.entities[0]["type"] == "spoiler"
 
 
 def test_code_autolinks_and_formatting_are_untouched() -> None:
@@ -172,44 +183,33 @@ _QUOTE_PREFIX = re.compile(r"[ >*+\-0-9.)]*")
 
 
 def expected_sequence(reply: Reply) -> list[tuple[str, bool]]:
-    """(character, required) for every checked character of the reply, in order. A `>`
-    with nothing but container markers before it on its line may be a blockquote marker,
-    so it is optional."""
+    """(character, required) for every checked character of the reply, in order. Markup
+    may or may not show (a stray backtick pair can turn a link's source into code), and a
+    `>` with nothing but container markers before it on its line may be a blockquote
+    marker: those are optional."""
     seq: list[tuple[str, bool]] = []
     line_start = 0
     for i, (c, kind) in enumerate(zip(reply.text, reply.kinds, strict=True)):
         if c == "\n":
             line_start = i + 1
-        if kind == MARKUP or not checked(c):
+        if not checked(c):
             continue
-        optional = (c == ">" and kind == PLAIN
-                    and _QUOTE_PREFIX.fullmatch(reply.text[line_start:i]) is not None)
+        optional = kind == MARKUP or (
+            c == ">" and kind == PLAIN and _QUOTE_PREFIX.fullmatch(reply.text[line_start:i]) is not None)
         seq.append((c, not optional))
     return seq
 
 
 def matches(expected: list[tuple[str, bool]], visible: str) -> bool:
-    """`visible` is `expected` with each optional `>` present or absent."""
-    i = j = 0
-    while i < len(expected):
-        if expected[i][0] == ">":
-            lo = hi = 0
-            while i < len(expected) and expected[i][0] == ">":
-                lo += expected[i][1]
-                hi += 1
-                i += 1
-            run = 0
-            while j + run < len(visible) and visible[j + run] == ">":
-                run += 1
-            if not lo <= run <= hi:
-                return False
-            j += run
-        else:
-            if j >= len(visible) or visible[j] != expected[i][0]:
-                return False
-            i += 1
-            j += 1
-    return j == len(visible)
+    """`visible` is `expected` with every required character and some optional ones."""
+    m = len(visible)
+    # can[j]: expected[i:] can produce visible[j:], computed from the end backwards.
+    can = [False] * m + [True]
+    for c, required in reversed(expected):
+        nxt = can
+        can = [(not required and nxt[j]) or (j < m and visible[j] == c and nxt[j + 1])
+               for j in range(m + 1)]
+    return can[0]
 
 
 @settings(max_examples=300, deadline=None)
@@ -217,7 +217,7 @@ def matches(expected: list[tuple[str, bool]], visible: str) -> bool:
 def test_every_character_that_is_not_markup_reaches_the_person(reply: Reply, limit: int) -> None:
     visible = "".join(c for text in shown(reply.text, limit) for c in text if checked(c))
     expected = expected_sequence(reply)
-    want = "".join(c if required else "(>)" for c, required in expected)
+    want = "".join(c if required else f"({c})" for c, required in expected)
     assert matches(expected, visible), f"\nreply:    {reply.text!r}\nexpected: {want!r}\nvisible:  {visible!r}"
 
 
@@ -283,3 +283,23 @@ async def test_fake_refuses_bad_markup_and_counts_length_after_parsing(fake_tele
         with pytest.raises(BadRequest, match=r"(?i)can't parse entities"):
             await bot.edit_message_text("<i>x", chat_id=5, message_id=first.message_id, parse_mode="HTML")
     assert fake_telegram.shown(5) == ["<" * TELEGRAM_TEXT_LIMIT, "final & done"]
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+async def test_reply_with_angle_brackets_reaches_telegram_intact(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
+) -> None:
+    """The whole gateway, the real python-telegram-bot and the fake Bot API."""
+    await make_gateway(admins=["telegram:1"], channels={"telegram": {
+        "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+        "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
+    fake_model.reply("Declare `List<String> names` as List<String> names = new ArrayList<>();\n\n"
+                     "And a & <b>c</b> stays as typed, 漢字 👍🏽 too.")
+    fake_telegram.push_message(chat_id=1, user_id=1, text="how do I declare it?")
+    texts = await fake_telegram.wait_shown(1, lambda t: "too." in "".join(t), timeout=10)
+    assert "\n".join(texts) == ("Declare List<String> names as List<String> names = new ArrayList<>();\n\n"
+                                "And a & <b>c</b> stays as typed, 漢字 👍🏽 too.")
+    assert any(e["type"] == "code" for m in fake_telegram.sent for e in m.get("entities", [])), \
+        "sent formatted, not through the plain-text fallback"

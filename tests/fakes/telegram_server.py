@@ -210,6 +210,11 @@ class FakeTelegram:
         return [parsed.text for chat, parsed in self._shown.values()
                 if chat_id is None or str(chat) == str(chat_id)]
 
+    async def wait_shown(self, chat_id: Any, ready: Callable[[list[str]], bool], timeout: float = 5) -> list[str]:
+        """Wait until `ready(shown(chat_id))`; returns what is shown then."""
+        await self._wait_for(lambda: ready(self.shown(chat_id)), timeout, f"text shown in {chat_id}")
+        return self.shown(chat_id)
+
     def calls_of(self, method: str) -> list[dict[str, Any]]:
         return [params for name, params in self.calls if name.lower() == method.lower()]
 
