@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from telegram import Bot, MessageEntity
 from telegram.error import BadRequest
+from telegramify_markdown import converter
 
+from channels import telegram_format
 from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
@@ -67,6 +69,11 @@ def test_a_misplaced_spoiler_never_shows_its_tag() -> None:
     assert "tg-spoiler" not in text and text.count("`||") == 2
     [chunk] = render_markdown("a ||secret|| b")
     assert chunk.text == "a secret b" and chunk.entities[0]["type"] == "spoiler"
+
+
+def test_the_html_pass_reads_markdown_like_the_converter() -> None:
+    # Otherwise the pass could miss HTML the converter sees (and drops).
+    assert telegram_format._MD_OPTIONS == converter.STANDARD_OPTIONS
 
 
 def test_code_autolinks_and_formatting_are_untouched() -> None:
