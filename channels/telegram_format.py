@@ -2,10 +2,11 @@
 
 Telegram measures text and entity offsets in UTF-16 code units and refuses a message
 over 4096 of them. A reply is converted once (telegramify-markdown gives plain text plus
-`MessageEntity` ranges, so there is no MarkdownV2 or HTML escaping to get wrong) and then cut at
-the best place that fits: a blank line outside any entity, then a line break, then a
-line break inside a code block or quote (each part becomes its own closed block), then
-a space, and only as a last resort anywhere. Pure functions, no I/O.
+`MessageEntity` ranges: no parse mode, so no MarkdownV2 or HTML escaping to get wrong, and
+the text's length is the length Telegram counts) and then cut at the best place that
+fits: a blank line outside any entity, then a line break, then a line break inside a
+code block or quote (each part becomes its own closed block), then a space, and only as
+a last resort anywhere. Pure functions, no I/O.
 
 Raw HTML in a reply (`List<String>`, `a <b>c</b>`, a line holding only `<div>`) is text
 to show, not markup: the converter would drop it, so its `<` is backslash-escaped first.
