@@ -2,20 +2,27 @@
 
 Telegram measures text and entity offsets in UTF-16 code units and refuses a message
 over 4096 of them. A reply is converted once (telegramify-markdown gives plain text plus
-`MessageEntity` ranges, so there is no MarkdownV2 escaping to get wrong) and then cut at
-the best place that fits: a blank line outside any entity, then a line break, then a
-line break inside a code block or quote (each part becomes its own closed block), then
-a space, and only as a last resort anywhere. Pure functions, no I/O.
+`MessageEntity` ranges: no parse mode, so no MarkdownV2 or HTML escaping to get wrong, and
+the text's length is the length Telegram counts) and then cut at the best place that
+fits: a blank line outside any entity, then a line break, then a line break inside a
+code block or quote (each part becomes its own closed block), then a space, and only as
+a last resort anywhere. Pure functions, no I/O.
+
+Raw HTML in a reply (`List<String>`, `a <b>c</b>`, a line holding only `<div>`) is text
+to show, not markup: the converter would drop it, so its `<` is backslash-escaped first.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
+import pyromark
 from telegramify_markdown import convert
 
 log = logging.getLogger(__name__)
@@ -26,6 +33,17 @@ MAX_ENTITIES = 100  # Telegram ignores formatting past this many entities in one
 # Entities that may be cut at a line break: each part stays a closed block of its own.
 _SPLITTABLE = frozenset({"pre", "blockquote", "expandable_blockquote"})
 _TRIM_LEADING = "\r\n"  # leading spaces may be code indentation: keep them
+
+# The Markdown dialect telegramify-markdown parses (tables, ~~, task lists, $math$): the
+# raw-HTML pre-pass must read the reply exactly as the converter will.
+_MD_OPTIONS = (
+    pyromark.Options.ENABLE_TABLES
+    | pyromark.Options.ENABLE_STRIKETHROUGH
+    | pyromark.Options.ENABLE_TASKLISTS
+    | pyromark.Options.ENABLE_MATH
+)
+_SPOILER_TAG = "tg-spoiler>"  # the converter writes ||x|| as <tg-spoiler>x</tg-spoiler>
+_MAX_ESCAPE_ROUNDS = 32  # each round escapes at least one `<`; past this, send plain text
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +87,86 @@ def render_markdown(markdown: str, limit: int = TELEGRAM_TEXT_LIMIT) -> list[Chu
     Markdown the converter cannot handle is sent as it was written."""
     source = sanitize_text(markdown)
     try:
-        text, entities = convert(source)
+        prepared = escape_raw_html(source)
+        text, entities = convert(prepared)
+        if text.count(_SPOILER_TAG) > source.count(_SPOILER_TAG):
+            # The converter's ||spoiler|| step put its tags where Markdown then read them
+            # as text (a code span across two blocks): convert again without spoilers.
+            text, entities = convert(_escape_double_bars(prepared))
         entity_dicts = [e.to_dict() for e in entities]
     except Exception:  # a converter bug must not cost the reply
         log.warning("markdown conversion failed; sending the reply unformatted", exc_info=True)
         text, entity_dicts = source, []
     return split_chunks(text, entity_dicts, limit)
+
+
+class _TooTangled(ValueError):
+    """Raw HTML that did not settle after _MAX_ESCAPE_ROUNDS rounds of escaping."""
+
+
+def escape_raw_html(markdown: str) -> str:
+    """`markdown` with every raw HTML tag, comment or HTML block turned into literal text.
+
+    Telegram cannot show HTML from a Markdown reply and the converter drops it, which ate
+    `<String>` out of `List<String> names` (and a whole paragraph after a line holding only
+    a tag). A CommonMark backslash before the `<` makes it text. The reply is re-parsed
+    until no HTML remains, because escaping an HTML block's first tag can turn the rest
+    of it into inline tags. Code spans, code blocks, autolinks and link destinations are
+    not HTML to the parser, so they are never touched.
+    """
+    if "<" not in markdown:
+        return markdown
+    for _ in range(_MAX_ESCAPE_ROUNDS):
+        offsets = _raw_html_starts(markdown)
+        if not offsets:
+            return markdown
+        markdown = _insert_backslashes(markdown, offsets)
+    raise _TooTangled("raw HTML still present after escaping")
+
+
+def _raw_html_starts(markdown: str) -> list[int]:
+    """UTF-8 byte offsets to escape: the `<` opening each raw HTML piece, and the `$`
+    pair of inline math the converter will read as two prices (closing `$` before a
+    digit), since the converter then parses that math's content as Markdown."""
+    source = markdown.encode("utf-8")
+    offsets: set[int] = set()
+    for payload, where in pyromark.events_with_range(markdown, options=_MD_OPTIONS):
+        if not isinstance(payload, dict):
+            continue
+        start, end = where["start"], where["end"]
+        if "InlineHtml" in payload or payload.get("Start") == "HtmlBlock":
+            lt = source.find(b"<", start, end)
+            if lt >= 0:
+                offsets.add(lt)
+        elif "InlineMath" in payload and source[end:end + 1].isdigit():
+            offsets.update((start, end - 1))
+    return sorted(offsets)
+
+
+def _escape_double_bars(markdown: str) -> str:
+    """Every `|` in a run of two or more, outside code, backslash-escaped: the converter
+    then finds no `||spoiler||` to rewrite."""
+    source = markdown.encode("utf-8")
+    code: list[tuple[int, int]] = []
+    for payload, where in pyromark.events_with_range(markdown, options=_MD_OPTIONS):
+        if not isinstance(payload, dict):
+            continue
+        start = payload.get("Start")
+        if (isinstance(start, dict) and "CodeBlock" in start) or any(
+            key in payload for key in ("Code", "InlineMath", "DisplayMath")
+        ):
+            code.append((where["start"], where["end"]))
+    offsets: list[int] = []
+    for run in re.finditer(rb"\|{2,}", source):
+        if not any(a <= run.start() < b for a, b in code):
+            offsets += range(run.start(), run.end())
+    return _insert_backslashes(markdown, offsets)
+
+
+def _insert_backslashes(markdown: str, offsets: list[int]) -> str:
+    source = markdown.encode("utf-8")
+    bounds = [0, *offsets, len(source)]
+    return b"\\".join(source[a:b] for a, b in pairwise(bounds)).decode("utf-8")
 
 
 def split_plain(text: str, limit: int = TELEGRAM_TEXT_LIMIT) -> list[Chunk]:

@@ -9,6 +9,11 @@ events with timeouts and script failures:
     sent = await fake.wait_sent(1)
     fake.fail_next("sendMessage", 429, retry_after=1)
     fake.reject_formatting()             # next formatted sendMessage → "can't parse entities"
+    fake.shown(42)                       # what the person sees in chat 42, edits applied
+
+Text is read as Telegram reads it (tests/fakes/telegram_text.py): `parse_mode` HTML and
+MarkdownV2 are parsed and malformed markup is refused with "can't parse entities", and the
+4096-unit limit applies to the text after parsing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
+from tests.fakes.telegram_text import EntityError, Parsed, parse_message
 
 DEFAULT_TOKEN = "123456:TEST-fake-token"
 TEXT_LIMIT = 4096
@@ -64,6 +71,8 @@ class FakeTelegram:
         self.webhook: dict[str, Any] | None = None  # setWebhook params, None when deleted
         self.chat_actions: list[dict[str, Any]] = []
         self.edits: list[dict[str, Any]] = []
+        # Every message the bot posted, by message id, as currently shown (edits applied).
+        self._shown: dict[int, tuple[Any, Parsed]] = {}
         self.port = 0
         self._updates: list[dict[str, Any]] = []  # pending (not yet confirmed), by update_id
         self._next_update_id = 1
@@ -195,6 +204,17 @@ class FakeTelegram:
         return {"id": self.bot_id, "is_bot": True, "first_name": "Gateway",
                 "username": self.bot_username}
 
+    def shown(self, chat_id: Any = None) -> list[str]:
+        """The visible text of each message the bot posted (to `chat_id`), in order, as it
+        reads now: markup parsed, escapes removed, edits applied."""
+        return [parsed.text for chat, parsed in self._shown.values()
+                if chat_id is None or str(chat) == str(chat_id)]
+
+    async def wait_shown(self, chat_id: Any, ready: Callable[[list[str]], bool], timeout: float = 5) -> list[str]:
+        """Wait until `ready(shown(chat_id))`; returns what is shown then."""
+        await self._wait_for(lambda: ready(self.shown(chat_id)), timeout, f"text shown in {chat_id}")
+        return self.shown(chat_id)
+
     def calls_of(self, method: str) -> list[dict[str, Any]]:
         return [params for name, params in self.calls if name.lower() == method.lower()]
 
@@ -316,22 +336,20 @@ class FakeTelegram:
     async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         chat_id = params["chat_id"]
         text = params.get("text")
-        if not isinstance(text, str) or not text.strip():
-            return _error(400, "Bad Request: message text is empty")
-        if utf16_len(text) > TEXT_LIMIT:
-            return _error(400, "Bad Request: message is too long")
         entities = params.get("entities") or []
         formatted = bool(entities) or bool(params.get("parse_mode"))
-        if formatted and self._reject_formatting > 0:
+        if isinstance(text, str) and formatted and self._reject_formatting > 0:
             self._reject_formatting -= 1
             return _error(400, "Bad Request: can't parse entities: unsupported start tag at byte offset 0")
-        problem = _check_entities(text, entities)
-        if problem:
-            return _error(400, f"Bad Request: can't parse entities: {problem}")
+        parsed = _read_text(text, params)
+        if isinstance(parsed, web.Response):
+            return parsed
+        message_id = self._new_message_id()
+        self._shown[message_id] = (chat_id, parsed)
         self.sent.append(params)
         self._notify()
         message: dict[str, Any] = {
-            "message_id": self._new_message_id(),
+            "message_id": message_id,
             "date": int(time.time()),
             "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
             "from": self.bot_user(),
@@ -345,13 +363,15 @@ class FakeTelegram:
 
     async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
         text = params.get("text")
-        if not isinstance(text, str) or not text.strip():
-            return _error(400, "Bad Request: message text is empty")
-        if utf16_len(text) > TEXT_LIMIT:
-            return _error(400, "Bad Request: message is too long")
+        parsed = _read_text(text, params)
+        if isinstance(parsed, web.Response):
+            return parsed
+        chat_id = params["chat_id"]
+        shown = self._shown.get(params["message_id"])
+        if shown is not None and str(shown[0]) == str(chat_id):
+            self._shown[params["message_id"]] = (chat_id, parsed)
         self.edits.append(params)
         self._notify()
-        chat_id = params["chat_id"]
         return _ok({
             "message_id": params["message_id"],
             "date": int(time.time()),
@@ -412,19 +432,20 @@ def _form_value(key: str, value: str) -> Any:
         return value
 
 
-def _check_entities(text: str, entities: Any) -> str | None:
-    if not isinstance(entities, list):
-        return "entities must be a list"
-    total = utf16_len(text)
-    for ent in entities:
-        if not isinstance(ent, dict) or not isinstance(ent.get("type"), str):
-            return "an entity has no type"
-        off, length = ent.get("offset"), ent.get("length")
-        if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length <= 0:
-            return f"bad entity range {off!r}+{length!r}"
-        if off + length > total:
-            return f"entity {ent['type']} ends after the text ({off}+{length} > {total})"
-    return None
+def _read_text(text: Any, params: dict[str, Any]) -> Parsed | web.Response:
+    """The message text as Telegram reads it, or the error Telegram answers with. The
+    length limit counts the text after parsing (`&lt;` is one unit, not four)."""
+    if not isinstance(text, str) or not text.strip():
+        return _error(400, "Bad Request: message text is empty")
+    try:
+        parsed = parse_message(text, params.get("parse_mode"), params.get("entities"))
+    except EntityError as exc:
+        return _error(400, f"Bad Request: can't parse entities: {exc}")
+    if not parsed.text.strip():
+        return _error(400, "Bad Request: message text is empty")
+    if utf16_len(parsed.text) > TEXT_LIMIT:
+        return _error(400, "Bad Request: message is too long")
+    return parsed
 
 
 def _ok(result: Any) -> web.Response:
