@@ -44,6 +44,57 @@ class Channel(Protocol):
         """Show a typing indicator while the body runs."""
 
 
+# Called by a stream with an opaque reference to the platform message(s) it has shown
+# (e.g. Telegram chat id + message ids, Slack channel + ts), so the gateway can persist it
+# with the turn's event: after a crash mid-stream the resumed turn edits what the person
+# already sees instead of posting the reply a second time (SPEC §5.1).
+ReplyRefSink = Callable[[str], Awaitable[None]]
+
+
+@runtime_checkable
+class ReplyStream(Protocol):
+    """One reply as it grows, shown live on the platform (SPEC §5.1).
+
+    The agent calls, in this order: any number of `append` / `status`, then exactly one
+    of `finish` or `fail`. What the person sees at the end equals the text given to
+    `finish` (or `fail`), exactly once, whatever was shown before.
+    - `append(delta)`: new answer text (Markdown, arriving in pieces). The stream decides
+      how often the platform is updated (at most once per `stream_interval_s`).
+    - `status(line)`: a short line such as "reading notes.md…" while tools run; it
+      replaces everything shown so far in this reply (text a step produced before it
+      called tools is not part of the final answer).
+    - `finish(text)`: the whole final reply; the stream renders formatting now and
+      makes the visible text equal `text` (editing, continuing in new messages past the
+      platform's size limit, or falling back to plain text).
+    - `fail(text)`: the turn ended with an error message; shown like `finish`.
+    Every method is bounded in time; platform errors are handled inside the stream (a
+    stream that cannot edit any more falls back to sending the rest as new messages) and
+    never raise into the agent, except `finish`/`fail`, which raise when the reply could
+    not be delivered at all (so the turn is marked undelivered).
+    """
+
+    async def append(self, delta: str) -> None: ...
+
+    async def status(self, line: str) -> None: ...
+
+    async def finish(self, text: str) -> None: ...
+
+    async def fail(self, text: str) -> None: ...
+
+
+@runtime_checkable
+class StreamingChannel(Protocol):
+    """A channel that can show a reply as it grows. `stream()` returns None when streaming
+    is off for this channel (config) or this conversation (the platform cannot show it);
+    the gateway then sends the whole reply with `send()` at the end.
+
+    `resume_ref` is the reference a stream of the same turn reported through `on_ref`
+    before a crash; the new stream edits those messages instead of posting new ones."""
+
+    def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+               resume_ref: str | None = None) -> ReplyStream | None: ...
+
+
 @runtime_checkable
 class WebhookChannel(Protocol):
     """A channel that receives platform events over the gateway's HTTP server
