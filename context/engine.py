@@ -527,19 +527,16 @@ class _Request:
 
     # -- rules --------------------------------------------------------------------------
 
-    def _halving_count(self, *, at_least_half: bool) -> int:
-        """How many of the earliest turns a halving drops: half of the complete turns
-        (n // 2 with the current turn live), aligned to an outstanding prefetched
-        summary so that its turns go exactly and trim and injection coincide. The turn
-        budget never drops less than half; the token budget may (it repeats if needed)."""
+    def _halving_count(self) -> int:
+        """How many of the earliest turns a halving drops: exactly the earliest half of
+        the complete turns, rounded up — n // 2 of n turns while the current turn (never
+        complete, never dropped) is live, (n + 1) // 2 otherwise. Whole turns go, so
+        tool-call chains stay whole. A prefetched summary lands with the halving when it
+        covers these same turns; when it covers fewer (asked at a smaller turn count), the
+        halving still drops its half and the rest is asked for (SPEC §4.2)."""
         ctx = self.ctx
-        n = len(ctx._turns)
-        count = max(1, n // 2 if ctx._current() is not None else (n + 1) // 2)
-        if ctx._prefetch_upto > ctx._dropped_upto:
-            covered = sum(1 for t in ctx._turns if t.number <= ctx._prefetch_upto)
-            if 0 < covered < n and (covered > count or not at_least_half):
-                count = covered
-        return count
+        complete = len(ctx._turns) - (1 if ctx._current() is not None else 0)
+        return (complete + 1) // 2
 
     def turn_budget(self, events: list[TrimEvent]) -> bool:
         max_turns = max(1, self.budget.max_turns)
@@ -547,7 +544,7 @@ class _Request:
         if len(ctx._turns) <= max_turns:
             return False
         before, turns_before = self.total(), len(ctx._turns)
-        while len(ctx._turns) > max_turns and ctx._drop(self._halving_count(at_least_half=True)):
+        while len(ctx._turns) > max_turns and ctx._drop(self._halving_count()):
             pass
         ctx._activate_pending()  # the prefix changes anyway: a ready summary lands now
         events.append(TrimEvent("turn_budget", before, self.total(), turns_before, len(ctx._turns)))
@@ -556,20 +553,25 @@ class _Request:
     def prefetch(self, effects: list[SummarizeTurns]) -> None:
         """Ask now for the summary of the turns the next halving drops: when the session
         reaches the turn limit, or when the request passes PREFETCH_TOKEN_SHARE of the
-        token budget with enough turns for a halving (one such prefetch at a time)."""
+        token budget with enough turns for a halving (one such prefetch at a time).
+
+        The turns are those a halving at the next turn start drops (the n turns now are
+        complete then: the earliest (n + 1) // 2), which is when the turn budget halves.
+        A token halving later in this turn drops one turn fewer when n is odd; the
+        summary then also covers a turn that stays live (shown twice, never missing)."""
         ctx = self.ctx
         n = len(ctx._turns)
         max_turns = max(1, self.budget.max_turns)
-        if n == max_turns:
-            count = math.ceil(max_turns / 2)
-        elif (
-            n >= HALVING_MIN_TURNS
-            and ctx._prefetch_upto <= ctx._dropped_upto
-            and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+        if not (
+            n == max_turns
+            or (
+                n >= HALVING_MIN_TURNS
+                and ctx._prefetch_upto <= ctx._dropped_upto
+                and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+            )
         ):
-            count = n // 2
-        else:
             return
+        count = (n + 1) // 2
         turns = ctx._turns[:count]
         if count >= n or any(t is ctx._current() for t in turns):
             return
@@ -590,7 +592,7 @@ class _Request:
             history = [t for t in ctx._turns if t is not cur]
             squeezable = [t for t in history if len(text_only(t.messages)) < len(t.messages)]
             if n >= HALVING_MIN_TURNS or (history and not squeezable):
-                if not ctx._drop(self._halving_count(at_least_half=False)):
+                if not ctx._drop(self._halving_count()):
                     return dropped
                 dropped = True
                 ctx._activate_pending()
