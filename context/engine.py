@@ -106,7 +106,7 @@ class TrimEvent:
 @dataclass(frozen=True, slots=True)
 class Prepared:
     messages: list[dict[str, Any]]  # OpenAI chat format, system message first; read-only
-    tokens: int  # the engine's calibrated estimate of the whole request, tools included
+    tokens: int  # the whole request's exact count (tools included) × the session's calibration
     effects: list[SummarizeTurns]
     events: list[TrimEvent]
     user_notice: str | None  # set only when the request cannot fit: do not send, tell the user
@@ -346,8 +346,9 @@ class SessionContext:
         self._version += 1
 
     def calibrate(self, estimated_tokens: int, reported_prompt_tokens: int) -> None:
-        """The provider's usage.prompt_tokens for a request we estimated (pass
-        Prepared.tokens). Later estimates are scaled by a smoothed, bounded factor."""
+        """The provider's usage.prompt_tokens for a request we counted (pass
+        Prepared.tokens). Later counts are scaled by a smoothed, bounded factor: the
+        budget is in the provider's tokens, and its tokenizer may differ from ours."""
         if estimated_tokens <= 0 or reported_prompt_tokens <= 0:
             return
         raw = estimated_tokens / self._calibration
@@ -376,7 +377,7 @@ class SessionContext:
 
 
 class _Request:
-    """One request being built: rendering, estimating and the rules of §4."""
+    """One request being built: rendering, counting and the rules of §4."""
 
     def __init__(
         self,
@@ -503,7 +504,7 @@ class _Request:
         return total
 
     def total(self) -> int:
-        """The calibrated estimate of the request as it stands (memoized per state)."""
+        """The request as it stands: exact count × calibration, rounded up (memoized per state)."""
         key = (self.ctx._version, self.omit_injection, self.ctx._calibration)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
