@@ -104,6 +104,21 @@ def test_the_fallback_bounds_long_texts_of_every_kind(kind: str) -> None:
         assert fallback_count(text) >= exact(text), kind
 
 
+def test_without_an_encoder_whole_requests_are_never_counted_low(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokens_mod, "OFFLINE_DATA_SHA256", "0" * 64)
+    bound = TokenCounter("gpt-4o-mini")
+    assert bound.encoding_name == FALLBACK_ENCODING
+    messages = [
+        {"role": "system", "content": make_text("english", 700, 1)},
+        {"role": "user", "content": make_text("patchy", 5000, 2)},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "read_file", "arguments": '{"path": "日本.md"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": make_text("mixed", 30_000, 3)},
+    ]
+    assert bound.count_request(messages, []) >= COUNTER.count_request(messages, [])
+
+
 COUNTER = TokenCounter("gpt-4o-mini")
 
 
