@@ -10,8 +10,9 @@ results point at their file, Markdown ones protected), and every SummarizeTurns 
 answered `--summary-delay` requests later with the extractive summary standing in for
 the summary model.
 
-Per budget it prints: requests, % over budget, mean / max prompt tokens, total tokens
-billed, prefix reuse (common prefix of the serialized request — tools, then messages as
+Per budget it prints: requests, % over budget (by an exact recount: every request's texts
+encoded again by tiktoken itself, plus the framing constants of context/tokens.py), mean /
+max prompt tokens, total tokens billed, prefix reuse (common prefix of the serialized request — tools, then messages as
 JSON — with the previous request, in characters: the mean of the per-request ratio, and
 weighted by size), trims and summaries fired, and the engine's own time per turn
 (prepare() plus stage-1 cuts; mean and p99; each turn's minimum over `--repeat` replays).
@@ -20,6 +21,7 @@ weighted by size), trims and summaries fired, and the engine's own time per turn
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -31,8 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tiktoken
+
 from context import (
     Budget,
+    FileRef,
     SessionContext,
     SummarizeTurns,
     TokenCounter,
@@ -40,7 +45,13 @@ from context import (
     extractive_summary,
     prepare,
 )
-from gateway.tools.base import FileRef
+from context.tokens import (
+    MESSAGE_OVERHEAD,
+    REQUEST_OVERHEAD,
+    TOOL_CALL_OVERHEAD,
+    TOOL_RESULT_OVERHEAD,
+    TOOL_SCHEMA_OVERHEAD,
+)
 from gateway.types import Message, ToolCall
 
 WORKLOAD = Path("/work/shared/workloads/make_conversation.py")
@@ -80,7 +91,9 @@ class Result:
     setup: Setup
     tokens: list[int] = field(default_factory=list)
     x: list[float] = field(default_factory=list)  # turn + step fraction, for the chart
-    over: int = 0
+    over: int = 0  # by the exact recount
+    differ: int = 0  # requests whose engine count is not the exact recount
+    under: int = 0  # largest amount the engine counted below the exact recount
     reuse: list[float] = field(default_factory=list)
     reused_chars: int = 0
     total_chars: int = 0
@@ -120,6 +133,7 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
     result = Result(setup)
     pending: list[tuple[int, SummarizeTurns]] = []
     sent: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
+    noticed: list[bool] = []
     requests = 0
     limit = budget.effective_tokens
     last_summary: str | None = None
@@ -136,8 +150,7 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
         requests += 1
         result.tokens.append(prepared.tokens)
         result.x.append(turn + step / 4)
-        if prepared.user_notice is not None or prepared.tokens > limit:
-            result.over += 1
+        noticed.append(prepared.user_notice is not None)
         rules = sorted({e.strategy for e in prepared.events})
         kind = "+".join(rules) if rules else ("turn start" if step == 0 else "step")
         if ctx.summary is not last_summary:
@@ -176,6 +189,14 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
         spent += request(turn, len(steps), final=capped)
         ctx.append(Message("assistant", record["reply"], turn=turn))
         result.turn_ms.append(spent * 1000)
+    recount = exact_counter(counter.encoding_name)
+    for (messages, tools), engine_tokens, notice in zip(sent, result.tokens, noticed, strict=True):
+        exact = recount(messages, tools)  # the replay never calibrates: the factor stays 1
+        if notice or exact > limit:
+            result.over += 1
+        if engine_tokens != exact:
+            result.differ += 1
+            result.under = max(result.under, exact - engine_tokens)
     previous = ""
     for messages, tools in sent:
         text = serialize(messages, tools)
@@ -186,6 +207,33 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
             result.total_chars += len(text)
         previous = text
     return result
+
+
+def exact_counter(encoding_name: str) -> Any:
+    """An independent count of a whole request: tiktoken run over every text of it (no
+    engine code, no estimate), plus the framing constants of context/tokens.py."""
+    encoding = tiktoken.get_encoding(encoding_name)
+
+    @functools.lru_cache(maxsize=20_000)
+    def text_tokens(text: str) -> int:
+        return len(encoding.encode_ordinary(text)) if text else 0
+
+    def request_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+        total = REQUEST_OVERHEAD
+        for msg in messages:
+            total += MESSAGE_OVERHEAD + text_tokens(msg.get("content") or "")
+            for call in msg.get("tool_calls") or ():
+                fn = call["function"]
+                total += TOOL_CALL_OVERHEAD + text_tokens(call["id"]) + text_tokens(fn["name"])
+                total += text_tokens(fn["arguments"])
+            if msg.get("tool_call_id") is not None:
+                total += TOOL_RESULT_OVERHEAD + text_tokens(msg["tool_call_id"])
+        if tools:
+            schema = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+            total += text_tokens(schema) + TOOL_SCHEMA_OVERHEAD * len(tools)
+        return total
+
+    return request_tokens
 
 
 def timed(setup: Setup, conversation: list[dict[str, Any]], delay: int, repeat: int) -> Result:
@@ -229,6 +277,9 @@ def report(results: list[Result]) -> str:
             f"{statistics.mean(r.turn_ms):>8.3f} {p99(r.turn_ms):>7.3f}"
         )
     lines.append("")
+    for r in results:
+        lines.append(f"{r.setup.label}: engine count vs exact tiktoken recount: {r.differ} of {len(r.tokens)} "
+                     f"requests differ, largest under-count {r.under}")
     for r in results:
         trims = ", ".join(f"{k} {v}" for k, v in sorted(r.events.items())) or "none"
         sums = ", ".join(f"{k} {v}" for k, v in sorted(r.summaries.items())) or "none"

@@ -21,7 +21,7 @@ from .restore import restore_messages, restored_turn_count
 from .stats import ContextStats, format_context_stats
 from .summary import SUMMARY_SECTIONS, extractive_summary, injection_text, summary_request
 from .tokens import TokenCounter
-from .truncate import CutResult, SaveFile, cut_tool_result, read_window, result_path, shorten
+from .truncate import CutResult, FileRef, SaveFile, cut_tool_result, read_window, result_path, shorten
 from .turns import is_paired, split_turns
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Budget",
     "ContextStats",
     "CutResult",
+    "FileRef",
     "Prepared",
     "SaveFile",
     "SessionContext",

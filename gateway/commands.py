@@ -11,7 +11,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from context.budget import Budget
 from context.engine import compact, context_stats, format_context_stats
 from gateway.access import Pairing, is_admin
 from gateway.config import ConfigError, atomic_write_text, is_secret_key, parse_config
@@ -136,7 +135,7 @@ class Commands:
         cfg = self.s.cfg
         system = await self.sessions.agent.system_prompt(live, cfg)
         stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
-                              budget=Budget.from_config(cfg), counter=self.s.counter)
+                              budget=cfg.context_budget(), counter=self.s.counter)
         text = format_context_stats(stats)
         runs = await self.s.store.job_runs(limit=3)
         if runs:

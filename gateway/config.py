@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from context.budget import Budget
+
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 # Known context windows; `model.context_window` overrides. Prefix match on the model id.
@@ -218,6 +220,17 @@ class Config(_Strict):
     def data_path(self, base: Path) -> Path:
         path = Path(self.data_dir)
         return path if path.is_absolute() else (base / path)
+
+    def context_budget(self) -> Budget:
+        """The limits of one request for the context engine (SPEC §4.3), from this snapshot."""
+        return Budget(
+            max_tokens=self.agent_max_context_tokens,
+            max_turns=self.agent_max_context_turns,
+            context_window=self.model.window(),
+            max_output_tokens=self.model.max_output_tokens,
+            tool_result_max_chars=self.tool_result_max_chars,
+            history_tool_result_max_chars=self.history_tool_result_max_chars,
+        )
 
 
 def _secret(value: SecretStr | None) -> bool:

@@ -157,22 +157,29 @@ def test_late_prefetch_is_not_requested_twice_and_lands_a_turn_later(counter: To
     assert first_user(run(ctx, b, counter)).startswith(injection_text("LATE"))
 
 
-def test_token_prefetch_lets_a_mid_turn_halving_land_with_its_summary(counter: TokenCounter) -> None:
+@pytest.mark.parametrize("live", [6, 7])
+def test_token_prefetch_lets_a_mid_turn_halving_land_with_its_summary(counter: TokenCounter, live: int) -> None:
     long_answer = "a long and detailed answer about the deployment " * 12
-    msgs = [m for t in range(1, 7) for m in full_turn(t, answer=long_answer)] + [user(7)]
-    ctx = SessionContext("test:1", msgs)  # 7 turns live
+    msgs = [m for t in range(1, live) for m in full_turn(t, answer=long_answer)] + [user(live)]
+    ctx = SessionContext("test:1", msgs)
     full = run(SessionContext("x", msgs), budget(), counter).tokens
     b = budget(tokens=int(full / 0.8))  # 80 % full: past the prefetch mark, not over
     [prefetch] = run(ctx, b, counter).effects
-    assert prefetch.reason == "prefetch" and prefetch.upto_turn == 3  # 7 // 2 turns
-    assert live_turns(ctx) == list(range(1, 8))
-    ctx.offer_summary("EARLY", 3)
-    ctx.append(call(7, "c7"))
-    ctx.append(result(7, "c7", "new data line\n" * 80))  # now over the budget, mid-turn
+    # What a halving at the next turn start would drop: the earliest half of `live` turns.
+    covered = (live + 1) // 2
+    assert prefetch.reason == "prefetch" and prefetch.upto_turn == covered
+    assert live_turns(ctx) == list(range(1, live + 1))
+    ctx.offer_summary("EARLY", covered)
+    ctx.append(call(live, "c"))
+    ctx.append(result(live, "c", "new data line\n" * 80))  # now over the budget, mid-turn
     p = run(ctx, b, counter)
     assert [e.strategy for e in p.events] == ["token_budget_halve"]
-    assert live_turns(ctx) == [4, 5, 6, 7] and p.effects == []
-    assert first_user(p).startswith(injection_text("EARLY"))  # trim and summary together
+    dropped = (live - 1 + 1) // 2  # exactly the earliest half of the live - 1 complete turns
+    assert live_turns(ctx) == list(range(dropped + 1, live + 1)) and p.effects == []
+    # Trim and summary land together; with an odd count the summary also covers the first
+    # kept turn (it is in both), never less than what was dropped.
+    assert first_user(p).startswith(injection_text("EARLY"))
+    assert ctx.summary_upto_turn == covered >= dropped
 
 
 def test_dropped_turns_never_come_back(counter: TokenCounter) -> None:
@@ -224,7 +231,7 @@ def test_stage2_cuts_historical_results_and_leaves_the_current_turn_alone(counte
 
 
 def test_protected_markdown_is_never_cut_below_stage_one_cap(counter: TokenCounter) -> None:
-    from gateway.tools.base import FileRef
+    from context import FileRef
 
     text = "# Rules\n" + "a rule line\n" * 6000  # 72k chars: within 2 × 50k
     cut = cut_tool_result(text, call_id="c1", limit=50_000, file_ref=FileRef("SKILL.md", 0, 1, True))
@@ -268,6 +275,46 @@ def test_five_or_more_turns_drop_the_earliest_half(counter: TokenCounter) -> Non
     assert live_turns(ctx) == [4, 5, 6, 7]  # 7 // 2 = 3 turns dropped
     [effect] = p.effects
     assert effect.reason == "token_budget" and effect.upto_turn == 3
+
+
+LONG_ANSWER = "a long and detailed answer about the deployment " * 12
+
+
+@pytest.mark.parametrize(("live", "system_rules", "kept"), [(10, 1, 5), (7, 200, 4), (8, 1, 4), (11, 1, 6)])
+def test_token_halving_drops_exactly_the_earliest_half_after_a_prefetch(
+    counter: TokenCounter, live: int, system_rules: int, kept: int
+) -> None:
+    """Turns grow one by one; the request passes 75 % of the budget (a prefetch of the
+    then-earliest half is asked) and goes over it only at turn `live`. The halving still
+    drops exactly the earliest half of the complete turns: ceil((live - 1) / 2) of them,
+    not just the turns the earlier prefetch happened to cover."""
+    system = SYSTEM + " Follow the house rules." * system_rules  # a long prompt moves the prefetch earlier
+
+    def turns_upto(k: int) -> list[Message]:
+        return [m for t in range(1, k) for m in (user(t), reply(t, LONG_ANSWER))] + [user(k)]
+
+    full = prepare(SessionContext("x", turns_upto(live)), system_prompt=system, tools=[],
+                   budget=budget(), counter=counter).tokens
+    b = budget(tokens=full - 1)  # only the request at turn `live` is over
+    ctx = SessionContext("test:1")
+    prefetched: list[int] = []
+    for t in range(1, live + 1):
+        if t > 1:
+            ctx.append(reply(t - 1, LONG_ANSWER))
+        ctx.append(user(t))
+        p = prepare(ctx, system_prompt=system, tools=[], budget=b, counter=counter)
+        assert is_paired(p.messages) and p.tokens <= b.effective_tokens
+        prefetched += [e.upto_turn for e in p.effects if e.reason == "prefetch"]
+    assert prefetched  # asked at an earlier turn, so for a different turn count than now
+    assert [(e.strategy, e.turns_before, e.turns_after) for e in p.events] == [("token_budget_halve", live, kept)]
+    assert live_turns(ctx) == list(range(live - kept + 1, live + 1))
+    dropped = live - kept
+    if prefetched[-1] >= dropped:
+        assert p.effects == []  # the prefetch covers every dropped turn
+    else:  # the turns beyond the prefetch are asked for too (with the prefetched ones: not delivered)
+        [effect] = p.effects
+        assert effect.reason == "token_budget" and effect.upto_turn == dropped
+        assert {m.turn for m in effect.messages} == set(range(1, dropped + 1))
 
 
 def test_current_turn_alone_over_budget_cuts_largest_tool_results_first(counter: TokenCounter) -> None:

@@ -1,14 +1,22 @@
 """The engine's invariants on random sessions (SPEC §4.3): whatever happens, prepare()
-returns a request within budget (unless it says it cannot), with tool calls and results
-paired exactly, the latest user message present verbatim (or cut with a notice), and
-between steps the request only grows at its end unless a rule fired."""
+returns a request within budget (unless it says it cannot) — recounted with tiktoken
+directly, not with the engine's counter —, with tool calls and results paired exactly,
+the latest user message present verbatim (or cut with a notice), every halving dropping
+exactly the earliest half of the complete turns, and between steps the request only
+grows at its end unless a rule fired."""
 
 from __future__ import annotations
 
+import base64
+import functools
+import json
 import math
+import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +33,16 @@ from context import (
     recover_overflow,
 )
 from context.engine import Prepared
-from gateway.tools.base import FileRef
+from context.tokens import (
+    IMAGE_TOKENS,
+    MESSAGE_OVERHEAD,
+    OFFLINE_ENCODING,
+    REQUEST_OVERHEAD,
+    TOOL_CALL_OVERHEAD,
+    TOOL_RESULT_OVERHEAD,
+    TOOL_SCHEMA_OVERHEAD,
+)
+from context.truncate import FileRef
 from gateway.types import Message, ToolCall
 
 COUNTER = TokenCounter("gpt-4o-mini")
@@ -35,21 +52,105 @@ TOOLS = [
                                       "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
 ]
 
-KINDS = ("ascii", "cjk", "lines", "emoji", "crlf")
+# -- texts: English, Chinese, code, base64, emoji, random Unicode, and mixes of them -------
+
+KINDS = ("english", "chinese", "code", "base64", "emoji", "unicode", "crlf", "mixed", "patchy", "patchy")
+_WORDS = ("the", "deploy", "failed", "because", "token", "budget", "of", "session", "gateway", "retry",
+          "error:", "path/to/file.py", "and", "then", "we", "fixed", "it", "quickly", "summary")
+_EMOJI = ("😀", "👍🏽", "👩‍💻", "🇯🇵", "🎉", "❤️", "👨‍👩‍👧‍👦", "🙂", "✅", " ", "\n")
+_PIECES = ("english", "chinese", "code", "base64", "emoji", "unicode")
 
 
+def _piece(kind: str, size: int, rng: random.Random) -> str:
+    if kind == "english":
+        out = " ".join(rng.choice(_WORDS) for _ in range(size // 4 + 1))
+        return out.replace(" then ", ". Then ").replace(" and ", ",\nand ")
+    if kind == "chinese":
+        # Random CJK ideographs (dense: often 2+ tokens each), with some punctuation.
+        return "".join("，" if rng.random() < 0.05 else chr(rng.randint(0x4E00, 0x9FA5)) for _ in range(size))
+    if kind == "code":
+        lines = [f"    x{rng.randint(0, 999)} = call_{rng.randint(0, 99)}(arg, {rng.random():.6f})  # step"
+                 for _ in range(size // 50 + 1)]
+        return "def handler(arg):\n" + "\n".join(lines)
+    if kind == "base64":
+        return base64.b64encode(rng.randbytes(size * 3 // 4 + 3)).decode()
+    if kind == "emoji":
+        return "".join(rng.choice(_EMOJI) for _ in range(size // 2 + 1))
+    if kind == "unicode":
+        # Any scalar value (no surrogates: a str from a channel is valid Unicode).
+        chars = []
+        while len(chars) < size:
+            cp = rng.randint(0x20, 0x10FFFF) if rng.random() < 0.7 else rng.randint(0x20, 0x2FFF)
+            if not 0xD800 <= cp <= 0xDFFF:
+                chars.append(chr(cp))
+        return "".join(chars)
+    raise ValueError(kind)
+
+
+@functools.lru_cache(maxsize=512)
 def make_text(kind: str, size: int, seed: int) -> str:
-    unit = {
-        "ascii": f"word{seed} and more words ",
-        "cjk": "上下文窗口被塞满了工具调用返回了一大段日志。",
-        "lines": f"{seed:04d} a log line with some detail\n",
-        "emoji": "😀👍🏽 mixed 👩‍💻 text ",
-        "crlf": f"row {seed}\r\n",
-    }[kind]
-    return (unit * (size // len(unit) + 1))[: max(1, size)]
+    """A deterministic text of about `size` chars (cached: hypothesis asks for the same ones)."""
+    size = max(1, size)
+    rng = random.Random(f"{kind}/{size}/{seed}")
+    if kind == "crlf":
+        return "".join(f"row {i} 数据 ✅\r\n" for i in range(size // 12 + 1))[:size]
+    if kind == "patchy":
+        # English prose with dense patches (Chinese, random Unicode, emoji) at random
+        # places: what a sampled estimate misses when its windows fall between them.
+        parts = []
+        left = size
+        while left > 0:
+            n = min(left, rng.randint(20, 1500))
+            dense = rng.random() < 0.35
+            parts.append(_piece(rng.choice(("chinese", "unicode", "emoji")) if dense else "english", n, rng)[:n])
+            left -= n
+        return "".join(parts)
+    if kind != "mixed":
+        return _piece(kind, size, rng)[:size]
+    # Segments of random kinds and lengths: token density changes along the text.
+    parts: list[str] = []
+    left = size
+    while left > 0:
+        n = min(left, rng.choice((1, 40, 300, 2000, 9000)))
+        parts.append(_piece(rng.choice(_PIECES), n, rng)[:n])
+        left -= n
+    return "".join(parts)
 
 
-TEXT = st.tuples(st.sampled_from(KINDS), st.sampled_from([5, 60, 900, 4000, 30_000, 120_000]), st.integers(0, 99))
+TEXT = st.tuples(st.sampled_from(KINDS), st.sampled_from([5, 60, 900, 2049, 4000, 30_000, 120_000]),
+                 st.integers(0, 40))
+
+# -- the oracle: tiktoken run directly over the whole request -------------------------------
+
+ENCODING = tiktoken.get_encoding(OFFLINE_ENCODING)
+assert COUNTER.encoding_name == OFFLINE_ENCODING  # the encoder the engine must count with here
+
+
+@functools.lru_cache(maxsize=1024)
+def exact(text: str) -> int:
+    return len(ENCODING.encode_ordinary(text))
+
+
+def exact_request(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    """The request's exact token count: every text encoded by tiktoken itself, plus the
+    framing constants documented in context/tokens.py (and docs/context.md)."""
+    total = REQUEST_OVERHEAD
+    for msg in messages:
+        content = msg.get("content") or ""
+        if isinstance(content, list):
+            total += sum(IMAGE_TOKENS for part in content if part.get("type") != "text")
+            content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+        total += MESSAGE_OVERHEAD + exact(content)
+        for call in msg.get("tool_calls") or ():
+            fn = call["function"]
+            total += TOOL_CALL_OVERHEAD + exact(call["id"]) + exact(fn["name"]) + exact(fn["arguments"])
+        if msg.get("tool_call_id") is not None:
+            total += TOOL_RESULT_OVERHEAD + exact(msg["tool_call_id"])
+    if tools:
+        schema = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        total += exact(schema) + TOOL_SCHEMA_OVERHEAD * len(tools)
+    return total
+
 
 BUDGET = st.builds(
     lambda tokens, turns, window, t1, t2: Budget(tokens, turns, window, 500, t1, t2),
@@ -68,7 +169,14 @@ OP = st.one_of(
     st.tuples(st.just("overflow"), st.sampled_from([None, 3000, 20_000])),
     st.tuples(st.just("compact")),
     st.tuples(st.just("clear")),
+    st.tuples(st.just("calibrate"), st.sampled_from([0.6, 0.9, 1.3, 1.8])),
 )
+
+
+def halved(turns: int, current_live: bool) -> int:
+    """How many turns a halving drops: the earliest half of the complete turns, rounded up
+    (the current turn, when live, is never complete nor dropped)."""
+    return math.ceil((turns - (1 if current_live else 0)) / 2)
 
 
 @dataclass
@@ -78,18 +186,34 @@ class Driver:
     calls: int = 0
     pending: list = None  # effects not yet delivered
     previous: tuple[Prepared, Budget, int, str | None] | None = None
+    last_tokens: int = 0
 
     def check(self, p: Prepared, budget: Budget, final: bool, tools: list[dict]) -> None:
         ctx = self.ctx
         assert p.messages[0] == {"role": "system", "content": SYSTEM}
         assert is_paired(p.messages)
-        recount = COUNTER.count_request(p.messages, tools)
-        assert p.tokens == math.ceil(recount * ctx.calibration)
+        # Recounted exactly by tiktoken itself, scaled by the session's calibration: the
+        # engine never counts lower, and (it counts exactly) not higher either.
+        truth = math.ceil(exact_request(p.messages, tools) * ctx.calibration)
+        assert p.tokens >= truth, f"the engine under-counted: {p.tokens} < exact {truth}"
+        assert p.tokens == truth
         if p.user_notice is None:
-            assert p.tokens <= ctx._effective_tokens(budget)
+            assert truth <= ctx._effective_tokens(budget)
+            # Uncalibrated too: calibration only ever scales counts up.
+            assert exact_request(p.messages, tools) <= ctx._effective_tokens(budget)
             latest = next((m for m in reversed(ctx.messages) if m.role == "user" and not m.injected), None)
             if latest is not None:
                 assert any(self._is_latest(m["content"], latest.content) for m in p.messages if m["role"] == "user")
+        live_current = ctx._current() is not None  # the engine's current turn: never dropped
+        for event in p.events:
+            if event.strategy == "token_budget_halve":  # one halving per event
+                assert event.turns_after == event.turns_before - halved(event.turns_before, live_current)
+            elif event.strategy == "turn_budget":  # halvings until within the turn limit
+                n = event.turns_before
+                while n > max(1, budget.max_turns):
+                    n -= halved(n, live_current)
+                assert event.turns_after == n
+        self.last_tokens = p.tokens
         self.pending.extend(p.effects)
         key = (ctx.current_turn, ctx.summary)
         if self.previous is not None:
@@ -117,7 +241,7 @@ class Driver:
             assert p.messages[-1]["role"] == "user"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.tuples(OP, BUDGET, st.booleans()), min_size=1, max_size=40))
 def test_random_sessions_keep_the_invariants(ops: list) -> None:
     driver = Driver(SessionContext("prop:1"), pending=[])
@@ -156,6 +280,10 @@ def test_random_sessions_keep_the_invariants(ops: list) -> None:
             effect = compact(ctx, keep_turns=2)
             if effect is not None:
                 driver.pending.append(effect)
+            driver.previous = None
+        elif kind == "calibrate" and driver.last_tokens:
+            # The provider reported a different prompt size for the last request.
+            ctx.calibrate(driver.last_tokens, max(1, round(driver.last_tokens * op[1])))
             driver.previous = None
         elif kind == "clear":
             ctx.clear()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from context import FileRef
 from context.truncate import (
     cut_tool_result,
     excerpt_length,
@@ -15,7 +16,6 @@ from context.truncate import (
     result_path,
     shorten,
 )
-from gateway.tools.base import FileRef
 
 OFFSET_CALL = re.compile(r'read_file\(path="([^"]+)", offset=(\d+)\)')
 LINE_CALL = re.compile(r'read_file\(path="([^"]+)", start_line=(\d+)\)')

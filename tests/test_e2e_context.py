@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from context import injection_text
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error
 
@@ -60,14 +61,16 @@ async def test_turn_budget_halves_and_injects_the_summary(make_gateway: GatewayF
     await chat(gw, "ana", "message 22")
     last = chat_requests(fake_model)[-1]
     texts = user_texts(last)
-    assert "message 1\n" not in "\n".join(texts) and texts[-1] == "message 22"
-    assert len(texts) <= 20
-    assert "SUMMARY-OF-EARLY-TURNS" in texts[0]  # injected into the first kept user message
-    assert texts[0].rstrip().endswith(texts[0].rstrip().splitlines()[-1])
+    # Turn 21 dropped the earliest half of the 20 complete turns: 11..22 are live now.
+    assert texts[1:] == [f"message {n}" for n in range(12, 23)]
+    # The summary sits in front of the first kept user message, whose own text follows
+    # verbatim (injected in the request only).
+    summary = await gw.services.store.latest_summary("web:ana")
+    assert summary is not None and "SUMMARY-OF-EARLY-TURNS" in summary.text
+    assert texts[0] == injection_text(summary.text) + "\n\nmessage 11"
     stored = await gw.services.store.messages("web:ana")
     assert len(stored) == 44  # nothing was deleted: 22 turns, user + reply each
     assert all("SUMMARY-OF-EARLY-TURNS" not in m.content for m in stored)  # never rewritten
-    assert (await gw.services.store.latest_summary("web:ana")) is not None
 
 
 async def test_overflow_recovery_then_clearing(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:

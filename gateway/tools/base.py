@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+# The engine owns the file reference type (context/ imports nothing from the shell);
+# tools name it from here as before.
+from context.truncate import FileRef
+
 if TYPE_CHECKING:
     from gateway.config import Config
 
@@ -19,17 +23,6 @@ class ToolContext:
     workspace: Path
     config: Config
     services: Any = None  # gateway.app.Services: store, memory (set by the agent)
-
-
-@dataclass(frozen=True, slots=True)
-class FileRef:
-    """A tool result that is a window of an existing workspace file (read_file):
-    stage-1 truncation points at the file itself instead of saving a copy."""
-
-    path: str  # workspace-relative
-    start_offset: int  # char offset of the window in the file
-    start_line: int  # line number (1-based) where the window starts
-    protected: bool = False  # Markdown: doubled limits (SPEC §4.1)
 
 
 @dataclass(frozen=True, slots=True)
