@@ -285,9 +285,14 @@ class Store:
         return rows
 
     def _wrote(self, sql: str, err: sqlite3.Error | None) -> None:
-        """Remember whether the last write failed (a failed read says nothing about the disk)."""
-        if sql.lstrip()[:6].upper() in WRITES:
-            self.write_failure = None if err is None else (str(err) or type(err).__name__)
+        """Remember whether the last write failed for want of storage (full, I/O error,
+        read-only, corrupt); a failed read or a constraint says nothing about the disk."""
+        if sql.lstrip()[:6].upper() not in WRITES:
+            return
+        if err is None:
+            self.write_failure = None
+        elif isinstance(err, sqlite3.OperationalError) or type(err) is sqlite3.DatabaseError:
+            self.write_failure = str(err) or type(err).__name__
 
     async def run(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
         """For modules with their own tables (memory, pairing, usage): one statement."""

@@ -32,7 +32,8 @@ def resolve_in_workspace(root: Path, relative: str) -> Path:
 
 def make_private_dir(path: Path) -> None:
     """`mkdir -p` where every directory it creates is 0700 (mkdir's mode only loses bits
-    to the umask, it never gains any; `parents=True` would make the parents 0777 & ~umask)."""
+    to the umask, it never gains any; `parents=True` would make the parents 0777 & ~umask).
+    An existing `path` loses group and other permissions (an adapter may have made it)."""
     missing: list[Path] = []
     current = path
     while not current.exists() and current != current.parent:
@@ -40,6 +41,8 @@ def make_private_dir(path: Path) -> None:
         current = current.parent
     for directory in reversed(missing):
         directory.mkdir(mode=0o700, exist_ok=True)
+    if not missing:
+        restrict_mode(path)
 
 
 def restrict_mode(path: Path) -> None:

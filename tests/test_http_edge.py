@@ -101,6 +101,32 @@ async def test_an_idle_keep_alive_connection_is_closed(make_gateway: GatewayFact
         close(writer)
 
 
+async def test_timely_requests_share_a_keep_alive_connection(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    port = port_of(gw)
+    try:
+        for _ in range(3):  # each head in pieces, within its deadline; each pause within the idle one
+            for piece in (b"GET /healthz HTTP/1.1\r\n", f"Host: 127.0.0.1:{port}\r\n".encode(), b"\r\n"):
+                writer.write(piece)
+                await asyncio.sleep(0.1)
+            async with asyncio.timeout(2):
+                status = await reader.readline()
+                assert status.startswith(b"HTTP/1.1 200"), status
+                length = 0
+                while (line := await reader.readline()) != b"\r\n":
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+        body = json.dumps({"session": "kept", "text": "hi"}).encode()
+        writer.write(f"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        data = await read_until_closed(reader, within=5)
+        assert data.startswith(b"HTTP/1.1 200") and b"echo: hi" in data, data[:300]
+    finally:
+        close(writer)
+
+
 @pytest.mark.parametrize("path", ["/api/chat", "/telegram/webhook"])
 async def test_a_body_that_never_arrives_gets_408_and_is_closed(make_gateway: GatewayFactory, path: str) -> None:
     gw = await make_gateway(http=FAST)
