@@ -109,8 +109,8 @@ class WebChannel:
     async def api_chat(self, request: web.Request) -> web.Response:
         refused = self._cross_site(request)
         if refused is not None:
-            log.warning("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
-                                                                "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
+            log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
+                                                             "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
             return _error(403, refused)
         if not self._authorized(request):
             return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
