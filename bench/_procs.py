@@ -218,7 +218,8 @@ def gateway_config(directory: Path, model_url: str, *, telegram: dict[str, Any] 
     the fake model, and the given Telegram section."""
     raw: dict[str, Any] = {
         "data_dir": str(directory / "data"),
-        "http": {"host": "127.0.0.1", "port": 0},
+        # Every load session connects from this one address: lift the per-address cap.
+        "http": {"host": "127.0.0.1", "port": 0, "max_connections_per_client": 4096},
         "access": {"dm_policy": "open"},
         "model": {"name": "fake-model", "base_url": model_url, "api_key": "bench-key", "timeout_s": 30},
         "channels": {"telegram": telegram} if telegram else {},

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import re
 import time
@@ -32,7 +31,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -52,6 +51,7 @@ from slack_sdk.web.async_slack_response import AsyncSlackResponse
 from channels.base import AccessCheck, InboundHandler
 from channels.slack_format import clean_text, slack_to_text, split_message, to_mrkdwn
 from gateway.config import SlackConfig
+from gateway.http import JsonBodyError, JsonTooDeep, parse_json_body
 from gateway.types import Attachment, Inbound
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
@@ -727,8 +727,13 @@ class SlackChannel:
             log.warning("slack: refused a request with a bad or stale signature")
             return web.Response(status=401, text="invalid signature")
         text = body.decode("utf-8", "replace")
+        try:
+            payload = await _payload(text, request.content_type)
+        except JsonTooDeep as err:  # bolt's own json.loads would raise RecursionError: a 500
+            log.warning("slack: refused a request nested too deeply")
+            return web.Response(status=400, text=str(err))
         if request.content_type == "application/json":
-            challenge = _url_verification(text)
+            challenge = _url_verification(payload)
             if challenge is not None:
                 return web.json_response({"challenge": challenge})
         query, headers = request.query_string, dict(request.headers)
@@ -758,11 +763,25 @@ def _write_file(workspace: Path, rel: str, data: bytes) -> None:
     target.write_bytes(data)
 
 
-def _url_verification(text: str) -> str | None:
-    try:
-        payload = json.loads(text)
-    except ValueError:
+async def _payload(text: str, content_type: str) -> Any:
+    """The JSON a Slack request carries (the body, or a form's `payload` field), depth
+    checked; None when there is none or it does not parse (bolt drops those itself).
+    Raises JsonTooDeep."""
+    if content_type == "application/x-www-form-urlencoded":
+        text = next(iter(parse_qs(text).get("payload", [])), "")
+        if not text:
+            return None
+    elif content_type != "application/json":
         return None
+    try:
+        return await parse_json_body(text)
+    except JsonTooDeep:
+        raise
+    except JsonBodyError:
+        return None
+
+
+def _url_verification(payload: Any) -> str | None:
     if isinstance(payload, dict) and payload.get("type") == "url_verification":
         challenge = payload.get("challenge")
         return challenge if isinstance(challenge, str) else ""

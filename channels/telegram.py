@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -44,6 +43,7 @@ from channels.base import AccessCheck, InboundHandler
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
 from channels.telegram_http import AiohttpRequest
 from gateway.config import TelegramConfig
+from gateway.http import JsonBodyError, parse_json_body
 from gateway.types import Attachment, Inbound
 from gateway.workspace import resolve_in_workspace
 
@@ -308,14 +308,14 @@ class TelegramChannel:
         self._offset = 0
         self._handler_failures: dict[int, int] = {}
         self._in_handler = False
+        self._stopping = False
+        self._last_poll_ok: float | None = None
+        self._webhook_ok = False
 
     @property
     def cfg(self) -> TelegramConfig:
         """The settings this instance runs with (the gateway restarts it when they change)."""
         return self._cfg
-        self._stopping = False
-        self._last_poll_ok: float | None = None
-        self._webhook_ok = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -537,9 +537,9 @@ class TelegramChannel:
         if self._me is None or self._stopping:
             return web.Response(status=503, text="not connected yet")
         try:
-            raw = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError):
-            return web.Response(status=400, text="invalid JSON")
+            raw = await parse_json_body(await request.read())
+        except JsonBodyError as err:
+            return web.Response(status=400, text=str(err))
         if not isinstance(raw, dict):
             return web.Response(status=400, text="an update must be a JSON object")
         if not await self._process(raw):

@@ -27,6 +27,7 @@ from gateway.summarizer import Summarizer
 from gateway.tools.registry import ToolRegistry
 from gateway.types import Inbound
 from gateway.usage import Usage
+from gateway.workspace import restrict_mode
 
 log = logging.getLogger("gateway.app")
 
@@ -62,12 +63,15 @@ def secret_values(cfg: Config) -> list[str]:
 
 def check_data_dir(path: Path) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
         raise StartupError(f"cannot create the data directory {path}: {err.strerror or err}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"the data directory {path} is not writable by this user; fix its permissions "
                            "or set data_dir in config.json")
+    # Conversations and memory are private to the service's user, also in an older data dir.
+    for private in (path, path / "scopes"):
+        restrict_mode(private)
 
 
 class Gateway:
@@ -136,7 +140,7 @@ class Gateway:
             extra = self.channels["web"].routes() if "web" in self.channels else []
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
                             channel=self.channels.get, extra_routes=extra)
-            self.http = HttpServer(app, cfg.http.host, cfg.http.port)
+            self.http = HttpServer(app, cfg.http)
             try:
                 await self.http.start()
             except OSError as err:
@@ -197,7 +201,7 @@ class Gateway:
 
         if cfg.channels.web.enabled and self.serve_http:
             token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
-            self.channels["web"] = WebChannel(self.router.handle, token=token or None,
+            self.channels["web"] = WebChannel(self.router.handle, token=token or None, http_host=cfg.http.host,
                                               max_chars=cfg.limits.max_inbound_chars,
                                               reply_timeout_s=cfg.limits.turn_timeout_s + 15)
         for name in ("telegram", "slack"):
@@ -279,12 +283,19 @@ class Gateway:
             return nullcontext()
         return channel.typing(inbound)  # type: ignore[no-any-return]
 
-    async def ready(self) -> dict[str, bool]:
-        checks: dict[str, bool] = {}
+    async def ready(self) -> dict[str, str | None]:
+        """Each check's problem (None when fine), for /readyz."""
+        checks: dict[str, str | None] = {}
         if self.services is not None:
-            checks["database"] = await self.services.store.check_writable()
-        for name, channel in self.channels.items():
-            checks[f"channel:{name}"] = bool(channel.is_ready())
+            checks["database"] = await self.services.store.write_problem()
+        for name, channel in list(self.channels.items()):
+            try:
+                ok = bool(channel.is_ready())
+            except Exception as err:  # a broken check says "not ready", it does not fail the probe
+                log.warning("readiness check failed", extra={"channel": name, "error": repr(err)[:300]})
+                checks[f"channel:{name}"] = f"channel {name}: readiness check failed ({type(err).__name__}: {err})"
+                continue
+            checks[f"channel:{name}"] = None if ok else f"channel {name}: not connected or not receiving yet"
         return checks
 
     # -- shutdown -----------------------------------------------------------------------

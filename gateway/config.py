@@ -150,6 +150,11 @@ class ChannelsConfig(_Strict):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    # Slow or idle connections are closed (SPEC §9); read when the server starts.
+    header_timeout_s: float = Field(default=10, gt=0)  # connect (or first byte) → complete request head
+    body_timeout_s: float = Field(default=30, gt=0)  # the whole request body
+    keepalive_timeout_s: float = Field(default=15, gt=0)  # idle between requests
+    max_connections_per_client: int = Field(default=64, ge=1)  # open connections from one address
 
 
 class LimitsConfig(_Strict):

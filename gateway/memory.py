@@ -29,7 +29,7 @@ from typing import Any
 from gateway.config import atomic_write_text
 from gateway.keys import scope_dirname, workspace_dir
 from gateway.store import Store
-from gateway.workspace import PathNotAllowed, resolve_in_workspace
+from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
 
 log = logging.getLogger("gateway.memory")
 
@@ -299,6 +299,10 @@ class Memory:
     def workspace(self, scope: str) -> Path:
         root = workspace_dir(self._data_dir, scope)
         if scope not in self._ready:
+            try:
+                make_private_dir(root)  # 0700, like the data dir (SPEC §9)
+            except OSError as err:
+                log.warning("cannot create workspace dir", extra={"scope": scope, "error": str(err)})
             for sub in SUBDIRS:
                 try:
                     (root / sub).mkdir(parents=True, exist_ok=True)

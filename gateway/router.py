@@ -24,6 +24,11 @@ Reply = Callable[[Inbound, str], Awaitable[None]]
 REFUSAL_INTERVAL_S = 3600  # a stranger is told "private" once an hour, not once a message
 _REFUSALS_KEPT = 10_000  # bounded: a crowd of strangers cannot grow it without end
 
+# Where the sender picks the event id and retries a message refused as busy with the same
+# one (the web API's `id`). Platforms redeliver only what was not acknowledged: a busy
+# reply was an answer there, so a redelivery stays a duplicate.
+RETRY_AFTER_BUSY = frozenset({"web"})
+
 BUSY_REPLY = "I'm still working on your earlier messages; please wait for my answer before sending more."
 
 
@@ -83,6 +88,9 @@ class Router:
         fresh = await self.s.store.record_event(
             inbound.channel, inbound.event_id, session_key=key, inbound=inbound_to_dict(inbound)
         )
+        if not fresh and inbound.channel in RETRY_AFTER_BUSY:
+            fresh = await self.s.store.retry_busy_event(inbound.channel, inbound.event_id, session_key=key,
+                                                        inbound=inbound_to_dict(inbound))
         if not fresh:
             self.s.metrics.dedup_hits.labels(inbound.channel).inc()
             log.info("duplicate event dropped", extra={"session": key, "event": inbound.event_id})

@@ -23,6 +23,7 @@ from gateway.live import LiveSession
 from gateway.services import Services
 from gateway.types import Inbound, Message
 from gateway.usage import today
+from gateway.workspace import make_private_dir
 
 log = logging.getLogger("gateway.sessions")
 
@@ -126,7 +127,7 @@ class SessionManager:
             summary_upto_turn=summary.upto_turn if use_summary and summary else 0,
         )
         workspace = workspace_dir(self.s.data_dir, scope)
-        await asyncio.to_thread(workspace.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(make_private_dir, workspace)  # 0700, like the data dir (SPEC §9)
         live = LiveSession(key=key, scope=scope, channel=channel, workspace=workspace, ctx=ctx,
                            queue=asyncio.Queue(maxsize=cfg.limits.session_queue_size))
         live.context_start = start

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sqlite3
 import threading
 import time
 from collections.abc import Iterable
@@ -26,10 +28,12 @@ from gateway.checkpointer import Checkpointer
 from gateway.group_commit import GroupInsert
 from gateway.migrations import MIGRATIONS
 from gateway.types import Message, ToolCall, Truncation
+from gateway.workspace import make_private_dir, restrict_mode
 
 log = logging.getLogger("gateway.store")
 
 CHECKPOINT_INTERVAL_S = 0.2
+WRITES = ("INSERT", "UPDATE", "DELETE", "REPLAC")  # how a statement that changes rows starts
 
 
 class StoreError(Exception):
@@ -144,12 +148,32 @@ async def _connect(path: Path) -> aiosqlite.Connection:
     return db
 
 
+def _prepare_files(path: Path) -> None:
+    """The data dir 0700 when created here, the database 0600 whatever the umask (SQLite
+    gives its -wal and -shm files the database file's mode); existing ones are made private."""
+    make_private_dir(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # SQLite takes an empty file as new
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.fchmod(fd, 0o600)  # the umask may have taken more than group and other bits
+        finally:
+            os.close(fd)
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        restrict_mode(name)
+
+
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
         self._db = db
         self.path = path
         self._checkpointer: Checkpointer | None = None
         self._statements = 0  # through _rows; the checkpointer skips its turn while it stands still
+        # The error of the last write that failed (disk full, I/O error), until one succeeds
+        # again: /readyz reports it.
+        self.write_failure: str | None = None
         # The three inserts of every turn, group-committed (gateway/group_commit.py).
         self._messages = GroupInsert(
             self._rows,
@@ -174,7 +198,7 @@ class Store:
         """Open (creating and migrating) the database. With `checkpoint_interval_s`, WAL
         checkpoints run from a connection of their own (gateway/checkpointer.py)."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _prepare_files(path)  # a few system calls, once (a thread here would outlive a failed open)
         except OSError as err:
             raise StoreError(f"cannot open the database {path}: {err}") from err
         try:
@@ -252,7 +276,23 @@ class Store:
         finalized by the garbage collector on the event loop's thread while aiosqlite's
         thread uses the connection ("bad parameter or other API misuse")."""
         self._statements += 1
-        return list(await self._db.execute_fetchall(sql, args))
+        try:
+            rows = list(await self._db.execute_fetchall(sql, args))
+        except sqlite3.Error as err:
+            self._wrote(sql, err)
+            raise
+        self._wrote(sql, None)
+        return rows
+
+    def _wrote(self, sql: str, err: sqlite3.Error | None) -> None:
+        """Remember whether the last write failed for want of storage (full, I/O error,
+        read-only, corrupt); a failed read or a constraint says nothing about the disk."""
+        if sql.lstrip()[:6].upper() not in WRITES:
+            return
+        if err is None:
+            self.write_failure = None
+        elif isinstance(err, sqlite3.OperationalError) or type(err) is sqlite3.DatabaseError:
+            self.write_failure = str(err) or type(err).__name__
 
     async def run(self, sql: str, args: tuple[Any, ...] = ()) -> list[aiosqlite.Row]:
         """For modules with their own tables (memory, pairing, usage): one statement."""
@@ -275,13 +315,18 @@ class Store:
         rows = await self._rows("PRAGMA user_version")
         return int(rows[0][0]) if rows else 0
 
-    async def check_writable(self) -> bool:
+    async def write_problem(self) -> str | None:
+        """Why the store cannot take writes now, or None. Taking the write lock proves the
+        file is writable, not that there is room: a write that failed on a full disk counts
+        until a later one succeeds."""
         try:
             # One script, one round trip: no other task's statement can land inside it.
             await self._db.executescript("BEGIN IMMEDIATE; ROLLBACK;")
-            return True
-        except aiosqlite.Error:
-            return False
+        except aiosqlite.Error as err:
+            return f"store: cannot write: {err}"
+        if self.write_failure is not None:
+            return f"store: cannot write: {self.write_failure}"
+        return None
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -389,6 +434,18 @@ class Store:
         ))
         return fresh is not None
 
+    async def retry_busy_event(self, channel: str, event_id: str, *, session_key: str,
+                               inbound: dict[str, Any]) -> bool:
+        """Accept again an event that was refused as busy (it was never stored nor answered,
+        so a retry is a new attempt); False when it was not busy. Atomic: of two retries,
+        one wins."""
+        rows = await self._rows(
+            "UPDATE events SET status='accepted', session_key=?, inbound=?, created_at=?, answered_at=NULL "
+            "WHERE channel=? AND event_id=? AND status='busy' RETURNING 1",
+            (session_key, json.dumps(inbound, ensure_ascii=False), time.time(), channel, event_id),
+        )
+        return bool(rows)
+
     async def mark_event(self, channel: str, event_id: str, status: str, *, turn: int | None = None) -> None:
         await self._rows(
             "UPDATE events SET status=?, answered_at=?, turn=coalesce(?, turn) WHERE channel=? AND event_id=?",
@@ -489,10 +546,15 @@ class Store:
 
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
         self._statements += 1
-        cur = await self._db.execute(sql, tuple(args))
-        count = cur.rowcount
-        await cur.close()
-        await self._db.commit()
+        try:
+            cur = await self._db.execute(sql, tuple(args))
+            count = cur.rowcount
+            await cur.close()
+            await self._db.commit()
+        except sqlite3.Error as err:
+            self._wrote(sql, err)
+            raise
+        self._wrote(sql, None)
         return max(count, 0)
 
     async def delete_session_messages(self, keys: list[str], *, before: float, limit: int) -> int:

@@ -1,9 +1,13 @@
-"""Confinement of paths to a scope's workspace: tool arguments are untrusted (SPEC §9)."""
+"""Confinement of paths to a scope's workspace: tool arguments are untrusted (SPEC §9);
+private modes for the data dir, workspaces and database files."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger("gateway.workspace")
 
 
 class PathNotAllowed(ValueError):
@@ -24,3 +28,32 @@ def resolve_in_workspace(root: Path, relative: str) -> Path:
     if target != root_real and root_real not in target.parents:
         raise PathNotAllowed(f"{relative!r} is outside the workspace")
     return target
+
+
+def make_private_dir(path: Path) -> None:
+    """`mkdir -p` where every directory it creates is 0700 (mkdir's mode only loses bits
+    to the umask, it never gains any; `parents=True` would make the parents 0777 & ~umask).
+    An existing `path` loses group and other permissions (an adapter may have made it)."""
+    missing: list[Path] = []
+    current = path
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)
+    if not missing:
+        restrict_mode(path)
+
+
+def restrict_mode(path: Path) -> None:
+    """Take group and other permissions away from an existing file or directory (never
+    adds any: a read-only database stays read-only). Missing paths are left alone."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if mode & 0o077:
+        try:
+            os.chmod(path, mode & 0o700)
+        except OSError as err:  # not the owner: say so, the gateway still works
+            log.warning("cannot make %s private: %s", path, err.strerror or err)

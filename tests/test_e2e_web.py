@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway.app import Gateway
+from gateway.router import BUSY_REPLY
 from tests.conftest import GatewayFactory, chat, post_chat
 from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall, last_user_text
 
@@ -201,3 +204,36 @@ async def test_a_repeated_request_id_is_answered_once(make_gateway: GatewayFacto
     status, body = await post_chat(gw, {"session": "rid", "text": "hello", "id": "req-1"})
     assert status == 409 and "already received" in body["error"]
     assert len(fake_model.requests) == 1
+
+
+@pytest.mark.parametrize("name", ["alice\n", "alice ", " alice", "al\tice", "al\x00ice", "a" * 65, "", "élise"])
+async def test_session_names_are_validated(make_gateway: GatewayFactory, fake_model: FakeModel, name: str) -> None:
+    gw = await make_gateway()
+    status, body = await post_chat(gw, {"session": name, "text": "hi"})
+    assert status == 400 and "session must be" in body["error"], (name, body)
+    assert fake_model.requests == []
+    assert gw.services is not None and await gw.services.store.count_sessions() == 0
+
+
+async def test_a_message_refused_as_busy_can_be_retried_with_its_id(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    gw = await make_gateway(limits={"session_queue_size": 1})
+    fake_model.reply("first answer", delay=0.5)
+    first = asyncio.create_task(post_chat(gw, {"session": "busy", "text": "one", "id": "m1"}))
+    await fake_model.wait_requests(1)  # "one" is running
+    second = asyncio.create_task(post_chat(gw, {"session": "busy", "text": "two", "id": "m2"}))
+    async with asyncio.timeout(5):
+        while gw.sessions.queued() < 1:  # noqa: ASYNC110 - "two" waits in the (full) queue
+            await asyncio.sleep(0.01)
+    status, body = await post_chat(gw, {"session": "busy", "text": "three", "id": "m3"})
+    assert status == 200 and body["reply"] == BUSY_REPLY
+    assert [(await first)[1]["reply"], (await second)[1]["reply"]] == ["first answer", "echo: two"]
+
+    status, body = await post_chat(gw, {"session": "busy", "text": "three", "id": "m3"})
+    assert status == 200 and body["reply"] == "echo: three", body
+    status, body = await post_chat(gw, {"session": "busy", "text": "three", "id": "m3"})
+    assert status == 409 and "already received" in body["error"]  # answered now: a duplicate
+    assert gw.services is not None
+    stored = await gw.services.store.messages("web:busy")
+    assert [m.content for m in stored if m.role == "user"] == ["one", "two", "three"]

@@ -276,3 +276,64 @@ async def test_a_telegram_turn_under_a_full_disk_gets_a_clear_reply(
     replies = [m["text"] for m in fake_telegram.sent[1:]]
     assert replies, "no reply to a message that could not be saved"
     assert any(word in replies[0].lower() for word in ("disk", "storage", "full", "save")), replies
+
+
+async def _readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    assert gw.http is not None
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{gw.http.port}/readyz") as resp:
+        return resp.status, await resp.json()
+
+
+async def test_readyz_reports_a_store_that_cannot_write(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    """Taking the write lock still works on a full disk; the failed writes tell the truth."""
+    gw = await make_gateway()
+    assert await chat(gw, "ray", "before") == "echo: before"
+    assert (await _readyz(gw))[0] == 200
+    await fill_disk(gw)
+    await post_raw(gw, "ray", BIG_TEXT)  # cannot be stored
+    status, body = await _readyz(gw)
+    assert status == 503 and body["checks"]["database"] is False, body
+    assert any(r.startswith("store: cannot write:") and "full" in r for r in body["reasons"]), body
+
+    await free_disk(gw)
+    assert await chat(gw, "ray", "after") == "echo: after"
+    status, body = await _readyz(gw)
+    assert status == 200 and body["reasons"] == [], body
+
+
+# ---------------------------------------------------------------------------- private files
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_data_dir_and_database_are_private_whatever_the_umask(
+    make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path
+) -> None:
+    old = os.umask(0)  # the most permissive: nothing may rely on the umask
+    try:
+        gw = await make_gateway()
+        assert await chat(gw, "pia", "hello") == "echo: hello"
+    finally:
+        os.umask(old)
+    data = tmp_path / "data"
+    assert _mode(data) == 0o700
+    scopes = data / "scopes"
+    assert _mode(scopes) == 0o700
+    assert [_mode(d) for d in scopes.iterdir()] == [0o700]  # web:pia's workspace
+    for name in ("gateway.sqlite3", "gateway.sqlite3-wal", "gateway.sqlite3-shm"):
+        assert _mode(data / name) == 0o600, name
+
+
+async def test_an_existing_world_readable_data_dir_is_made_private(
+    make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    (data / "scopes").mkdir(parents=True)
+    with sqlite3.connect(data / "gateway.sqlite3") as db:
+        db.execute("PRAGMA journal_mode=WAL")
+    for path, mode in ((data, 0o755), (data / "scopes", 0o775), (data / "gateway.sqlite3", 0o644)):
+        path.chmod(mode)
+    await make_gateway()
+    assert (_mode(data), _mode(data / "scopes"), _mode(data / "gateway.sqlite3")) == (0o700, 0o700, 0o600)

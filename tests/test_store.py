@@ -186,3 +186,24 @@ async def test_an_idle_store_makes_no_checkpoint_calls(tmp_path: Path) -> None:
     await store.close()
 
     assert idle_runs <= 1  # at most the one already due when the first write was seen
+
+
+async def test_a_failed_write_counts_until_a_write_succeeds(store: Store) -> None:
+    """/readyz reads `write_problem`: storage failures count, constraint errors do not."""
+    await store.run("CREATE TABLE probe(x UNIQUE)")
+    await store.run("INSERT INTO probe VALUES (1)")
+    with pytest.raises(sqlite3.IntegrityError):
+        await store.run("INSERT INTO probe VALUES (1)")
+    assert await store.write_problem() is None
+
+    pages = (await store.run("PRAGMA page_count"))[0][0]
+    await store.run(f"PRAGMA max_page_count={pages}")  # a full disk, as in test_reliability_disk
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        await store.run("INSERT INTO probe VALUES (zeroblob(1000000))")
+    assert await store.run("SELECT count(*) FROM probe")  # a read succeeds and changes nothing
+    problem = await store.write_problem()
+    assert problem is not None and problem.startswith("store: cannot write:") and "full" in problem
+
+    await store.run("PRAGMA max_page_count=1073741823")
+    await store.run("INSERT INTO probe VALUES (2)")
+    assert await store.write_problem() is None

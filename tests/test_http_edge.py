@@ -1,0 +1,349 @@
+"""The HTTP edge of a running gateway (SPEC §9): slow and idle connections are closed, one
+client address cannot hold every connection, tokenless /api requests from other sites are
+refused, JSON nested too deeply is a 400 everywhere, and /readyz is a 503 with reasons,
+never a 500. Raw sockets where aiohttp's client would hide what the server does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.app import Gateway
+from gateway.config import HttpConfig
+from gateway.http import HttpServer, build_app
+from tests.conftest import GatewayFactory
+from tests.fakes import slack_server, telegram_server
+from tests.fakes.openai_server import FakeModel
+from tests.fakes.slack_server import BOT_TOKEN, SIGNING_SECRET, FakeSlack, signed_request
+from tests.fakes.telegram_server import FakeTelegram
+
+fake_telegram = telegram_server.fake_telegram  # fixtures
+fake_slack = slack_server.fake_slack
+
+# Short deadlines keep these tests fast; the defaults are 10 / 30 / 15 s.
+FAST = {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "keepalive_timeout_s": 0.5}
+WEBHOOK_SECRET = "edge-webhook-secret"
+
+
+def port_of(gw: Gateway) -> int:
+    assert gw.http is not None
+    return gw.http.port
+
+
+async def connect(gw: Gateway, source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port_of(gw), local_addr=(source, 0))
+
+
+async def read_until_closed(reader: asyncio.StreamReader, within: float) -> bytes:
+    """Everything the server sends until it closes; fails when it is still open after `within`."""
+    data = b""
+    async with asyncio.timeout(within):
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := await reader.read(65536):
+                data += chunk
+    return data
+
+
+def close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError):
+        writer.close()
+
+
+# ---------------------------------------------------------------------------- slow and idle connections
+
+
+async def test_a_request_head_sent_byte_by_byte_is_cut_off(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for byte in head:  # 10 s worth of bytes, each one well inside any idle limit
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    sender = asyncio.create_task(trickle())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        assert await read_until_closed(reader, within=3) == b""
+        assert loop.time() - started < 1.5  # the head deadline, not an idle timer restarted by each byte
+    finally:
+        sender.cancel()
+        close(writer)
+
+
+async def test_a_silent_connection_is_closed(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    try:
+        assert await read_until_closed(reader, within=3) == b""
+    finally:
+        close(writer)
+
+
+async def test_an_idle_keep_alive_connection_is_closed(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        data = await read_until_closed(reader, within=3)
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+        assert b'"ok"' in data
+    finally:
+        close(writer)
+
+
+async def test_timely_requests_share_a_keep_alive_connection(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    port = port_of(gw)
+    try:
+        for _ in range(3):  # each head in pieces, within its deadline; each pause within the idle one
+            for piece in (b"GET /healthz HTTP/1.1\r\n", f"Host: 127.0.0.1:{port}\r\n".encode(), b"\r\n"):
+                writer.write(piece)
+                await asyncio.sleep(0.1)
+            async with asyncio.timeout(2):
+                status = await reader.readline()
+                assert status.startswith(b"HTTP/1.1 200"), status
+                length = 0
+                while (line := await reader.readline()) != b"\r\n":
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+        body = json.dumps({"session": "kept", "text": "hi"}).encode()
+        writer.write(f"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        data = await read_until_closed(reader, within=5)
+        assert data.startswith(b"HTTP/1.1 200") and b"echo: hi" in data, data[:300]
+    finally:
+        close(writer)
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/telegram/webhook"])
+async def test_a_body_that_never_arrives_gets_408_and_is_closed(make_gateway: GatewayFactory, path: str) -> None:
+    gw = await make_gateway(http=FAST)
+    reader, writer = await connect(gw)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port_of(gw)}\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 500\r\n\r\n{\"session\": ".encode())
+        data = await read_until_closed(reader, within=4)
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        assert b"did not arrive" in data
+    finally:
+        close(writer)
+
+
+async def test_one_address_cannot_hold_every_connection(make_gateway: GatewayFactory) -> None:
+    """100 slow connections from 127.0.0.2: 10 are held (until their deadline), the rest
+    get a 503 and are closed; /healthz still answers a fresh connection meanwhile."""
+    gw = await make_gateway(http=FAST | {"header_timeout_s": 2, "max_connections_per_client": 10})
+    conns = []
+    for _ in range(100):
+        reader, writer = await connect(gw, source="127.0.0.2")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        conns.append((reader, writer))
+    try:
+        async def first_bytes(reader: asyncio.StreamReader) -> bytes | None:
+            try:
+                return await read_until_closed(reader, within=0.7)
+            except TimeoutError:
+                return None  # still open: held
+
+        answers = await asyncio.gather(*(first_bytes(r) for r, _ in conns))
+        held = [i for i, a in enumerate(answers) if a is None]
+        refused = [a for a in answers if a is not None]
+        assert len(held) == 10, answers
+        assert all(a.startswith(b"HTTP/1.1 503") and b"too many connections" in a for a in refused), refused[:3]
+
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port_of(gw)}/healthz") as resp:
+            assert resp.status == 200
+        # The held ones end at their head deadline; then the address may connect again.
+        for i in held:
+            assert await read_until_closed(conns[i][0], within=3) == b""
+        reader, writer = await connect(gw, source="127.0.0.2")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert (await read_until_closed(reader, within=3)).startswith(b"HTTP/1.1 200")
+        close(writer)
+    finally:
+        for _, writer in conns:
+            close(writer)
+
+
+# ---------------------------------------------------------------------------- cross-site requests
+
+
+async def post_api(gw: Gateway, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.post(
+        f"http://127.0.0.1:{port_of(gw)}/api/chat", data=body, headers=headers
+    ) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def test_a_cross_site_text_post_cannot_change_config(make_gateway: GatewayFactory,
+                                                          fake_model: FakeModel) -> None:
+    """The attack: a page on evil.example POSTs text/plain (no CORS preflight) to the local
+    gateway, by DNS rebinding with its own name in Host, as the admin's web session."""
+    gw = await make_gateway(admins=["web:root"])
+    body = json.dumps({"session": "root", "text": "/config agent_max_steps 3"}).encode()
+    status, answer = await post_api(gw, body, {"Content-Type": "text/plain", "Origin": "http://evil.example",
+                                               "Host": f"evil.example:{port_of(gw)}"})
+    assert status == 403, answer
+    assert gw.cfg.agent_max_steps == 15
+    assert fake_model.requests == []
+
+
+@pytest.mark.parametrize(("host", "origin", "content_type", "expected"), [
+    ("evil.example:{port}", None, "application/json", 403),  # DNS rebinding
+    ("127.0.0.1:{port}", "http://evil.example", "application/json", 403),
+    ("127.0.0.1:{port}", "null", "application/json", 403),
+    ("127.0.0.1:{port}", "http://127.0.0.1:1", "application/json", 403),  # another local port is another site
+    ("127.0.0.1:1", None, "application/json", 403),
+    ("127.0.0.1:{port}", None, "text/plain", 415),
+    ("127.0.0.1:{port}", None, "application/x-www-form-urlencoded", 415),
+    ("127.0.0.1:{port}", "http://127.0.0.1:{port}", "application/json", 200),  # the chat page itself
+    ("localhost:{port}", "http://localhost:{port}", "application/json; charset=utf-8", 200),
+    ("[::1]:{port}", None, "application/json", 200),
+])
+async def test_tokenless_api_requests_must_come_from_this_server(
+    make_gateway: GatewayFactory, fake_model: FakeModel, host: str, origin: str | None, content_type: str,
+    expected: int,
+) -> None:
+    gw = await make_gateway()
+    port = port_of(gw)
+    headers = {"Host": host.format(port=port), "Content-Type": content_type}
+    if origin is not None:
+        headers["Origin"] = origin.format(port=port)
+    status, answer = await post_api(gw, json.dumps({"session": "site", "text": "hi"}).encode(), headers)
+    assert status == expected, answer
+    if expected == 200:
+        assert answer["reply"] == "echo: hi"
+    else:
+        assert answer["error"] and fake_model.requests == []
+
+
+async def test_with_a_token_the_token_decides_but_the_body_must_be_json(make_gateway: GatewayFactory) -> None:
+    # Behind a reverse proxy Host and Origin are the proxy's business; a browser never
+    # sends the bearer token cross-site.
+    gw = await make_gateway(channels={"web": {"token": "edge-token"}})
+    body = json.dumps({"session": "tok", "text": "hi"}).encode()
+    auth = {"Authorization": "Bearer edge-token", "Host": "chat.example.org", "Origin": "https://chat.example.org"}
+    status, answer = await post_api(gw, body, auth | {"Content-Type": "application/json"})
+    assert status == 200 and answer["reply"] == "echo: hi"
+    status, _ = await post_api(gw, body, auth | {"Content-Type": "text/plain"})
+    assert status == 415
+
+
+async def test_health_and_metrics_answer_any_host(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway()
+    async with aiohttp.ClientSession() as http:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            async with http.get(f"http://127.0.0.1:{port_of(gw)}{path}",
+                                headers={"Host": "monitor.example", "Origin": "http://evil.example"}) as resp:
+                assert resp.status == 200, path
+
+
+# ---------------------------------------------------------------------------- JSON nesting
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [100_000, 100])
+async def test_web_api_refuses_json_nested_too_deeply(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                      depth: int) -> None:
+    gw = await make_gateway()
+    body = '{"session": "deep", "text": "hi", "extra": ' + nested(depth) + "}"
+    status, answer = await post_api(gw, body.encode(), {"Content-Type": "application/json"})
+    assert status == 400, answer
+    assert "nested too deeply" in answer["error"]
+    assert fake_model.requests == []
+
+
+@pytest.fixture
+async def webhook_gateway(make_gateway: GatewayFactory, fake_telegram: FakeTelegram,
+                          fake_slack: FakeSlack) -> Gateway:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels={
+        "telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                     "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
+                     "webhook_url": "https://bot.example.org/telegram/webhook", "webhook_secret": WEBHOOK_SECRET},
+        "slack": {"enabled": True, "mode": "http", "bot_token": BOT_TOKEN, "signing_secret": SIGNING_SECRET,
+                  "base_url": fake_slack.base_url},
+    })
+    return gw
+
+
+async def post_webhook(gw: Gateway, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as http, http.post(
+        f"http://127.0.0.1:{port_of(gw)}{path}", data=body, headers=headers
+    ) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_telegram_webhook_refuses_json_nested_too_deeply(webhook_gateway: Gateway) -> None:
+    headers = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET, "Content-Type": "application/json"}
+    for depth in (100_000, 100):
+        body = '{"update_id": 1, "message": ' + nested(depth) + "}"
+        status, text = await post_webhook(webhook_gateway, "/telegram/webhook", body.encode(), headers)
+        assert status == 400 and "nested too deeply" in text, (depth, status, text[:300])
+
+
+@pytest.mark.parametrize("form", [False, True], ids=["json", "form payload"])
+async def test_slack_events_refuse_json_nested_too_deeply(webhook_gateway: Gateway, form: bool) -> None:
+    deep = '{"type": "event_callback", "event_id": "Ev1", "event": ' + nested(100_000) + "}"
+    if form:
+        from urllib.parse import urlencode
+        raw, headers = signed_request(SIGNING_SECRET, urlencode({"payload": deep}).encode(),
+                                      "application/x-www-form-urlencoded")
+    else:
+        raw, headers = signed_request(SIGNING_SECRET, deep.encode(), "application/json")
+    status, text = await post_webhook(webhook_gateway, "/slack/events", raw, headers)
+    assert status == 400 and "nested too deeply" in text, (status, text[:300])
+
+
+# ---------------------------------------------------------------------------- /readyz
+
+
+async def get_ready(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port_of(gw)}/readyz") as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def test_readyz_is_503_with_a_reason_while_telegram_connects(make_gateway: GatewayFactory,
+                                                                   fake_telegram: FakeTelegram) -> None:
+    fake_telegram.fail_next("getUpdates", 502, "Bad Gateway")  # the first poll fails: 1 s until the next
+    gw = await make_gateway(channels={"telegram": {
+        "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+        "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
+    await fake_telegram.wait_call("getUpdates")
+    status, body = await get_ready(gw)
+    assert status == 503, body
+    assert body["ready"] is False and body["checks"]["channel:telegram"] is False
+    assert any("telegram" in reason for reason in body["reasons"]), body
+    async with asyncio.timeout(6):  # the next poll succeeds: ready
+        while (await get_ready(gw))[0] != 200:  # noqa: ASYNC110 - a probe polls
+            await asyncio.sleep(0.1)
+
+
+async def test_readyz_never_answers_500() -> None:
+    async def broken() -> dict[str, str | None]:
+        raise RuntimeError("the check itself broke")
+
+    server = HttpServer(build_app(ready=broken, metrics=lambda: (b"", "text/plain"), channel=lambda _name: None),
+                        HttpConfig(port=0))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{server.port}/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 503
+        assert body["ready"] is False and "the check itself broke" in body["reasons"][0]
+    finally:
+        await server.stop()
