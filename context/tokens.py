@@ -249,5 +249,5 @@ def _remember(cache: dict[Any, int], key: Any, value: int) -> None:
     if len(cache) >= _CACHE_MAX_ENTRIES:
         # Drop the oldest half (dicts keep insertion order): cheap and bounded.
         for old in list(cache)[: _CACHE_MAX_ENTRIES // 2]:
-            del cache[old]
+            cache.pop(old, None)  # pop: the shell may count long texts in a worker thread
     cache[key] = value

@@ -26,6 +26,7 @@ from gateway.workspace import PathNotAllowed, resolve_in_workspace
 log = logging.getLogger("gateway.agent")
 
 TOOL_TIMEOUT_S = 60.0
+COUNT_OFF_LOOP_CHARS = 8192  # texts this long are counted in a worker thread
 
 OVERFLOW_CLEARED = (
     "This conversation grew larger than the model can read, even after trimming it. "
@@ -77,9 +78,14 @@ class Agent:
         return "\n\n".join(parts)
 
     async def store(self, live: LiveSession, msg: Message, *, event: tuple[str, str] | None = None) -> Message:
-        stored = await self.s.store.add_message(
-            live.key, msg, seq=live.seq, token_count=self.s.counter.count_message(msg), event=event
-        )
+        counter = self.s.counter
+        if len(msg.content) >= COUNT_OFF_LOOP_CHARS:
+            # Exact counting of a long text takes milliseconds; tiktoken releases the GIL, so
+            # a worker thread keeps the loop free, and the count it caches serves prepare().
+            tokens = await asyncio.to_thread(counter.count_message, msg)
+        else:
+            tokens = counter.count_message(msg)
+        stored = await self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event)
         live.seq += 1
         live.ctx.append(stored)
         return stored
