@@ -65,6 +65,8 @@ POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurr
 POOL_WAIT_S = 30.0
 TYPING_CONNECTIONS = 4  # of the pooled connections, at most this many send typing actions
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+NO_WEBHOOK_SECRET = ("telegram: webhook mode needs channels.telegram.webhook_secret "
+                     "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -324,6 +326,8 @@ class TelegramChannel:
         InvalidToken; other failures are retried in the background."""
         if self._task is not None:
             return
+        if self._cfg.mode == "webhook" and usable_webhook_secret(self._cfg) is None:
+            raise ValueError(NO_WEBHOOK_SECRET)  # a config problem: retrying cannot fix it
         token = self._cfg.token.get_secret_value().strip() if self._cfg.token else ""
         self._bot = _Bot(
             token,
@@ -414,8 +418,7 @@ class TelegramChannel:
         else:
             secret = usable_webhook_secret(self._cfg)
             if secret is None:  # never a webhook anyone could post to
-                raise RuntimeError("telegram: webhook mode needs channels.telegram.webhook_secret "
-                                   "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
+                raise ValueError(NO_WEBHOOK_SECRET)
             await bot.set_webhook(
                 url=self._cfg.webhook_url or "",
                 secret_token=secret,
