@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -271,3 +272,19 @@ def test_run_refuses_a_cron_the_scheduler_cannot_parse(fake_model: FakeModel, tm
     assert run.returncode == 2, run.stderr
     assert "memory_consolidation_cron: '99 * * * *' is not a valid cron expression" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_chat_honours_a_disabled_terminal(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = write_config(tmp_path, fake_model, channels={"terminal": {"enabled": False}})
+    chat = _cli(["chat", "--config", str(path)], tmp_path, stdin="/help\n")
+    assert chat.returncode == 2 and "channels.terminal.enabled" in chat.stderr
+
+
+def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
+    compose = (ROOT / "docker" / "compose.yaml").read_text()
+    # `${VAR:-}` gave TELEGRAM_WEBHOOK_SECRET="" when unset, which used to switch the check off.
+    assert not re.search(r"\$\{[A-Z_]+:-\}", compose)
+    for name in ("OPENAI_API_KEY", "TELEGRAM_BOT_TOKEN", "TELEGRAM_WEBHOOK_SECRET", "SLACK_BOT_TOKEN",
+                 "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET"):
+        assert re.search(rf"^\s+{name}:\s*$", compose, re.M), name  # passed through only when set
+    assert "${WEB_TOKEN:?" in compose

@@ -601,3 +601,14 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
             if await watcher.reload() and row.effect == "channel":
                 await _ready(rig, polls, channels=(row.key.split(".")[1],))
     assert not failures, "\n".join(failures)
+
+
+def test_the_readme_lists_how_keys_apply() -> None:
+    from gateway.config import CHANNEL_SECTIONS, RESTART_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {line.split("|")[2].strip(): set(re.findall(r"`([a-z_.*]+)`", line.split("|")[1]))
+            for line in readme.splitlines() if line.startswith("| `")}
+    assert rows["restarts that channel alone"] == {f"{s}.*" for s in CHANNEL_SECTIONS}
+    assert rows["is saved and logged; applies after a restart"] == set(RESTART_KEYS)
+    assert {row.key for row in ROWS if row.effect == "restart"} == set(RESTART_KEYS)
