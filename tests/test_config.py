@@ -288,3 +288,25 @@ def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
                  "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET"):
         assert re.search(rf"^\s+{name}:\s*$", compose, re.M), name  # passed through only when set
     assert "${WEB_TOKEN:?" in compose
+
+
+def test_every_secret_field_is_a_secret_key() -> None:
+    from pydantic import BaseModel, SecretStr
+
+    from gateway.config import Config, is_secret_key
+
+    def walk(model: type[BaseModel], prefix: str) -> list[tuple[str, bool]]:
+        out = []
+        for name, field in model.model_fields.items():
+            args = getattr(field.annotation, "__args__", (field.annotation,))
+            nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if nested:
+                out += walk(nested[0], f"{prefix}{name}.")
+            else:
+                out.append((f"{prefix}{name}", SecretStr in args))
+        return out
+
+    fields = walk(Config, "")
+    assert len(fields) > 40
+    for path, secret in fields:
+        assert is_secret_key(path) is secret, path  # expanded iff masked iff refused in chat

@@ -612,3 +612,37 @@ def test_the_readme_lists_how_keys_apply() -> None:
     assert rows["restarts that channel alone"] == {f"{s}.*" for s in CHANNEL_SECTIONS}
     assert rows["is saved and logged; applies after a restart"] == set(RESTART_KEYS)
     assert {row.key for row in ROWS if row.effect == "restart"} == set(RESTART_KEYS)
+
+
+async def test_model_slots_follow_a_new_limit_and_never_leak() -> None:
+    from gateway.slots import ModelSlots
+
+    slots = ModelSlots(1)
+    entered: list[str] = []
+    gates = {name: asyncio.Event() for name in ("a", "b", "c", "d")}
+
+    async def call(name: str) -> None:
+        async with slots:
+            entered.append(name)
+            await asyncio.wait_for(gates[name].wait(), 5)
+
+    a = asyncio.ensure_future(call("a"))
+    b = asyncio.ensure_future(call("b"))
+    await until(lambda: entered == ["a"])
+    await asyncio.sleep(0.05)
+    assert entered == ["a"]  # b waits for the one slot
+    slots.resize(2)
+    await until(lambda: entered == ["a", "b"])  # a bigger limit lets the waiter in at once
+    slots.resize(1)  # lower than what is in flight: both finish, nobody new enters
+    c = asyncio.ensure_future(call("c"))
+    d = asyncio.ensure_future(call("d"))
+    await asyncio.sleep(0.05)
+    c.cancel()  # a waiter that gives up takes no slot with it
+    gates["a"].set()
+    await asyncio.sleep(0.05)
+    assert entered == ["a", "b"] and slots.in_use == 1
+    gates["b"].set()
+    await until(lambda: entered == ["a", "b", "d"])
+    gates["d"].set()
+    await asyncio.gather(a, b, d)
+    assert c.cancelled() and slots.in_use == 0
