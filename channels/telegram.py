@@ -42,7 +42,7 @@ from telegram.error import (
 from channels.base import AccessCheck, InboundHandler
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
 from channels.telegram_http import AiohttpRequest
-from gateway.config import TelegramConfig
+from gateway.config import TelegramConfig, usable_webhook_secret
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.types import Attachment, Inbound
 from gateway.workspace import resolve_in_workspace
@@ -65,6 +65,8 @@ POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurr
 POOL_WAIT_S = 30.0
 TYPING_CONNECTIONS = 4  # of the pooled connections, at most this many send typing actions
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+NO_WEBHOOK_SECRET = ("telegram: webhook mode needs channels.telegram.webhook_secret "
+                     "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -324,6 +326,8 @@ class TelegramChannel:
         InvalidToken; other failures are retried in the background."""
         if self._task is not None:
             return
+        if self._cfg.mode == "webhook" and usable_webhook_secret(self._cfg) is None:
+            raise ValueError(NO_WEBHOOK_SECRET)  # a config problem: retrying cannot fix it
         token = self._cfg.token.get_secret_value().strip() if self._cfg.token else ""
         self._bot = _Bot(
             token,
@@ -412,12 +416,12 @@ class TelegramChannel:
         if self._cfg.mode == "polling":
             await bot.delete_webhook(drop_pending_updates=False)
         else:
-            secret = self._cfg.webhook_secret.get_secret_value() if self._cfg.webhook_secret else None
-            if not secret:
-                log.warning("telegram: webhook without webhook_secret: anyone can post updates")
+            secret = usable_webhook_secret(self._cfg)
+            if secret is None:  # never a webhook anyone could post to
+                raise ValueError(NO_WEBHOOK_SECRET)
             await bot.set_webhook(
                 url=self._cfg.webhook_url or "",
-                secret_token=secret or None,
+                secret_token=secret,
                 allowed_updates=list(ALLOWED_UPDATES),
             )
             self._webhook_ok = True
@@ -529,11 +533,11 @@ class TelegramChannel:
     async def handle_webhook(self, request: web.Request) -> web.StreamResponse:
         if self._cfg.mode != "webhook":
             return web.Response(status=404, text="telegram webhook is not enabled")
-        secret = self._cfg.webhook_secret.get_secret_value() if self._cfg.webhook_secret else ""
-        if secret:
-            given = request.headers.get(SECRET_HEADER, "")
-            if not hmac.compare_digest(given.encode("utf-8", "replace"), secret.encode("utf-8")):
-                return web.Response(status=403, text="forbidden")
+        # No usable secret configured means no request can prove it comes from Telegram.
+        secret = usable_webhook_secret(self._cfg)
+        given = request.headers.get(SECRET_HEADER, "")
+        if secret is None or not hmac.compare_digest(given.encode("utf-8", "replace"), secret.encode("utf-8")):
+            return web.Response(status=403, text="forbidden")
         if self._me is None or self._stopping:
             return web.Response(status=503, text="not connected yet")
         try:

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gateway.config import Config, ConfigError, load_config
+from gateway.config import Config, ConfigError, config_warnings, load_config, parse_config, startup_problems
 from gateway.logs import setup_logging
 
 DEFAULT_CONFIG = Path("config.json")
@@ -20,7 +20,7 @@ def _load(path: Path | None) -> tuple[Config, Path | None]:
     """The config file, or the embedded defaults when none exists at the default path."""
     if path is None:
         if not DEFAULT_CONFIG.exists():
-            return Config(), None
+            return parse_config({}), None  # the defaults, their `${ENV}` secrets expanded
         path = DEFAULT_CONFIG
     return load_config(path), path.resolve()
 
@@ -29,6 +29,18 @@ def _print_problems(path: Path | None, err: ConfigError) -> None:
     print(f"config {path or '(defaults)'} has {len(err.problems)} problem(s):", file=sys.stderr)
     for problem in err.problems:
         print(f"  - {problem}", file=sys.stderr)
+
+
+def _check(path: Path) -> int:
+    """Everything `run` would refuse, with key paths; warnings alone still pass."""
+    cfg = load_config(path)  # a ConfigError is printed by main()
+    problems = startup_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"{path}: OK")
+    return 0
 
 
 def _dump_tasks() -> None:
@@ -68,6 +80,11 @@ async def _run(path: Path | None) -> int:
         print(f"cannot start: {err}", file=sys.stderr)
         await gateway.stop()
         return 2
+    except BaseException:
+        # Whatever started (HTTP server, channels) must stop, or the process hangs on them.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(gateway.stop(timeout=5), timeout=30)
+        raise
     if cfg_path is not None:
         gateway.watcher = ConfigWatcher(gateway)
         await gateway.watcher.start()
@@ -88,6 +105,9 @@ async def _chat(path: Path | None) -> int:
     from channels.terminal import run_terminal
 
     cfg, cfg_path = _load(path)
+    if not cfg.channels.terminal.enabled:
+        print("the terminal chat is disabled (channels.terminal.enabled is false)", file=sys.stderr)
+        return 2
     setup_logging("WARNING")
     return await run_terminal(cfg, cfg_path)
 
@@ -129,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "run"
     try:
         if command == "check-config":
-            load_config(args.path)
-            print(f"{args.path}: OK")
-            return 0
+            return _check(args.path)
         if command == "run":
             return asyncio.run(_run(getattr(args, "config", None)))
         if command == "chat":

@@ -8,20 +8,29 @@ import os
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.agent import Agent
 from gateway.commands import BOT_COMMANDS, Commands
-from gateway.config import Config
+from gateway.config import (
+    Config,
+    ConfigError,
+    change_effect,
+    changed_keys,
+    config_warnings,
+    startup_problems,
+)
 from gateway.http import HttpServer, build_app
 from gateway.keys import memory_scope, workspace_dir
-from gateway.logs import REDACTOR
+from gateway.logs import REDACTOR, set_log_level
 from gateway.metrics import Metrics
 from gateway.model import ModelClient
 from gateway.router import Router
 from gateway.services import ConfigHolder, Services
 from gateway.sessions import SessionManager
+from gateway.slots import ModelSlots
 from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
 from gateway.tools.registry import ToolRegistry
@@ -87,6 +96,7 @@ class Gateway:
         self.scheduler: Any = None
         self.watcher: Any = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
+        self._applied = config  # the snapshot apply_config last brought the running parts to
 
     # -- wiring ------------------------------------------------------------------------
 
@@ -106,8 +116,15 @@ class Gateway:
             models["summary"] = ModelClient(cfg.summary_model, on_call=on_call)
         return models
 
+    def startup_problems(self, cfg: Config) -> list[str]:
+        """What in `cfg` this gateway could not run with (its channels and HTTP server)."""
+        return startup_problems(cfg, channels=self.enable_channels, http=self.serve_http)
+
     async def start(self) -> None:
         cfg = self.cfg
+        problems = self.startup_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
         REDACTOR.set_secrets(secret_values(cfg))
         data_dir = self.holder.data_dir
         await asyncio.to_thread(check_data_dir, data_dir)
@@ -121,7 +138,7 @@ class Gateway:
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
             tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
-            model_slots=asyncio.Semaphore(cfg.limits.max_concurrent_model_calls),
+            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls),
         )
         services.memory = self._memory(services)
         services.usage = Usage(store)
@@ -131,7 +148,7 @@ class Gateway:
         self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
-                                 on_config_change=self._apply_config_later)
+                                 on_config_change=self._apply_config_later, check=self.startup_problems)
         self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
 
         if self.enable_channels:
@@ -156,14 +173,14 @@ class Gateway:
         await self._start_scheduler()
         for client in services.models.values():
             services.background.spawn(client.warm_up(), name="model-warm-up")
+        for warning in config_warnings(cfg):
+            log.warning(warning)
         if not services.model.configured:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")
 
     def _memory(self, services: Services) -> Any:
         try:
-            from zoneinfo import ZoneInfo
-
             from gateway.memory import Memory
         except ImportError:
             return None
@@ -200,10 +217,7 @@ class Gateway:
         from channels.web import WebChannel
 
         if cfg.channels.web.enabled and self.serve_http:
-            token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
-            self.channels["web"] = WebChannel(self.router.handle, token=token or None, http_host=cfg.http.host,
-                                              max_chars=cfg.limits.max_inbound_chars,
-                                              reply_timeout_s=cfg.limits.turn_timeout_s + 15)
+            self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host, **_web_settings(cfg))
         for name in ("telegram", "slack"):
             channel = self._make_channel(name, cfg)
             if channel is not None:
@@ -242,7 +256,23 @@ class Gateway:
         if s is None:
             return
         cfg = self.cfg
+        old, self._applied = self._applied, cfg
+        later = [key for key in changed_keys(old, cfg) if change_effect(key) == "restart"]
+        if later:
+            log.warning("config change saved; these settings apply after a restart", extra={"keys": later})
         REDACTOR.set_secrets(secret_values(cfg))
+        s.model_slots.resize(cfg.limits.max_concurrent_model_calls)
+        web = self.channels.get("web")
+        if web is not None:
+            # Requests check these per call: a rotated token locks the old one out at once.
+            for name, value in _web_settings(cfg).items():
+                setattr(web, name, value)
+        if cfg.log_level != old.log_level:
+            set_log_level(cfg.log_level)
+        if cfg.timezone != old.timezone and s.memory is not None:
+            s.memory.set_timezone(ZoneInfo(cfg.timezone) if cfg.timezone else _local_tz())
+        if cfg.model.name != old.model.name:
+            s.counter = await asyncio.to_thread(TokenCounter, cfg.model.name)  # its tokenizer
         old_models = s.models
         if (cfg.model, cfg.summary_model) != self._model_cfgs:
             s.models = self._models(cfg, s.metrics)
@@ -323,6 +353,12 @@ class Gateway:
             await client.close()
         await s.store.close()
         self.services = None
+
+
+def _web_settings(cfg: Config) -> dict[str, Any]:
+    token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
+    return {"token": token or None, "max_chars": cfg.limits.max_inbound_chars,
+            "reply_timeout_s": cfg.limits.turn_timeout_s + 15}
 
 
 def _local_tz() -> Any:

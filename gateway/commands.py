@@ -13,7 +13,15 @@ from typing import Any
 
 from context.engine import compact, context_stats, format_context_stats
 from gateway.access import Pairing, is_admin
-from gateway.config import ConfigError, atomic_write_text, is_secret_key, parse_config
+from gateway.config import (
+    Config,
+    ConfigError,
+    atomic_write_text,
+    change_effect,
+    is_credential_destination,
+    is_secret_key,
+    parse_config,
+)
 from gateway.live import LiveSession
 from gateway.services import Services
 from gateway.sessions import CommandJob, SessionManager
@@ -39,6 +47,13 @@ BOT_COMMANDS: list[tuple[str, str]] = [
 
 Reply = Callable[[Inbound, str], Awaitable[None]]
 OnConfigChange = Callable[[], Awaitable[None]]
+StartupCheck = Callable[[Config], list[str]]
+
+EFFECT_NOTE = {
+    "live": "saved; applies from the next step",
+    "channel": "saved; the channel restarts with it",
+    "restart": "saved; applies after the gateway restarts",
+}
 
 
 def parse_command(text: str) -> tuple[str, list[str]] | None:
@@ -85,14 +100,29 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def chat_refusal(key: str, value: Any) -> str | None:
+    """Why `/config KEY VALUE` may not set this from chat: secrets, and the addresses
+    secrets are sent to, are the operator's (config.json and the environment). Values set
+    here are stored as typed: a `${NAME}` in them is never expanded."""
+    for path in flatten(value, f"{key}.") if isinstance(value, dict) else [key]:
+        if is_secret_key(path):
+            return f"{path} is a secret: it can only be changed in config.json or the environment, not in chat."
+        if is_credential_destination(path):
+            return (f"{path} decides where credentials are sent: it can only be changed in config.json, "
+                    "not in chat.")
+    return None
+
+
 class Commands:
     def __init__(self, services: Services, sessions: SessionManager, pairing: Pairing, *,
-                 reply: Reply, on_config_change: OnConfigChange | None = None) -> None:
+                 reply: Reply, on_config_change: OnConfigChange | None = None,
+                 check: StartupCheck | None = None) -> None:
         self.s = services
         self.sessions = sessions
         self.pairing = pairing
         self.reply = reply
         self.on_config_change = on_config_change
+        self.check = check
         self._config_lock = asyncio.Lock()
 
     async def handle(self, inbound: Inbound, key: str, scope: str) -> bool:
@@ -179,11 +209,13 @@ class Commands:
             return f"{key} = {json.dumps(settings[key], ensure_ascii=False)}"
         if not is_admin(self.s.cfg, inbound.identity):
             return f"Only admins can change settings (you are {inbound.identity}; see the `admins` setting)."
-        if is_secret_key(key):
-            return f"{key} is a secret: it can only be changed in config.json or the environment, not in chat."
-        return await self._write_setting(key, args[1])
+        value = parse_value(args[1])
+        refusal = chat_refusal(key, value)
+        if refusal is not None:
+            return refusal
+        return await self._write_setting(key, value)
 
-    async def _write_setting(self, key: str, text: str) -> str:
+    async def _write_setting(self, key: str, value: Any) -> str:
         holder = self.s.config
         if holder.path is None:
             return "This gateway runs without a config file, so settings cannot be changed here."
@@ -193,11 +225,14 @@ class Commands:
                 raw = json.loads(raw_text)
             except (OSError, ValueError) as err:
                 return f"Cannot read {holder.path.name}: {err}"
-            _set_dotted(raw, key, parse_value(text))
+            _set_dotted(raw, key, value)
             try:
                 new_cfg = parse_config(raw)
             except ConfigError as err:
                 return "Not changed: " + "; ".join(err.problems)
+            problems = self.check(new_cfg) if self.check is not None else []
+            if problems:
+                return "Not changed: " + "; ".join(problems)
             await asyncio.to_thread(atomic_write_text, holder.path,
                                     json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
             holder.swap(new_cfg)
@@ -205,7 +240,7 @@ class Commands:
         if self.on_config_change is not None:
             await self.on_config_change()
         shown = masked_settings(self.s).get(key)
-        return f"{key} = {json.dumps(shown, ensure_ascii=False)} (saved; applies from the next step)"
+        return f"{key} = {json.dumps(shown, ensure_ascii=False)} ({EFFECT_NOTE[change_effect(key)]})"
 
     async def approve(self, inbound: Inbound, args: list[str]) -> str:
         if not is_admin(self.s.cfg, inbound.identity):

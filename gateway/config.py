@@ -1,4 +1,5 @@
-"""Configuration: the pydantic schema of SPEC §2, `${ENV}` expansion, load, atomic write.
+"""Configuration: the pydantic schema of SPEC §2, `${ENV}` expansion in secrets, the
+checks a command runs before it starts, load, atomic write.
 
 A `Config` is an immutable snapshot; code receives one and never mutates it.
 """
@@ -10,22 +11,26 @@ import functools
 import json
 import os
 import re
+import stat
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from context.budget import Budget
+from gateway.cron import check_cron
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -48,9 +53,17 @@ CONTEXT_WINDOWS: dict[str, int] = {
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
+# Telegram's rule for secret_token (1-256 of A-Z a-z 0-9 _ -), with a floor on length so a
+# guessable word cannot stand in for a secret.
+WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]+")
+WEBHOOK_SECRET_MIN, WEBHOOK_SECRET_MAX = 16, 256
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 @functools.cache
@@ -77,12 +90,7 @@ class ModelConfig(_Strict):
 
     def key_value(self) -> str | None:
         """The usable API key, or None when unset or an unexpanded `${VAR}`."""
-        if self.api_key is None:
-            return None
-        value = self.api_key.get_secret_value().strip()
-        if not value or _ENV_REF.fullmatch(value):
-            return None
-        return value
+        return secret_text(self.api_key)
 
 
 class AccessConfig(_Strict):
@@ -101,14 +109,6 @@ class TelegramConfig(_Strict):
     webhook_secret: SecretStr | None = None
     poll_timeout_s: int = Field(default=30, ge=0, le=60)
 
-    @model_validator(mode="after")
-    def _check(self) -> TelegramConfig:
-        if self.enabled and not _secret(self.token):
-            raise ValueError("channels.telegram.token is required when telegram is enabled")
-        if self.enabled and self.mode == "webhook" and not self.webhook_url:
-            raise ValueError("channels.telegram.webhook_url is required in webhook mode")
-        return self
-
 
 class SlackConfig(_Strict):
     enabled: bool = False
@@ -117,18 +117,6 @@ class SlackConfig(_Strict):
     signing_secret: SecretStr | None = None
     mode: Literal["socket", "http"] = "socket"
     base_url: str = "https://slack.com/api/"
-
-    @model_validator(mode="after")
-    def _check(self) -> SlackConfig:
-        if not self.enabled:
-            return self
-        if not _secret(self.bot_token):
-            raise ValueError("channels.slack.bot_token is required when slack is enabled")
-        if self.mode == "socket" and not _secret(self.app_token):
-            raise ValueError("channels.slack.app_token is required in socket mode")
-        if self.mode == "http" and not _secret(self.signing_secret):
-            raise ValueError("channels.slack.signing_secret is required in http mode")
-        return self
 
 
 class WebConfig(_Strict):
@@ -193,6 +181,8 @@ class Config(_Strict):
     http: HttpConfig = HttpConfig()
     limits: LimitsConfig = LimitsConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
+    _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())
 
     @field_validator("timezone")
     @classmethod
@@ -207,19 +197,16 @@ class Config(_Strict):
 
     @field_validator("memory_consolidation_cron")
     @classmethod
-    def _cron(cls, value: str) -> str:
-        if len(value.split()) != 5:
-            raise ValueError("a cron expression needs 5 fields: minute hour day month weekday")
+    def _cron(cls, value: str, info: ValidationInfo) -> str:
+        # The scheduler's own parser, in the configured zone (validated before this field;
+        # when it was refused, its own error is reported and the system zone is used here).
+        check_cron(value, info.data.get("timezone"))
         return value
 
-    @model_validator(mode="after")
-    def _check(self) -> Config:
-        web = self.channels.web
-        if web.enabled and self.http.host not in LOOPBACK_HOSTS and not _secret(web.token):
-            raise ValueError(
-                "channels.web.token is required when http.host is not a loopback address"
-            )
-        return self
+    @property
+    def unset_env(self) -> tuple[tuple[str, str], ...]:
+        """(key path, variable name) of every secret that references an unset variable."""
+        return self._unset_env
 
     # The directory the config file lives in; data_dir is relative to it.
     def data_path(self, base: Path) -> Path:
@@ -238,12 +225,15 @@ class Config(_Strict):
         )
 
 
-def _secret(value: SecretStr | None) -> bool:
-    """Set, non-empty, and not an unexpanded `${VAR}` (an unset environment variable)."""
+def secret_text(value: SecretStr | None) -> str | None:
+    """The usable secret: set, not blank, and no `${VAR}` left unexpanded (a reference
+    is public text in config.json, never a secret)."""
     if value is None:
-        return False
+        return None
     text = value.get_secret_value().strip()
-    return bool(text) and not _ENV_REF.fullmatch(text)
+    if not text or _ENV_REF.search(text):
+        return None
+    return text
 
 
 class ConfigError(Exception):
@@ -254,17 +244,32 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-def expand_env(value: Any, environ: dict[str, str] | None = None) -> Any:
-    """Replace `${NAME}` in every string; unset variables stay as written (so a missing
-    secret is visible as such, never silently empty)."""
-    env = os.environ if environ is None else environ
-    if isinstance(value, str):
-        return _ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
-    if isinstance(value, list):
-        return [expand_env(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: expand_env(v, env) for k, v in value.items()}
-    return value
+def _expand(text: str, env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """`text` with each `${NAME}` replaced, and the names that are not set."""
+    missing = [m.group(1) for m in _ENV_REF.finditer(text) if m.group(1) not in env]
+    return _ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), text), missing
+
+
+def _resolve_secrets(model: _M, prefix: str, env: Mapping[str, str], unset: list[tuple[str, str]]) -> _M:
+    """Expand `${NAME}` in the secret fields only (SecretStr), defaults included; a secret
+    whose variable is unset becomes None and is listed in `unset`. Other strings (prompts,
+    URLs, anything an admin can set in chat) are never expanded."""
+    updates: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        path = f"{prefix}{name}"
+        if isinstance(value, SecretStr):
+            text, missing = _expand(value.get_secret_value(), env)
+            if missing:
+                unset.extend((path, var) for var in missing)
+                updates[name] = None
+            elif text != value.get_secret_value():
+                updates[name] = SecretStr(text)
+        elif isinstance(value, BaseModel):
+            resolved = _resolve_secrets(value, f"{path}.", env, unset)
+            if resolved is not value:
+                updates[name] = resolved
+    return model.model_copy(update=updates) if updates else model
 
 
 def _known_keys(model: type[BaseModel]) -> list[str]:
@@ -309,9 +314,13 @@ def parse_config(raw: dict[str, Any], environ: dict[str, str] | None = None) -> 
     if not isinstance(raw, dict):
         raise ConfigError(["(root): the config must be a JSON object"])
     try:
-        return Config.model_validate(expand_env(raw, environ))
+        cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    unset: list[tuple[str, str]] = []
+    cfg = _resolve_secrets(cfg, "", os.environ if environ is None else environ, unset)
+    cfg._unset_env = tuple(unset)
+    return cfg
 
 
 def parse_config_text(text: str, environ: dict[str, str] | None = None) -> Config:
@@ -333,10 +342,24 @@ def load_config(path: Path, environ: dict[str, str] | None = None) -> Config:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write via temp file + fsync + rename, so readers see the old or the new file whole."""
+    """Write via temp file + fsync + rename, so readers see the old or the new file whole.
+
+    A file that exists keeps its mode (and owner and group, where this user may set them:
+    an operator's 0640 config.json stays readable by its group); a new file is 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        before: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        before = None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if before is not None:
+            os.fchmod(fd, stat.S_IMODE(before.st_mode))
+            if hasattr(os, "fchown"):
+                try:
+                    os.fchown(fd, before.st_uid, before.st_gid)
+                except PermissionError:  # not root: the new file is ours, as any edit would leave it
+                    pass
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -355,13 +378,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def default_config_dict() -> dict[str, Any]:
-    """Every key with its default, secrets as `${ENV}` references (the shipped config.json)."""
-    data = Config().model_dump(mode="json")
-    data["model"]["api_key"] = "${OPENAI_API_KEY}"
-    return data
-
-
 SECRET_KEYS = {
     "model.api_key",
     "summary_model.api_key",
@@ -378,3 +394,142 @@ def is_secret_key(path: str) -> bool:
     return path in SECRET_KEYS or path.rsplit(".", 1)[-1] in {
         "api_key", "token", "bot_token", "app_token", "signing_secret", "webhook_secret",
     }
+
+
+def is_credential_destination(path: str) -> bool:
+    """Keys that decide where a secret is sent (a model's key goes to its base_url, the bot
+    token to the Bot API server, the webhook secret to webhook_url): changing them from
+    chat would hand the secret to any server, so they are set in config.json only."""
+    return path.rsplit(".", 1)[-1] in {"base_url", "base_file_url", "webhook_url"}
+
+
+# -- what a command needs before it starts ---------------------------------------------------
+
+
+def webhook_secret_problem(value: str | None) -> str | None:
+    """Why `value` cannot guard the Telegram webhook, or None when it can."""
+    rule = (f"{WEBHOOK_SECRET_MIN}-{WEBHOOK_SECRET_MAX} characters of A-Z, a-z, 0-9, _ and - "
+            "(e.g. the output of `openssl rand -hex 32`)")
+    if not value:
+        return f"required in webhook mode: {rule}"
+    if not WEBHOOK_SECRET.fullmatch(value) or not WEBHOOK_SECRET_MIN <= len(value) <= WEBHOOK_SECRET_MAX:
+        return f"not a usable webhook secret: use {rule}"
+    return None
+
+
+def usable_webhook_secret(cfg: TelegramConfig) -> str | None:
+    """The webhook secret when it passes webhook_secret_problem, else None (the channel
+    then refuses every webhook request)."""
+    value = cfg.webhook_secret.get_secret_value() if cfg.webhook_secret is not None else None
+    return value if value is not None and webhook_secret_problem(value) is None else None
+
+
+def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -> list[str]:
+    """What stops a command from starting the features it runs: `run` starts the enabled
+    channels (`channels`) and the HTTP server with the web chat (`http`); `chat` starts
+    neither. A secret whose `${VARIABLE}` is unset is a problem only where it is needed;
+    model.api_key never is (see config_warnings)."""
+    problems: list[str] = []
+    unset: dict[str, list[str]] = {}
+    for path, var in cfg.unset_env:
+        unset.setdefault(path, []).append(var)
+
+    def not_set(path: str, why: str) -> str:
+        names = ", ".join(unset[path])
+        return f"{path}: the environment variable {names} is not set (needed {why})"
+
+    def need(path: str, value: SecretStr | None, why: str) -> None:
+        if path in unset:
+            problems.append(not_set(path, why))
+        elif secret_text(value) is None:
+            problems.append(f"{path}: required {why}")
+
+    if cfg.summary_model is not None and "summary_model.api_key" in unset:
+        problems.append(not_set("summary_model.api_key", "while summary_model is set"))
+    if channels:
+        tg = cfg.channels.telegram
+        if tg.enabled:
+            need("channels.telegram.token", tg.token, "when channels.telegram.enabled is true")
+            if tg.mode == "webhook":
+                if not tg.webhook_url:
+                    problems.append("channels.telegram.webhook_url: required in webhook mode")
+                if "channels.telegram.webhook_secret" in unset:
+                    problems.append(not_set("channels.telegram.webhook_secret", "in webhook mode"))
+                else:
+                    secret = tg.webhook_secret.get_secret_value() if tg.webhook_secret is not None else None
+                    problem = webhook_secret_problem(secret)
+                    if problem is not None:
+                        problems.append(f"channels.telegram.webhook_secret: {problem}")
+        sl = cfg.channels.slack
+        if sl.enabled:
+            need("channels.slack.bot_token", sl.bot_token, "when channels.slack.enabled is true")
+            if sl.mode == "socket":
+                need("channels.slack.app_token", sl.app_token, "in socket mode")
+            else:
+                need("channels.slack.signing_secret", sl.signing_secret, "in http mode")
+    web = cfg.channels.web
+    if http and web.enabled:
+        if "channels.web.token" in unset:
+            problems.append(not_set("channels.web.token", "while channels.web.enabled is true"))
+        elif cfg.http.host not in LOOPBACK_HOSTS and secret_text(web.token) is None:
+            problems.append("channels.web.token: required when http.host is not a loopback address")
+    # A secret this function does not know yet: its reference must resolve.
+    for path in unset:
+        if path not in SECRET_KEYS:
+            problems.append(not_set(path, "every secret reference must resolve"))
+    return problems
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Worth saying, not worth refusing: the first run works without a model key."""
+    return [f"{path}: the environment variable {var} is not set; every chat answers with what to set "
+            "until it is" for path, var in cfg.unset_env if path == "model.api_key"]
+
+
+# -- how a change applies to a running gateway (README, "Live changes") ----------------------
+
+# Read once at start: a change is saved but takes effect after a restart.
+RESTART_KEYS = frozenset({"data_dir", "http.host", "http.port", "http.header_timeout_s", "http.body_timeout_s",
+                          "http.keepalive_timeout_s", "http.max_connections_per_client",
+                          "channels.web.enabled", "channels.terminal.enabled"})
+# A change restarts that channel alone (it reconnects with its new settings).
+CHANNEL_SECTIONS = ("channels.telegram", "channels.slack")
+
+
+def change_effect(path: str) -> Literal["live", "channel", "restart"]:
+    if path in RESTART_KEYS:
+        return "restart"
+    if path.startswith(tuple(f"{section}." for section in CHANNEL_SECTIONS)):
+        return "channel"
+    return "live"
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """The dotted keys whose values differ (a section that appears or goes counts as its key)."""
+    def flat(data: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(data, dict):
+            out: dict[str, Any] = {}
+            for key, value in data.items():
+                out.update(flat(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: data}
+
+    # Secrets compare by value (model_dump masks them).
+    a, b = flat(_plain(old)), flat(_plain(new))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+_MISSING = object()
+
+
+def _plain(model: BaseModel) -> dict[str, Any]:
+    def unwrap(value: Any) -> Any:
+        if isinstance(value, SecretStr):
+            return ("secret", value.get_secret_value())
+        if isinstance(value, BaseModel):
+            return {name: unwrap(getattr(value, name)) for name in type(value).model_fields}
+        return value
+
+    out = unwrap(model)
+    assert isinstance(out, dict)
+    return out

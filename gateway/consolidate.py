@@ -134,7 +134,7 @@ class Consolidator:
         self._db = store.connection
         self._model = model
         self._slots = asyncio.Semaphore(max(1, concurrency))
-        self._target_tokens = target_tokens
+        self.target_tokens = target_tokens  # a reload may change it between runs
         self._timeout_s = timeout_s
         self._max_input_chars = max_input_chars
 
@@ -174,7 +174,7 @@ class Consolidator:
         return f"merged {len(merged)} note{'s' if len(merged) != 1 else ''}" if merged else "no new notes"
 
     async def _ask_model(self, memory_md: str, batch: Sequence[NoteDelta]) -> str:
-        messages = consolidation_messages(memory_md, batch, target_tokens=self._target_tokens)
+        messages = consolidation_messages(memory_md, batch, target_tokens=self.target_tokens)
         async with asyncio.timeout(self._timeout_s):
             reply = await self._model.complete(messages)
         text = clean_reply(getattr(reply, "content", None))

@@ -61,9 +61,14 @@ def setup_logging(level: str = "INFO") -> Redactor:
     handler.setFormatter(LineFormatter(REDACTOR))
     handler._gateway = True  # type: ignore[attr-defined]
     root.addHandler(handler)
-    root.setLevel(level)
+    set_log_level(level)
+    return REDACTOR
+
+
+def set_log_level(level: str) -> None:
+    """The gateway's level; chatty libraries stay at WARNING or above. A reload calls it too."""
+    logging.getLogger().setLevel(level)
     noisy_libraries = ("httpx", "httpcore", "httpx2", "httpcore2", "openai", "telegram", "slack_sdk",
                        "slack_bolt", "apscheduler", "aiosqlite")
     for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
-    return REDACTOR

@@ -282,6 +282,10 @@ class Memory:
     def tz(self) -> tzinfo:
         return self._tz
 
+    def set_timezone(self, tz: tzinfo) -> None:
+        """A reload changed `timezone`: daily files are dated in the new zone from now on."""
+        self._tz = tz
+
     def now(self) -> datetime:
         return self._clock().astimezone(self._tz)
 

@@ -78,6 +78,11 @@ class ConfigWatcher:
         self._last_text = text
         try:
             cfg = parse_config_text(text)
+            # Valid alone is not enough: it must be a config this gateway can run (a channel
+            # it would restart needs its secrets, a webhook a real secret).
+            problems = self.gateway.startup_problems(cfg)
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as err:
             rejected = self.path.with_name(f"{self.path.name}.rejected.{time.strftime('%Y%m%dT%H%M%S')}")
             await asyncio.to_thread(atomic_write_text, rejected, text)

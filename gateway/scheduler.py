@@ -17,15 +17,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, tzinfo
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo
 
-import tzlocal
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
 from gateway.background import Background
 from gateway.config import Config
 from gateway.consolidate import CompletionModel, Consolidator
+from gateway.cron import cron_trigger, zone
 from gateway.memory import Memory
 from gateway.purge import PurgeReport, purge
 from gateway.store import Store
@@ -38,54 +37,10 @@ PURGE_CRON = "30 3 * * *"  # daily, at a quiet hour
 MISFIRE_GRACE_S = 6 * 3600  # a loop that was busy still runs the job late
 CONSOLIDATION_CONCURRENCY = 2
 
-_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
-_ALIASES = {
-    "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
-    "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *",
-}
-
 
 def config_timezone(cfg: Config) -> tzinfo:
     """The configured zone, else the system's."""
-    return ZoneInfo(cfg.timezone) if cfg.timezone else tzlocal.get_localzone()
-
-
-def _day_number(token: str) -> int:
-    name = token.strip().lower()[:3]
-    number = _DAYS.index(name) if name in _DAYS else int(token)
-    if not 0 <= number <= 7:
-        raise ValueError(f"day of week {token!r} is out of range (0-7)")
-    return number
-
-
-def _day_of_week(field: str) -> str:
-    """Crontab day-of-week (0 and 7 are Sunday) as APScheduler day names: APScheduler 3
-    counts 0 as Monday, so numbers are never passed through."""
-    if field in ("*", "?"):
-        return "*"
-    names: list[str] = []
-    for part in field.split(","):
-        span, _, step = part.partition("/")
-        every = int(step) if step else 1
-        if span == "*":
-            lo, hi = 0, 6
-        elif "-" in span:
-            lo, hi = (_day_number(t) for t in span.split("-", 1))
-        else:
-            lo = _day_number(span)
-            hi = 6 if step else lo
-        names += [_DAYS[i] for i in range(lo, hi + 1, every)]
-    return ",".join(dict.fromkeys(names))
-
-
-def cron_trigger(expr: str, tz: tzinfo) -> CronTrigger:
-    """A CronTrigger with crontab's meaning (5 fields, or @daily and friends)."""
-    fields = _ALIASES.get(expr.strip().lower(), expr).split()
-    if len(fields) != 5:
-        raise ValueError(f"{expr!r} is not a crontab expression (minute hour day month weekday)")
-    minute, hour, day, month, weekday = fields
-    return CronTrigger(minute=minute, hour=hour, day=day, month=month,
-                       day_of_week=_day_of_week(weekday), timezone=tz)
+    return zone(cfg.timezone)
 
 
 def last_fire_time(trigger: CronTrigger, now: datetime) -> datetime | None:
@@ -154,6 +109,7 @@ class Scheduler:
     def update_config(self, cfg: Config) -> None:
         """Apply a reloaded config: a new cron or zone reschedules consolidation."""
         old, self._cfg = self._cfg, cfg
+        self._consolidator.target_tokens = cfg.memory_max_tokens or 4000
         if (old.memory_consolidation_cron, old.timezone) == (cfg.memory_consolidation_cron, cfg.timezone):
             return
         self._tz = config_timezone(cfg)

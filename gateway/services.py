@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.background import Background
 from gateway.config import Config
 from gateway.metrics import Metrics
+from gateway.slots import ModelSlots
 from gateway.store import Store
 from gateway.tools.registry import ToolRegistry
 
@@ -25,15 +25,14 @@ class ConfigHolder:
         self.current = config
         self.path = path
         self.base_dir = base_dir.absolute()
+        # Fixed at start: data_dir is a restart-only key, so a reload never splits the data
+        # between the old directory (the open database) and a new one.
+        self.data_dir = config.data_path(self.base_dir)
         self.version = 1
 
     def swap(self, config: Config) -> None:
         self.current = config
         self.version += 1
-
-    @property
-    def data_dir(self) -> Path:
-        return self.current.data_path(self.base_dir)
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Services:
     memory: Any = None  # gateway.memory.Memory when available
     usage: Any = None  # gateway.usage.Usage
     background: Background = field(default_factory=lambda: Background("gateway"))
-    model_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
+    model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
 
     @property
     def cfg(self) -> Config:

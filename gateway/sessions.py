@@ -129,7 +129,7 @@ class SessionManager:
         workspace = workspace_dir(self.s.data_dir, scope)
         await asyncio.to_thread(make_private_dir, workspace)  # 0700, like the data dir (SPEC §9)
         live = LiveSession(key=key, scope=scope, channel=channel, workspace=workspace, ctx=ctx,
-                           queue=asyncio.Queue(maxsize=cfg.limits.session_queue_size))
+                           queue=asyncio.Queue())  # bounded in submit(), by the live config
         live.context_start = start
         live.seq = len(open_turn)
         self._last_turns[key] = await store.last_turn(key)
@@ -167,11 +167,10 @@ class SessionManager:
         if self._stopping:
             return False
         live = await self.get_live(key, scope, job.inbound.channel)
-        try:
-            live.queue.put_nowait(job)
-        except asyncio.QueueFull:
+        if live.queue.qsize() >= self.s.cfg.limits.session_queue_size:
             self.s.metrics.busy.inc()
             return False
+        live.queue.put_nowait(job)
         self.s.metrics.queue_depth.inc()
         if live.worker is None:
             live.worker = self.s.background.spawn(self._work(live), name=f"session:{key}")

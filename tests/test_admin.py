@@ -8,12 +8,15 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from gateway.app import Gateway
+from gateway.config import ConfigError
 from gateway.reload import ConfigWatcher
 from tests.conftest import GatewayFactory, chat, write_config
 from tests.fakes import telegram_server
@@ -183,3 +186,157 @@ async def test_a_model_change_in_the_file_reaches_the_next_request(make_gateway:
     finally:
         await watcher.stop()
     assert [r["model"] for r in fake_model.requests] == ["fake-model", "another-model"]
+
+
+# -- hardening: forged webhooks, secrets through chat, file mode, cron on reload --------------
+
+HOOK_SECRET = "hook-secret-0123456789abcdef"
+
+
+def _forged_update(update_id: int, text: str, user: int) -> dict:
+    return {"update_id": update_id, "message": {
+        "message_id": update_id, "date": 1_700_000_000, "text": text,
+        "chat": {"id": user, "type": "private", "first_name": "A"},
+        "from": {"id": user, "is_bot": False, "first_name": "A"}}}
+
+
+async def _post_webhook(gw: Gateway, update: dict, headers: dict[str, str]) -> int:
+    assert gw.http is not None
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gw.http.port}/telegram/webhook", data=json.dumps(update),
+                             headers={"Content-Type": "application/json", **headers}) as resp:
+            return resp.status
+
+
+async def test_a_webhook_without_a_usable_secret_never_runs(make_gateway: GatewayFactory, tmp_path: Path,
+                                                            fake_telegram: FakeTelegram,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    hook = {"mode": "webhook", "webhook_url": "https://bot.example/telegram/webhook"}
+    # The shipped reference with its variable unset (it used to become the literal text).
+    monkeypatch.delenv("TELEGRAM_WEBHOOK_SECRET", raising=False)
+    shipped = {"telegram": {**_tg(fake_telegram)["telegram"], **hook,
+                            "webhook_secret": "${TELEGRAM_WEBHOOK_SECRET}"}}
+    with pytest.raises(ConfigError) as err:
+        await make_gateway(admins=["telegram:1"], channels=shipped)
+    assert err.value.problems == ["channels.telegram.webhook_secret: the environment variable "
+                                  "TELEGRAM_WEBHOOK_SECRET is not set (needed in webhook mode)"]
+    # What docker compose passed when it was unset: an empty value (it used to disable the check).
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", "")
+    with pytest.raises(ConfigError, match=r"channels\.telegram\.webhook_secret: required in webhook mode"):
+        await make_gateway(admins=["telegram:1"], channels=shipped)
+    assert fake_telegram.webhook is None  # nothing was ever registered with Telegram
+
+    # A running webhook gateway refuses a reload that would drop its secret, and a forged
+    # update from an admin's id changes nothing.
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", HOOK_SECRET)
+    gw = await make_gateway(admins=["telegram:1"], channels=shipped)
+    assert fake_telegram.webhook is not None and fake_telegram.webhook["secret_token"] == HOOK_SECRET
+    watcher = ConfigWatcher(gw)
+    await watcher.start()
+    try:
+        path = tmp_path / "config.json"
+        raw = json.loads(path.read_text())
+        raw["channels"]["telegram"]["webhook_secret"] = ""
+        path.write_text(json.dumps(raw))
+        assert await watcher.reload() is False
+    finally:
+        await watcher.stop()
+    forged = _forged_update(900, "/config access.dm_policy open", user=1)
+    assert await _post_webhook(gw, forged, {}) == 403
+    assert await _post_webhook(gw, forged, {"X-Telegram-Bot-Api-Secret-Token": ""}) == 403
+    assert await _post_webhook(gw, forged, {"X-Telegram-Bot-Api-Secret-Token": "${TELEGRAM_WEBHOOK_SECRET}"}) == 403
+    assert gw.cfg.access.dm_policy == "pairing"
+    assert json.loads((tmp_path / "config.json").read_text()).get("access") is None
+
+
+async def test_the_channel_refuses_every_webhook_request_without_a_usable_secret(
+        fake_telegram: FakeTelegram) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from channels.telegram import TelegramChannel
+    from gateway.config import TelegramConfig
+
+    async def never(_inbound: object) -> None:
+        raise AssertionError("a forged update reached the router")
+
+    for secret in (None, "", "too-short"):
+        cfg = TelegramConfig(enabled=True, token=fake_telegram.token, base_url=fake_telegram.base_url,
+                             mode="webhook", webhook_url="https://bot.example/tg", webhook_secret=secret)
+        channel = TelegramChannel(cfg, never, workspace_for=lambda _i: Path("/nonexistent"))
+        with pytest.raises(ValueError, match="webhook_secret"):
+            await channel.start()  # it never registers a webhook without a secret
+        assert fake_telegram.webhook is None
+        channel._me = object()  # type: ignore[assignment]  # as if connected: only the secret may refuse
+        app = aiohttp.web.Application()
+        app.router.add_post(channel.webhook_path, channel.handle_webhook)
+        client = TestClient(TestServer(app, host="127.0.0.1", port=0))
+        await client.start_server()
+        try:
+            for headers in ({}, {"X-Telegram-Bot-Api-Secret-Token": secret or ""}):
+                resp = await client.post(channel.webhook_path, data=json.dumps(_forged_update(1, "hi", 1)),
+                                         headers=headers)
+                assert resp.status == 403
+        finally:
+            await client.close()
+            await channel.stop()
+
+
+async def test_nothing_set_in_chat_expands_a_secret(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_TEST_SECRET", "sk-never-leaves-0123")
+    gw = await make_gateway(admins=["web:boss"])
+    path = tmp_path / "config.json"
+    reply = await chat(gw, "boss", '/config system_prompt "Answer briefly. ${GATEWAY_TEST_SECRET}"')
+    assert "saved" in reply and "sk-never-leaves" not in reply
+    assert "${GATEWAY_TEST_SECRET}" in json.loads(path.read_text())["system_prompt"]  # stored as typed
+    fake_model.reply("ok")
+    await chat(gw, "boss", "hello")
+    system = fake_model.requests[-1]["messages"][0]["content"]
+    assert "Answer briefly. ${GATEWAY_TEST_SECRET}" in system and "sk-never-leaves" not in system
+    assert "sk-never-leaves" not in await chat(gw, "boss", "/config system_prompt")
+
+    before = path.read_text()
+    for command, why in [
+        ('/config summary_model {"name": "m", "base_url": "http://127.0.0.1:9/v1", '
+         '"api_key": "${GATEWAY_TEST_SECRET}"}', "summary_model.base_url decides where credentials are sent"),
+        ('/config summary_model {"name": "m", "api_key": "${GATEWAY_TEST_SECRET}"}',
+         "summary_model.api_key is a secret"),
+        ("/config model.base_url http://127.0.0.1:9/v1", "model.base_url decides where credentials are sent"),
+        ("/config channels.telegram.base_url http://127.0.0.1:9/bot", "decides where credentials are sent"),
+        ("/config channels.web.token ${GATEWAY_TEST_SECRET}", "channels.web.token is a secret"),
+    ]:
+        answer = await chat(gw, "boss", command)
+        assert why in answer, answer
+    assert path.read_text() == before
+    assert gw.cfg.summary_model is None and gw.cfg.model.base_url == fake_model.base_url
+
+
+async def test_config_in_chat_keeps_the_file_mode(make_gateway: GatewayFactory, tmp_path: Path) -> None:
+    gw = await make_gateway(admins=["web:boss"])
+    path = tmp_path / "config.json"
+    os.chmod(path, 0o640)  # the operator's choice: readable by a group, say
+    assert "saved" in await chat(gw, "boss", "/config agent_max_steps 4")
+    assert json.loads(path.read_text())["agent_max_steps"] == 4
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+async def test_a_reload_with_a_bad_cron_is_refused(make_gateway: GatewayFactory, tmp_path: Path,
+                                                   fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(admins=["telegram:1"], channels=_tg(fake_telegram), timezone="UTC")
+    assert gw.scheduler is not None
+    next_run = gw.scheduler.next_consolidation()
+    watcher = ConfigWatcher(gw)
+    await watcher.start()
+    try:
+        path = tmp_path / "config.json"
+        raw = json.loads(path.read_text())
+        raw["memory_consolidation_cron"] = "99 * * * *"
+        path.write_text(json.dumps(raw))
+        assert await watcher.reload() is False
+    finally:
+        await watcher.stop()
+    assert gw.cfg.memory_consolidation_cron == "0 0 * * *"
+    assert gw.scheduler.next_consolidation() == next_run
+    (told,) = await fake_telegram.wait_sent(1)
+    assert told["chat_id"] == 1 and "memory_consolidation_cron: '99 * * * *'" in told["text"]
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("config.json.rejected.")]

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gateway.config import Config, ConfigError, atomic_write_text, load_config, parse_config
+from gateway.config import (
+    ConfigError,
+    atomic_write_text,
+    config_warnings,
+    load_config,
+    parse_config,
+    startup_problems,
+    usable_webhook_secret,
+)
+from tests.conftest import write_config
+from tests.fakes.openai_server import FakeModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +42,7 @@ def test_shipped_config_has_every_contract_key_and_no_secret() -> None:
                 "admins", "access", "group_session_scope", "model", "summary_model", "channels", "http"):
         assert key in raw
     # Parsing the shipped file gives exactly the embedded defaults.
-    assert cfg == Config(model=cfg.model, channels=cfg.channels)
+    assert cfg.model_dump() == parse_config({}, environ={}).model_dump()
 
 
 def test_env_expansion_and_unset_variables() -> None:
@@ -50,10 +63,17 @@ def test_unknown_keys_are_refused_with_a_suggestion() -> None:
 
 
 def test_rules_across_keys() -> None:
-    with pytest.raises(ConfigError, match=r"channels\.web\.token is required"):
-        parse_config({"http": {"host": "0.0.0.0"}}, environ={})
-    with pytest.raises(ConfigError, match=r"telegram\.token"):
-        parse_config({"channels": {"telegram": {"enabled": True, "token": "${TELEGRAM_BOT_TOKEN}"}}}, environ={})
+    # Rules about what a feature needs are checked for the command that starts it.
+    open_web = parse_config({"http": {"host": "0.0.0.0"}}, environ={})
+    assert startup_problems(open_web) == [
+        "channels.web.token: required when http.host is not a loopback address"]
+    assert startup_problems(open_web, channels=True, http=False) == []
+    no_url = parse_config({"channels": {"telegram": {"enabled": True, "token": "1:x", "mode": "webhook",
+                                                     "webhook_secret": "a" * 16}}}, environ={})
+    assert startup_problems(no_url) == ["channels.telegram.webhook_url: required in webhook mode"]
+    slack = parse_config({"channels": {"slack": {"enabled": True, "mode": "http", "bot_token": "xoxb-1"}}},
+                         environ={})
+    assert startup_problems(slack) == ["channels.slack.signing_secret: required in http mode"]
     with pytest.raises(ConfigError, match="timezone"):
         parse_config({"timezone": "Mars/Olympus"}, environ={})
     with pytest.raises(ConfigError, match="agent_max_steps"):
@@ -85,3 +105,208 @@ def test_check_config_cli_lists_every_problem(tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(ROOT / "config.json")],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+# -- secrets: `${ENV}` only in secret keys; unset references are named problems --------------
+
+
+def test_env_references_expand_in_secrets_only() -> None:
+    env = {"K": "sk-live-123"}
+    cfg = parse_config({
+        "system_prompt": "Be brief. ${K}",
+        "model": {"api_key": "${K}", "base_url": "http://${K}.example/v1"},
+        "access": {"allow_from": ["telegram:${K}"]},
+        "summary_model": {"name": "small", "api_key": "Bearer-${K}"},
+    }, environ=env)
+    assert cfg.model.key_value() == "sk-live-123"
+    assert cfg.summary_model is not None and cfg.summary_model.key_value() == "Bearer-sk-live-123"
+    # Anything that is not a secret stays as written, so no prompt or URL can carry a secret.
+    assert cfg.system_prompt == "Be brief. ${K}"
+    assert cfg.model.base_url == "http://${K}.example/v1"
+    assert cfg.access.allow_from == ("telegram:${K}",)
+    # Defaults are secrets too: model.api_key defaults to ${OPENAI_API_KEY}.
+    assert parse_config({}, environ={"OPENAI_API_KEY": "sk-env"}).model.key_value() == "sk-env"
+
+
+def test_an_unset_reference_names_the_key_and_the_variable_where_it_is_needed() -> None:
+    raw = {"channels": {"telegram": {"enabled": True, "token": "${TG_TOKEN_FOR_TEST}",
+                                     "webhook_secret": "${TG_HOOK_FOR_TEST}"}}}
+    cfg = parse_config(raw, environ={})  # parses: `chat` and `pairing` do not start telegram
+    assert cfg.channels.telegram.token is None  # never the literal text
+    assert ("channels.telegram.token", "TG_TOKEN_FOR_TEST") in cfg.unset_env
+    assert startup_problems(cfg) == [
+        "channels.telegram.token: the environment variable TG_TOKEN_FOR_TEST is not set "
+        "(needed when channels.telegram.enabled is true)"]  # the webhook secret: not in polling mode
+    assert startup_problems(cfg, channels=False, http=False) == []  # what `chat` needs
+    webhook = parse_config({"channels": {"telegram": {**raw["channels"]["telegram"], "mode": "webhook",
+                                                      "webhook_url": "https://x.example/tg"}}},
+                           environ={"TG_TOKEN_FOR_TEST": "1:abc"})
+    assert startup_problems(webhook) == [
+        "channels.telegram.webhook_secret: the environment variable TG_HOOK_FOR_TEST is not set "
+        "(needed in webhook mode)"]
+    # A web token reference that does not resolve never leaves the web chat open by accident.
+    web = parse_config({"channels": {"web": {"token": "${WEB_TOKEN_FOR_TEST}"}}}, environ={})
+    assert startup_problems(web) == [
+        "channels.web.token: the environment variable WEB_TOKEN_FOR_TEST is not set "
+        "(needed while channels.web.enabled is true)"]
+    summary = parse_config({"summary_model": {"name": "s", "api_key": "${SUMMARY_KEY_FOR_TEST}"}}, environ={})
+    assert startup_problems(summary, channels=False, http=False) == [
+        "summary_model.api_key: the environment variable SUMMARY_KEY_FOR_TEST is not set "
+        "(needed while summary_model is set)"]
+
+
+def test_an_unset_model_key_is_only_a_warning() -> None:
+    cfg = parse_config({}, environ={})
+    assert startup_problems(cfg) == []
+    assert config_warnings(cfg) == [
+        "model.api_key: the environment variable OPENAI_API_KEY is not set; every chat answers with what "
+        "to set until it is"]
+    assert cfg.model.key_value() is None
+
+
+@pytest.mark.parametrize(("secret", "usable"), [
+    (None, False),
+    ("", False),
+    ("${TELEGRAM_WEBHOOK_SECRET}", False),  # the shipped text, were it ever left unexpanded
+    ("sixteen-chars-ok", True),
+    ("fifteen-chars-x", False),
+    ("0123456789abcdef" * 16, True),  # 256, Telegram's maximum
+    ("0123456789abcdef" * 16 + "x", False),
+    ("has spaces in the middle!", False),  # Telegram refuses other characters
+])
+def test_webhook_secret_rules(secret: str | None, usable: bool) -> None:
+    cfg = parse_config({"channels": {"telegram": {
+        "enabled": True, "token": "1:abc", "mode": "webhook", "webhook_url": "https://x.example/tg",
+        "webhook_secret": secret}}}, environ={})
+    problems = startup_problems(cfg)
+    assert (problems == []) is usable, problems
+    assert (usable_webhook_secret(cfg.channels.telegram) is not None) is usable
+    if not usable:
+        assert problems[0].startswith("channels.telegram.webhook_secret: ")
+
+
+# -- memory_consolidation_cron: the scheduler's own parser ------------------------------------
+
+
+@pytest.mark.parametrize("cron", ["99 * * * *", "0 25 * * *", "*/0 * * * *", "0 0 31 2 *", "0 0 * * 8",
+                                  "0 0 * *", "@sometimes"])
+def test_bad_cron_is_refused_with_the_key(cron: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"memory_consolidation_cron": cron, "timezone": "Europe/Berlin"}, environ={})
+    assert err.value.problems[0].startswith("memory_consolidation_cron: ")
+
+
+@pytest.mark.parametrize("cron", ["0 0 * * *", "30 3 * * 7", "0 */6 * * mon-fri", "@daily", "15 2 29 2 *"])
+def test_good_cron_passes(cron: str) -> None:
+    assert parse_config({"memory_consolidation_cron": cron, "timezone": "Asia/Tokyo"},
+                        environ={}).memory_consolidation_cron == cron
+
+
+# -- the file's mode survives an atomic rewrite -------------------------------------------------
+
+
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    os.chmod(path, 0o640)
+    atomic_write_text(path, "two")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    os.chmod(path, 0o604)
+    atomic_write_text(path, "three")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.read_text() == "three"
+    fresh = tmp_path / "new.txt"
+    atomic_write_text(fresh, "x")
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o600  # a new file is private
+
+
+# -- the CLI: check-config, run and chat ------------------------------------------------------
+
+
+def _cli(args: list[str], cwd: Path, env_drop: tuple[str, ...] = (), stdin: str = "",
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env, input=stdin)
+
+
+def test_check_config_reports_unset_references_and_warns_about_the_model_key(tmp_path: Path) -> None:
+    shipped = _cli(["check-config", str(ROOT / "config.json")], tmp_path, env_drop=("OPENAI_API_KEY",))
+    assert shipped.returncode == 0, shipped.stderr
+    assert "warning: model.api_key: the environment variable OPENAI_API_KEY is not set" in shipped.stderr
+
+    raw = json.loads((ROOT / "config.json").read_text())
+    raw["channels"]["telegram"].update(enabled=True, mode="webhook", webhook_url="https://bot.example/tg")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    run = _cli(["check-config", str(path)], tmp_path,
+               env_drop=("TELEGRAM_BOT_TOKEN", "TELEGRAM_WEBHOOK_SECRET"))
+    assert run.returncode == 2
+    assert ("channels.telegram.token: the environment variable TELEGRAM_BOT_TOKEN is not set" in run.stderr
+            and "channels.telegram.webhook_secret: the environment variable TELEGRAM_WEBHOOK_SECRET is not set"
+            in run.stderr), run.stderr
+
+    raw["memory_consolidation_cron"] = "99 * * * *"
+    path.write_text(json.dumps(raw))
+    cron = _cli(["check-config", str(path)], tmp_path)
+    assert cron.returncode == 2 and "memory_consolidation_cron: '99 * * * *'" in cron.stderr, cron.stderr
+    assert "Traceback" not in cron.stderr
+
+
+def test_run_refuses_what_it_needs_and_chat_runs_without_it(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = write_config(tmp_path, fake_model, channels={"telegram": {
+        "enabled": True, "token": "${TELEGRAM_BOT_TOKEN}", "base_url": "http://127.0.0.1:9/bot"}})
+    run = _cli(["run", "--config", str(path)], tmp_path, env_drop=("TELEGRAM_BOT_TOKEN",), timeout=30)
+    assert run.returncode == 2
+    assert "channels.telegram.token: the environment variable TELEGRAM_BOT_TOKEN is not set" in run.stderr
+    assert "Traceback" not in run.stderr
+    # The terminal chat does not start telegram, so it does not need its token.
+    chat = _cli(["chat", "--config", str(path)], tmp_path, env_drop=("TELEGRAM_BOT_TOKEN",), stdin="/help\n")
+    assert chat.returncode == 0, chat.stderr
+    assert "/context clear" in chat.stdout
+
+
+def test_run_refuses_a_cron_the_scheduler_cannot_parse(fake_model: FakeModel, tmp_path: Path) -> None:
+    # Before: check-config passed it, and `run` printed a traceback and hung.
+    path = write_config(tmp_path, fake_model, memory_consolidation_cron="99 * * * *")
+    run = _cli(["run", "--config", str(path)], tmp_path, timeout=30)
+    assert run.returncode == 2, run.stderr
+    assert "memory_consolidation_cron: '99 * * * *' is not a valid cron expression" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_chat_honours_a_disabled_terminal(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = write_config(tmp_path, fake_model, channels={"terminal": {"enabled": False}})
+    chat = _cli(["chat", "--config", str(path)], tmp_path, stdin="/help\n")
+    assert chat.returncode == 2 and "channels.terminal.enabled" in chat.stderr
+
+
+def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
+    compose = (ROOT / "docker" / "compose.yaml").read_text()
+    # `${VAR:-}` gave TELEGRAM_WEBHOOK_SECRET="" when unset, which used to switch the check off.
+    assert not re.search(r"\$\{[A-Z_]+:-\}", compose)
+    for name in ("OPENAI_API_KEY", "TELEGRAM_BOT_TOKEN", "TELEGRAM_WEBHOOK_SECRET", "SLACK_BOT_TOKEN",
+                 "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET"):
+        assert re.search(rf"^\s+{name}:\s*$", compose, re.M), name  # passed through only when set
+    assert "${WEB_TOKEN:?" in compose
+
+
+def test_every_secret_field_is_a_secret_key() -> None:
+    from pydantic import BaseModel, SecretStr
+
+    from gateway.config import Config, is_secret_key
+
+    def walk(model: type[BaseModel], prefix: str) -> list[tuple[str, bool]]:
+        out = []
+        for name, field in model.model_fields.items():
+            args = getattr(field.annotation, "__args__", (field.annotation,))
+            nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if nested:
+                out += walk(nested[0], f"{prefix}{name}.")
+            else:
+                out.append((f"{prefix}{name}", SecretStr in args))
+        return out
+
+    fields = walk(Config, "")
+    assert len(fields) > 40
+    for path, secret in fields:
+        assert is_secret_key(path) is secret, path  # expanded iff masked iff refused in chat

@@ -23,7 +23,7 @@ from tests.fakes.telegram_server import FakeTelegram
 fake_telegram = telegram_server.fake_telegram  # the fixture
 
 ADMIN = 1
-SECRET = "hook-secret-123"
+SECRET = "hook-secret-0123456789"  # Telegram charset, 16+ characters
 
 
 def telegram_section(fake: FakeTelegram, **extra: Any) -> dict[str, Any]:

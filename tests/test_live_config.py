@@ -1,0 +1,664 @@
+"""Every config key, changed in config.json under a running gateway: it applies live, it
+restarts its channel alone, or it is saved and applies after a restart (README, "Live
+changes"). One table; each row edits the file, reloads, and checks the behaviour that the
+key controls on the running gateway (real model, Telegram and Slack fakes), then restores
+the file. A key without a row fails the test, so a new key must say how it applies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from zoneinfo import ZoneInfo
+
+import aiohttp
+import pytest
+
+import gateway.reload
+from gateway.app import Gateway
+from gateway.commands import flatten
+from gateway.config import Config, change_effect
+from gateway.reload import ConfigWatcher
+from gateway.sessions import TIMEOUT_REPLY
+from gateway.types import Inbound, Message
+from tests.conftest import GatewayFactory
+from tests.fakes import slack_server, telegram_server
+from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall
+from tests.fakes.slack_server import FakeSlack
+from tests.fakes.telegram_server import FakeTelegram
+
+fake_telegram = telegram_server.fake_telegram  # the fixtures
+fake_slack = slack_server.fake_slack
+
+Effect = Literal["live", "channel", "restart"]
+WEB_TOKEN = "web-token-before-0123"
+HOOK_SECRET = "hook-secret-0123456789abcdef"
+BIG = "".join(f"line {i:04d} of a long file\n" for i in range(200))  # 5,200 characters
+MEMORY = "MEMORY-MARKER-START\n" + "".join(f"remembered fact number {i}\n" for i in range(150)) + "MEMORY-MARKER-END\n"
+DAY = 86_400.0
+
+
+@dataclass
+class Rig:
+    gw: Gateway
+    model: FakeModel
+    tg: FakeTelegram
+    slack: FakeSlack
+    path: Path
+    base_text: str
+    watcher: ConfigWatcher
+
+    @property
+    def port(self) -> int:
+        assert self.gw.http is not None
+        return self.gw.http.port
+
+    async def post(self, session: str, text: str, token: str | None = None,
+                   port: int | None = None) -> tuple[int, dict[str, Any]]:
+        if token is None:
+            current = self.gw.cfg.channels.web.token
+            token = current.get_secret_value() if current is not None else WEB_TOKEN
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://127.0.0.1:{port or self.port}/api/chat",
+                                 json={"session": session, "text": text},
+                                 headers={"Authorization": f"Bearer {token}"}) as resp:
+                return resp.status, await resp.json(content_type=None)
+
+    async def say(self, session: str, text: str) -> str:
+        status, body = await self.post(session, text)
+        assert status == 200, body
+        return str(body["reply"])
+
+    def inbound(self, session: str) -> Inbound:
+        return Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="probe")
+
+    def workspace(self, session: str) -> Path:
+        return self.gw.workspace_for(self.inbound(session))
+
+    @property
+    def services(self) -> Any:
+        assert self.gw.services is not None
+        return self.gw.services
+
+    def system(self) -> str:
+        return str(self.model.requests[-1]["messages"][0]["content"])
+
+    async def tg_reply(self, **message: Any) -> dict[str, Any]:
+        """Push a Telegram message and return the bot's answer to it."""
+        before = len(self.tg.sent)
+        self.tg.push_message(**message)
+        return (await self.tg.wait_sent(before + 1))[before]
+
+    async def old_session(self, key: str, days: float) -> None:
+        store = self.services.store
+        await store.ensure_session(key, f"telegram:user:{key}", "telegram")
+        await store.add_message(key, Message(role="user", content="old", turn=1,
+                                             created_at=time.time() - days * DAY), seq=1)
+
+    def aged_tool_result(self, name: str, days: float) -> Path:
+        path = self.workspace("ttl") / "tool_results" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("saved output")
+        when = time.time() - days * DAY
+        os.utime(path, (when, when))
+        return path
+
+    async def blocked_model(self) -> tuple[asyncio.Event, list[int]]:
+        """The model holds every request until the event is set; the list counts requests in flight."""
+        release, in_flight = asyncio.Event(), [0]
+
+        async def held(_body: dict[str, Any]) -> str:
+            in_flight[0] += 1
+            try:
+                await asyncio.wait_for(release.wait(), 10)
+            finally:
+                in_flight[0] -= 1
+            return "released"
+
+        self.model.respond_with(held)
+        return release, in_flight
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+
+
+def summary_failures(r: Rig) -> float:
+    text = r.services.metrics.render().decode()
+    match = re.search(r"^gateway_summary_failures_total (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+# -- probes: each shows the new value at work on the running gateway --------------------------
+
+
+async def p_context_tokens(r: Rig) -> None:
+    assert "of 40,000" in await r.say("ctx", "/context")
+
+
+async def p_context_turns(r: Rig) -> None:
+    assert re.search(r"Turns: \d+ of 7\b", await r.say("ctx", "/context"))
+
+
+async def p_steps(r: Rig) -> None:
+    def insist_on_tools(body: dict[str, Any]) -> Reply:
+        if body.get("tools"):
+            return Reply(tool_calls=(ScriptedCall("current_time", "{}", f"call_{len(r.model.requests)}"),))
+        return Reply(text="done")
+
+    r.model.respond_with(insist_on_tools)
+    try:
+        before = len(r.model.requests)
+        await r.say("steps", "hi")
+        sent = r.model.requests[before:]
+    finally:
+        r.model.respond_with(None)
+    # One tool-calling step, then the answer-now call without tools.
+    assert len(sent) == 2 and sent[0].get("tools") and not sent[1].get("tools")
+
+
+async def p_system_prompt(r: Rig) -> None:
+    await r.say("prompt", "hi")
+    assert r.system().startswith("You are the table test bot.")
+
+
+async def p_timezone(r: Rig) -> None:
+    await r.say("zone", "hi")
+    assert "(JST)" in r.system()
+    assert r.services.memory.tz == ZoneInfo("Asia/Tokyo")
+    assert r.gw.scheduler.next_consolidation().utcoffset().total_seconds() == 9 * 3600
+
+
+async def p_retention(r: Rig) -> None:
+    await r.old_session("telegram:dm:retention", days=10)
+    report = await r.gw.scheduler.run_purge()
+    assert report.sessions >= 1 and await r.services.store.count_messages("telegram:dm:retention") == 0
+
+
+async def p_tool_result_cap(r: Rig) -> None:
+    r.model.tool_call("read_file", {"path": "big.txt"})
+    r.model.reply("read it")
+    await r.say("tools2", "read the file")
+    tool = [m for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-1]
+    assert len(tool["content"]) < 2000  # cut at 1,000 plus the notice
+
+
+async def p_history_cap(r: Rig) -> None:
+    await r.say("tools", "and now?")
+    tool = [m for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-1]
+    assert len(tool["content"]) < 2000  # the earlier turn's 5,200 characters, cut for history
+
+
+async def p_ttl(r: Rig) -> None:
+    path = r.aged_tool_result("three-days.txt", days=3)
+    await r.gw.scheduler.run_purge()
+    assert not path.exists()
+
+
+async def p_cron(r: Rig) -> None:
+    nxt = r.gw.scheduler.next_consolidation()
+    assert (nxt.hour, nxt.minute) == (4, 15)
+
+
+async def p_memory_tokens(r: Rig) -> None:
+    await r.say("mem", "hi")
+    assert "MEMORY-MARKER-START" in r.system() and "MEMORY-MARKER-END" not in r.system()
+    assert r.gw.scheduler._consolidator.target_tokens == 50
+
+
+async def p_summary_timeout(r: Rig) -> None:
+    for i in range(3):
+        await r.say("compact", f"turn {i}")
+    failures = summary_failures(r)
+    r.model.hang(5)
+    assert "Compacted" in await r.say("compact", "/compact")
+    await until(lambda: summary_failures(r) > failures, timeout=3)  # 0.3 s, not the base 10 s
+
+
+async def p_admins(r: Rig) -> None:
+    assert "saved" in await r.say("eve", "/config agent_max_steps 14")
+
+
+async def p_dm_policy(r: Rig) -> None:
+    r.model.reply("welcome, stranger")
+    assert (await r.tg_reply(chat_id=42, user_id=42, text="hello"))["text"] == "welcome, stranger"
+
+
+async def p_allow_from(r: Rig) -> None:
+    r.model.reply("welcome, listed")
+    assert (await r.tg_reply(chat_id=43, user_id=43, text="hello"))["text"] == "welcome, listed"
+
+
+async def p_group_trigger(r: Rig) -> None:
+    r.model.reply("heard you")
+    sent = await r.tg_reply(chat_id=-100, user_id=5, text="no mention here", chat_type="supergroup")
+    assert sent["text"] == "heard you"
+
+
+async def p_group_scope(r: Rig) -> None:
+    r.model.reply("one session for the group")
+    await r.tg_reply(chat_id=-100, user_id=6, text="hi bot", chat_type="supergroup", reply_to_bot=True)
+    assert await r.services.store.count_messages("telegram:group:-100") == 2
+
+
+async def p_model_name(r: Rig) -> None:
+    await r.say("model", "hi")
+    assert r.model.requests[-1]["model"] == "renamed-model"
+
+
+async def p_model_base_url(r: Rig) -> None:
+    await r.say("model", "hi")
+    assert r.model.request_headers[-1]["Host"] == f"localhost:{r.model.base_url.rsplit(':', 1)[1].split('/')[0]}"
+
+
+async def p_model_key(r: Rig) -> None:
+    await r.say("model", "hi")
+    assert r.model.request_headers[-1]["Authorization"] == "Bearer rotated-model-key"
+
+
+async def p_context_window(r: Rig) -> None:
+    assert f"of {10_000 - 4096:,}" in await r.say("ctx", "/context")  # window minus the output reserve
+
+
+async def p_max_output(r: Rig) -> None:
+    await r.say("model", "hi")
+    assert r.model.requests[-1]["max_tokens"] == 1000
+
+
+async def p_model_timeout(r: Rig) -> None:
+    before = len(r.model.requests)
+    r.model.hang(5)
+    started = time.monotonic()
+    await r.say("model", "hi")  # the first attempt times out at 0.3 s, the retry answers
+    assert time.monotonic() - started < 3 and len(r.model.requests) == before + 2
+
+
+async def p_max_retries(r: Rig) -> None:
+    before = len(r.model.requests)
+    r.model.error(503, {"error": {"message": "overloaded", "type": "server_error"}})
+    reply = await r.say("model", "hi")
+    assert len(r.model.requests) == before + 1, reply  # no retry
+
+
+async def p_temperature(r: Rig) -> None:
+    await r.say("model", "hi")
+    assert r.model.requests[-1]["temperature"] == 0.5
+
+
+async def p_summary_model(r: Rig) -> None:
+    for i in range(3):
+        await r.say("sum", f"turn {i}")
+    assert "Compacted" in await r.say("sum", "/compact")
+    await until(lambda: any(q["model"] == "summary-x" for q in r.model.requests))
+
+
+async def p_model_slots(r: Rig) -> None:
+    release, in_flight = await r.blocked_model()
+    try:
+        calls = [asyncio.ensure_future(r.say(f"slot{i}", "hi")) for i in range(2)]
+        await until(lambda: in_flight[0] == 2, timeout=3)  # two at once: the new limit
+    finally:
+        release.set()
+        r.model.respond_with(None)
+    await asyncio.gather(*calls)
+
+
+async def p_queue_size(r: Rig) -> None:
+    release, in_flight = await r.blocked_model()
+    try:
+        first = asyncio.ensure_future(r.say("queue", "one"))
+        await until(lambda: in_flight[0] == 1)
+        second = asyncio.ensure_future(r.say("queue", "two"))  # waits in the queue (size 1)
+        await until(lambda: r.gw.sessions.queued() == 1)
+        assert "still working" in await r.say("queue", "three")  # the queue is full
+    finally:
+        release.set()
+        r.model.respond_with(None)
+    await asyncio.gather(first, second)
+
+
+async def p_inbound_chars(r: Rig) -> None:
+    status, body = await r.post("chars", "x" * 60)
+    assert status == 413, body
+
+
+async def p_live_sessions(r: Rig) -> None:
+    for name in ("lv1", "lv2", "lv3"):
+        await r.say(name, "hi")
+    assert len(r.gw.sessions.live) <= 2
+
+
+async def p_tokens_per_day(r: Rig) -> None:
+    assert "budget of 1 tokens" in await r.say("quota", "more")
+
+
+async def p_turns_per_day(r: Rig) -> None:
+    assert "limit of 1 messages" in await r.say("quota", "more")
+
+
+async def p_turn_timeout(r: Rig) -> None:
+    r.model.hang(5)
+    started = time.monotonic()
+    assert await r.say("slow", "hi") == TIMEOUT_REPLY
+    assert time.monotonic() - started < 3
+
+
+async def p_log_level(r: Rig) -> None:
+    assert logging.getLogger().level == logging.DEBUG
+
+
+async def p_web_token(r: Rig) -> None:
+    assert (await r.post("tok", "hi", token=WEB_TOKEN))[0] == 401  # the old token stops working at once
+    assert (await r.post("tok", "hi", token="web-token-after-4567"))[0] == 200
+
+
+# Restart-only keys: the running gateway keeps the value it started with.
+
+async def p_data_dir(r: Rig) -> None:
+    await r.say("dd", "hi")
+    assert r.services.data_dir == r.path.parent / "data"
+    assert r.workspace("dd").is_relative_to(r.path.parent / "data")
+    assert not (r.path.parent / "data-elsewhere").exists()
+
+
+async def p_still_serving(r: Rig) -> None:
+    assert await r.say("serving", "hi")
+
+
+async def p_nothing_to_see(r: Rig) -> None:
+    pass  # read only when `gateway chat` starts (tests/test_config.py checks it refuses)
+
+
+# Channel keys: the channel was restarted with the new settings (checked for every row).
+
+async def p_tg_gone(r: Rig) -> None:
+    assert "telegram" not in r.gw.channels
+
+
+async def p_slack_gone(r: Rig) -> None:
+    assert "slack" not in r.gw.channels
+
+
+async def p_tg_webhook(r: Rig) -> None:
+    await until(lambda: r.tg.webhook is not None)
+    assert r.tg.webhook is not None and r.tg.webhook["secret_token"] == HOOK_SECRET
+
+
+async def p_tg_poll_timeout(r: Rig) -> None:
+    await until(lambda: any(str(c.get("timeout")) == "2" for c in r.tg.calls_of("getUpdates")))
+
+
+async def p_tg_receives(r: Rig) -> None:
+    polls = len(r.tg.calls_of("getUpdates"))
+    await until(lambda: len(r.tg.calls_of("getUpdates")) > polls)  # polling with the new settings
+
+
+async def p_slack_receives(r: Rig) -> None:
+    await until(lambda: r.gw.channels["slack"].is_ready())  # signed in (and its socket up) with the new settings
+
+
+def rotate(fake: str, attribute: str, value: str) -> tuple[Callable[[Rig], None], Callable[[Rig], None]]:
+    """The platform accepts only the new credential while the row runs."""
+    saved: list[str] = []
+
+    def arrange(r: Rig) -> None:
+        server = getattr(r, fake)
+        saved.append(getattr(server, attribute))
+        setattr(server, attribute, value)
+
+    def undo(r: Rig) -> None:
+        setattr(getattr(r, fake), attribute, saved.pop())
+
+    return arrange, undo
+
+
+def localhost(url: str) -> str:
+    return url.replace("127.0.0.1", "localhost")
+
+
+@dataclass
+class Row:
+    key: str
+    value: Any  # or a function of the rig
+    effect: Effect
+    probe: Callable[[Rig], Awaitable[None]]
+    around: tuple[Callable[[Rig], None], Callable[[Rig], None]] | None = None  # before the change, after the restore
+
+
+ROWS = [
+    Row("agent_max_context_tokens", 40_000, "live", p_context_tokens),
+    Row("agent_max_context_turns", 7, "live", p_context_turns),
+    Row("agent_max_steps", 1, "live", p_steps),
+    Row("system_prompt", "You are the table test bot.", "live", p_system_prompt),
+    Row("data_dir", "data-elsewhere", "restart", p_data_dir),
+    Row("timezone", "Asia/Tokyo", "live", p_timezone),
+    Row("session_retention_days", 5, "live", p_retention),
+    Row("tool_result_max_chars", 1000, "live", p_tool_result_cap),
+    Row("history_tool_result_max_chars", 1000, "live", p_history_cap),
+    Row("tool_result_ttl_days", 1, "live", p_ttl),
+    Row("memory_consolidation_cron", "15 4 * * *", "live", p_cron),
+    Row("memory_max_tokens", 50, "live", p_memory_tokens),
+    Row("summary_timeout_s", 0.3, "live", p_summary_timeout),
+    Row("admins", ["web:boss", "telegram:1", "web:eve"], "live", p_admins),
+    Row("access.dm_policy", "open", "live", p_dm_policy),
+    Row("access.allow_from", ["telegram:-100", "telegram:43"], "live", p_allow_from),
+    Row("access.group_trigger", "all", "live", p_group_trigger),
+    Row("group_session_scope", "group", "live", p_group_scope),
+    Row("model.name", "renamed-model", "live", p_model_name),
+    Row("model.base_url", lambda r: localhost(r.model.base_url), "live", p_model_base_url),
+    Row("model.api_key", "rotated-model-key", "live", p_model_key),
+    Row("model.context_window", 10_000, "live", p_context_window),
+    Row("model.max_output_tokens", 1000, "live", p_max_output),
+    Row("model.timeout_s", 0.3, "live", p_model_timeout),
+    Row("model.max_retries", 0, "live", p_max_retries),
+    Row("model.temperature", 0.5, "live", p_temperature),
+    Row("summary_model", lambda r: {"name": "summary-x", "base_url": r.model.base_url, "api_key": "sk-summary"},
+        "live", p_summary_model),
+    Row("channels.telegram.enabled", False, "channel", p_tg_gone),
+    Row("channels.telegram.token", "999:other-token", "channel", p_tg_receives,
+        rotate("tg", "token", "999:other-token")),
+    Row("channels.telegram.mode", "webhook", "channel", p_tg_webhook),
+    Row("channels.telegram.base_url", lambda r: localhost(r.tg.base_url), "channel", p_tg_receives),
+    Row("channels.telegram.base_file_url", lambda r: localhost(r.tg.base_file_url), "channel", p_tg_receives),
+    Row("channels.telegram.webhook_url", "https://bot.example/other", "channel", p_tg_receives),
+    Row("channels.telegram.webhook_secret", "another-secret-0123456789", "channel", p_tg_receives),
+    Row("channels.telegram.poll_timeout_s", 2, "channel", p_tg_poll_timeout),
+    Row("channels.slack.enabled", False, "channel", p_slack_gone),
+    Row("channels.slack.bot_token", "xoxb-other", "channel", p_slack_receives,
+        rotate("slack", "bot_token", "xoxb-other")),
+    Row("channels.slack.app_token", "xapp-other", "channel", p_slack_receives,
+        rotate("slack", "app_token", "xapp-other")),
+    Row("channels.slack.signing_secret", "another-signing-secret", "channel", p_slack_receives),
+    Row("channels.slack.mode", "http", "channel", p_slack_receives),
+    Row("channels.slack.base_url", lambda r: localhost(r.slack.base_url), "channel", p_slack_receives),
+    Row("channels.web.enabled", False, "restart", p_still_serving),
+    Row("channels.web.token", "web-token-after-4567", "live", p_web_token),
+    Row("channels.terminal.enabled", False, "restart", p_nothing_to_see),
+    Row("http.host", "localhost", "restart", p_still_serving),
+    Row("http.port", 18_089, "restart", p_still_serving),
+    Row("http.header_timeout_s", 3, "restart", p_still_serving),
+    Row("http.body_timeout_s", 3, "restart", p_still_serving),
+    Row("http.keepalive_timeout_s", 3, "restart", p_still_serving),
+    Row("http.max_connections_per_client", 8, "restart", p_still_serving),
+    Row("limits.max_concurrent_model_calls", 2, "live", p_model_slots),
+    Row("limits.session_queue_size", 1, "live", p_queue_size),
+    Row("limits.max_inbound_chars", 50, "live", p_inbound_chars),
+    Row("limits.max_live_sessions", 1, "live", p_live_sessions),
+    Row("limits.tokens_per_user_per_day", 1, "live", p_tokens_per_day),
+    Row("limits.turns_per_user_per_day", 1, "live", p_turns_per_day),
+    Row("limits.turn_timeout_s", 0.5, "live", p_turn_timeout),
+    Row("log_level", "DEBUG", "live", p_log_level),
+]
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        raw = raw.setdefault(part, {})
+    raw[last] = value
+
+
+@pytest.fixture
+def restore_logging() -> Any:
+    levels = {name: logging.getLogger(name).level for name in
+              ("", "httpx", "httpcore", "openai", "telegram", "slack_sdk", "slack_bolt", "apscheduler", "aiosqlite")}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+async def _setup(r: Rig) -> None:
+    """What the probes build on, checked at the base values where that is cheap."""
+    for session in ("tools", "tools2"):
+        r.workspace(session).mkdir(parents=True, exist_ok=True)
+        (r.workspace(session) / "big.txt").write_text(BIG)
+    r.model.tool_call("read_file", {"path": "big.txt"})
+    r.model.reply("read")
+    await r.say("tools", "read big.txt")
+    assert len([m for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]) >= len(BIG)
+    r.workspace("mem").mkdir(parents=True, exist_ok=True)
+    (r.workspace("mem") / "MEMORY.md").write_text(MEMORY)
+    await r.say("mem", "hi")
+    assert "MEMORY-MARKER-END" in r.system()
+    await r.say("quota", "first")  # a turn and some tokens for the daily budgets
+    await r.say("queue", "warm")  # live before its queue size changes
+    assert "Only admins" in await r.say("eve", "/config agent_max_steps 14")
+    assert "pairing code" in (await r.tg_reply(chat_id=41, user_id=41, text="hello"))["text"]
+    kept = r.aged_tool_result("base.txt", days=3)
+    await r.old_session("telegram:dm:kept", days=10)
+    report = await r.gw.scheduler.run_purge()
+    assert kept.exists() and report.sessions == 0
+    release, in_flight = await r.blocked_model()
+    try:
+        calls = [asyncio.ensure_future(r.say(f"base{i}", "hi")) for i in range(2)]
+        await until(lambda: in_flight[0] == 1)
+        await asyncio.sleep(0.2)
+        assert in_flight[0] == 1  # limit 1 at start
+    finally:
+        release.set()
+        r.model.respond_with(None)
+    await asyncio.gather(*calls)
+
+
+async def _ready(r: Rig, polls_before: int = -1, channels: tuple[str, ...] = ("telegram", "slack")) -> None:
+    """The channels receive again: Telegram polls (after `polls_before` getUpdates calls), Slack's socket is up."""
+    if "telegram" in channels:
+        await until(lambda: len(r.tg.calls_of("getUpdates")) > polls_before, timeout=10)
+    if "slack" in channels:
+        await until(lambda: "slack" in r.gw.channels and r.gw.channels["slack"].is_ready(), timeout=10)
+
+
+async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                               fake_telegram: FakeTelegram, fake_slack: FakeSlack, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                               restore_logging: Any) -> None:
+    leaves = set(flatten(Config().model_dump(mode="json")))
+    assert {row.key for row in ROWS} == leaves, "every key needs a row: how does it apply?"
+    monkeypatch.setattr(gateway.reload, "SETTLE_S", 0.01)
+    gw = await make_gateway(
+        admins=["web:boss", "telegram:1"], timezone="UTC",
+        access={"dm_policy": "pairing", "allow_from": ["telegram:-100"]},
+        channels={
+            "telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                         "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1,
+                         "webhook_url": "https://bot.example/tg", "webhook_secret": HOOK_SECRET},
+            "slack": {"enabled": True, "bot_token": fake_slack.bot_token, "app_token": fake_slack.app_token,
+                      "base_url": fake_slack.base_url, "signing_secret": "slack-signing-secret"},
+            "web": {"token": WEB_TOKEN},
+        },
+        limits={"max_concurrent_model_calls": 1},
+    )
+    path = tmp_path / "config.json"
+    watcher = ConfigWatcher(gw)  # its reload path, called directly: no file-event race with the test
+    rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher)
+    failures: list[str] = []
+    await _ready(rig)
+    await _setup(rig)
+    for row in ROWS:
+        value = row.value(rig) if callable(row.value) else row.value
+        raw = json.loads(rig.base_text)
+        set_dotted(raw, row.key, value)
+        before = {name: gw.channels.get(name) for name in ("telegram", "slack")}
+        caplog.clear()
+        if row.around is not None:
+            row.around[0](rig)
+        try:
+            path.write_text(json.dumps(raw, indent=2))
+            assert await watcher.reload() is True, "the change was not applied"
+            assert change_effect(row.key) == row.effect, "the gateway's own table disagrees"
+            later = [k for rec in caplog.records for k in getattr(rec, "keys", ())]
+            assert (row.key in later) is (row.effect == "restart"), later
+            for name, channel in before.items():
+                restarted = gw.channels.get(name) is not channel
+                assert restarted is (row.effect == "channel" and row.key.startswith(f"channels.{name}.")), name
+                if restarted and name in gw.channels:
+                    section = getattr(gw.cfg.channels, name)
+                    assert gw.channels[name].cfg == section
+            await row.probe(rig)
+        except Exception as err:  # collect every key that misbehaves, not just the first
+            failures.append(f"{row.key}: {type(err).__name__}: {err}")
+        finally:
+            fake_model.respond_with(None)
+            fake_model.clear()
+            if row.around is not None:
+                row.around[1](rig)
+            path.write_text(rig.base_text)
+            polls = len(fake_telegram.calls_of("getUpdates"))
+            if await watcher.reload() and row.effect == "channel":
+                await _ready(rig, polls, channels=(row.key.split(".")[1],))
+    assert not failures, "\n".join(failures)
+
+
+def test_the_readme_lists_how_keys_apply() -> None:
+    from gateway.config import CHANNEL_SECTIONS, RESTART_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {line.split("|")[2].strip(): set(re.findall(r"`([a-z_.*]+)`", line.split("|")[1]))
+            for line in readme.splitlines() if line.startswith("| `")}
+    assert rows["restarts that channel alone"] == {f"{s}.*" for s in CHANNEL_SECTIONS}
+    assert rows["is saved and logged; applies after a restart"] == set(RESTART_KEYS)
+    assert {row.key for row in ROWS if row.effect == "restart"} == set(RESTART_KEYS)
+
+
+async def test_model_slots_follow_a_new_limit_and_never_leak() -> None:
+    from gateway.slots import ModelSlots
+
+    slots = ModelSlots(1)
+    entered: list[str] = []
+    gates = {name: asyncio.Event() for name in ("a", "b", "c", "d")}
+
+    async def call(name: str) -> None:
+        async with slots:
+            entered.append(name)
+            await asyncio.wait_for(gates[name].wait(), 5)
+
+    a = asyncio.ensure_future(call("a"))
+    b = asyncio.ensure_future(call("b"))
+    await until(lambda: entered == ["a"])
+    await asyncio.sleep(0.05)
+    assert entered == ["a"]  # b waits for the one slot
+    slots.resize(2)
+    await until(lambda: entered == ["a", "b"])  # a bigger limit lets the waiter in at once
+    slots.resize(1)  # lower than what is in flight: both finish, nobody new enters
+    c = asyncio.ensure_future(call("c"))
+    d = asyncio.ensure_future(call("d"))
+    await asyncio.sleep(0.05)
+    c.cancel()  # a waiter that gives up takes no slot with it
+    gates["a"].set()
+    await asyncio.sleep(0.05)
+    assert entered == ["a", "b"] and slots.in_use == 1
+    gates["b"].set()
+    await until(lambda: entered == ["a", "b", "d"])
+    gates["d"].set()
+    await asyncio.gather(a, b, d)
+    assert c.cancelled() and slots.in_use == 0
