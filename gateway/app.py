@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from context.tokens import TokenCounter
 from gateway.access import Pairing
@@ -15,7 +15,7 @@ from gateway.agent import Agent
 from gateway.commands import BOT_COMMANDS, Commands
 from gateway.config import Config
 from gateway.http import HttpServer, build_app
-from gateway.keys import memory_scope, workspace_dir
+from gateway.keys import memory_scope, session_key, workspace_dir
 from gateway.logs import REDACTOR
 from gateway.metrics import Metrics
 from gateway.model import ModelClient
@@ -27,6 +27,9 @@ from gateway.summarizer import Summarizer
 from gateway.tools.registry import ToolRegistry
 from gateway.types import Inbound
 from gateway.usage import Usage
+
+if TYPE_CHECKING:
+    from channels.web import HistoryItem
 
 log = logging.getLogger("gateway.app")
 
@@ -199,11 +202,21 @@ class Gateway:
             token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
             self.channels["web"] = WebChannel(self.router.handle, token=token or None,
                                               max_chars=cfg.limits.max_inbound_chars,
-                                              reply_timeout_s=cfg.limits.turn_timeout_s + 15)
+                                              reply_timeout_s=cfg.limits.turn_timeout_s + 15,
+                                              history=self.web_history)
         for name in ("telegram", "slack"):
             channel = self._make_channel(name, cfg)
             if channel is not None:
                 self.channels[name] = channel
+
+    async def web_history(self, session: str, limit: int) -> list[HistoryItem]:
+        """The web page's view of a session: what was said, oldest first."""
+        from channels.web import HistoryItem
+
+        assert self.services is not None
+        probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
+        stored = await self.services.store.chat_history(session_key(probe), limit=limit)
+        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in stored]
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
         if name == "telegram" and cfg.channels.telegram.enabled:
