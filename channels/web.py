@@ -33,6 +33,7 @@ log = logging.getLogger("channels.web")
 
 SESSION_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 HEARTBEAT_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
+STUCK_WRITE_S = 5.0  # past the reply's deadline, how long a write may wait for a client that does not read
 HISTORY_DEFAULT, HISTORY_MAX = 50, 200
 VENDOR_FILE = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}\.(js|css|txt)")
 STATIC_TYPES = {"js": "text/javascript", "css": "text/css", "txt": "text/plain", "svg": "image/svg+xml"}
@@ -62,7 +63,7 @@ class SseOutbox:
     replaces before it was written."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[str, dict[str, str]]] = []
+        self.items: list[tuple[str, list[str]]] = []  # (event, pieces of its text)
         self.wake = asyncio.Event()
         self.closed = False  # the request has gone; everything is dropped from now on
         self.failed = False  # the turn ended with an error message (`fail`)
@@ -73,15 +74,15 @@ class SseOutbox:
         if event == "status":
             self.items.clear()
         if event == "delta" and self.items and self.items[-1][0] == "delta":
-            self.items[-1] = ("delta", {"text": self.items[-1][1]["text"] + text})
+            self.items[-1][1].append(text)  # joined once when written, however many pile up
         else:
-            self.items.append((event, {"text": text}))
+            self.items.append((event, [text]))
         self.wake.set()
 
     def take(self) -> list[tuple[str, dict[str, str]]]:
         items, self.items = self.items, []
         self.wake.clear()
-        return items
+        return [(event, {"text": "".join(pieces)}) for event, pieces in items]
 
 
 class WebReplyStream:
@@ -130,6 +131,7 @@ class WebChannel:
         self.history = history
         self.observe = observe
         self.heartbeat_s = heartbeat_s
+        self.stuck_write_s = STUCK_WRITE_S
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self._outboxes: dict[str, SseOutbox] = {}  # event id → its request's stream, when it asked for one
         self._static: dict[str, tuple[bytes, str]] = {}  # file → (bytes, etag); the package never changes
@@ -159,7 +161,7 @@ class WebChannel:
 
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
-        yield  # the page shows its own "thinking…" while the request is open
+        yield  # the page shows its own "working… N s" while the request is open
 
     async def send(self, inbound: Inbound, text: str) -> None:
         fut = self._waiters.get(inbound.event_id)
@@ -311,14 +313,21 @@ class WebChannel:
         })
         fut.add_done_callback(lambda _f: outbox.wake.set())
         try:
-            await resp.prepare(request)
-            await resp.write(b": accepted\n\n")
-            await resp.write(await self._relay(resp, fut, outbox))
-            await resp.write_eof()
+            # The relay keeps its own deadline; this one also bounds writes to a client
+            # that stopped reading (they would wait for it forever).
+            async with asyncio.timeout(self.reply_timeout_s + self.stuck_write_s):
+                await resp.prepare(request)
+                await resp.write(b": accepted\n\n")
+                await resp.write(await self._relay(resp, fut, outbox))
+                await resp.write_eof()
         except ConnectionError as err:
             # The client left: the turn is unaffected; its reply is stored and shows in
             # the history.
             log.info("web stream closed by the client", extra={"error": type(err).__name__})
+        except TimeoutError:
+            log.info("web stream dropped: the client stopped reading")
+            if request.transport is not None:
+                request.transport.abort()
         finally:
             outbox.closed = True
         return resp

@@ -1,8 +1,8 @@
 """The web API's streamed answers and history through the whole gateway (fake model).
 
-Until the agent streams model calls into the channel's ReplyStream, a streamed request
-gets the whole reply as its `done` event; once it does, deltas come first. These tests
-hold in both cases: the deltas, when there are any, spell the reply."""
+Until the gateway asks channels for a ReplyStream (`Gateway.stream`, beside `deliver`), a
+streamed request gets the whole reply as its `done` event; once it does, deltas must
+come first, and they spell the reply."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ async def test_a_streamed_request_ends_with_the_whole_reply(make_gateway: Gatewa
             events = await Events(resp).rest()
     assert events[-1] == ("done", {"reply": reply})
     deltas = [data["text"] for event, data in events if event == "delta"]
+    if hasattr(Gateway, "stream"):  # the gateway asks channels for streams (SPEC §5.1)
+        assert deltas, "a streaming gateway sent no deltas to a request that asked for them"
     assert not deltas or "".join(deltas) == reply
     assert {event for event, _ in events} <= {"delta", "status", "done"}
     assert fake_model.requests[-1]["messages"][-1]["content"] == "show me"

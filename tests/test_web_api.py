@@ -336,3 +336,25 @@ async def test_stream_must_be_true_to_ask(served: Served, payload: dict[str, Any
         await served.channel.send(inbound, "json")
         async with await request as resp:
             assert (await resp.json())["reply"] == "json"
+
+
+async def test_a_client_that_stops_reading_is_dropped_in_time(served: Served) -> None:
+    served.channel.reply_timeout_s = 0.3
+    served.channel.stuck_write_s = 0.3
+    async with aiohttp.ClientSession() as http:
+        resp = await open_stream(http, served.base, {"session": "stuck", "text": "hi", "stream": True})
+        stream = stream_for(served, await served.next_inbound())
+        # Far more than the socket buffers hold, and the client never reads a byte.
+        async with asyncio.timeout(2):
+            for _ in range(64):
+                await stream.append("x" * 1_000_000)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with asyncio.timeout(5):
+            while True:
+                if not served.channel._waiters:
+                    break
+                await asyncio.sleep(0.05)
+        assert loop.time() - started < 2
+        await stream.finish("x" * 64_000_000)  # nobody is listening: a no-op, no error
+        resp.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
+from gateway.app import Gateway
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel
 from tests.test_web_api import Served, served, stream_for  # noqa: F401  (fixture)
@@ -204,6 +206,26 @@ async def test_streamed_reply_grows_on_the_page(served: Served, browser: Browser
     last = page.locator(".msg.bot").last
     assert await last.locator("pre").text_content() == "line one\nline two\n"
     assert await page.locator(".msg.bot.pending").count() == 0
+    assert errors == []
+
+
+async def test_the_gateway_streams_into_the_page(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                 browser: Browser) -> None:
+    if not hasattr(Gateway, "stream") or "chunk_delay" not in inspect.signature(FakeModel.reply).parameters:
+        pytest.skip("needs the agent's streaming (g-stream-core): Gateway.stream and a slow streaming fake model")
+    gw = await make_gateway()
+    assert gw.http is not None
+    chunks = ["Counting: **one**", ", two", ", three.\n\n```\ndone\n```"]
+    fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.4)  # type: ignore[call-arg]
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "count slowly")
+    await page.press("#text", "Enter")
+    live = page.locator(".msg.bot.pending")
+    await live.locator("strong", has_text="one").wait_for(timeout=5000)  # before the reply is complete
+    assert "three" not in (await live.text_content() or "")
+    assert await page.is_visible("#working")
+    await page.wait_for_selector("#working", state="hidden", timeout=10_000)
+    assert await page.locator(".msg.bot").last.locator("pre").text_content() == "done\n"
     assert errors == []
 
 

@@ -351,6 +351,8 @@
   // Replies that came in while the tab was in the background.
   document.addEventListener("visibilitychange", () => { if (!document.hidden) loadHistory(false); });
 
+  if (window.matchMedia("(max-width: 520px)").matches) text.placeholder = "Message"; // the hint does not fit
+
   showWho();
   loadHistory(true);
   text.focus();
