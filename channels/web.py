@@ -58,9 +58,9 @@ HistoryLookup = Callable[[str, int], Awaitable[list[HistoryItem]]]
 class SseOutbox:
     """What a streamed reply has to tell its request, until the request writes it out.
 
-    Producers never wait: a slow or vanished client cannot hold up the turn. It stays
-    small however slow the client is: deltas merge, and a status drops whatever it
-    replaces before it was written."""
+    Producers never wait: a slow or vanished client cannot hold up the turn. However slow
+    the client, it holds no more than the reply: deltas merge, and a status drops what it
+    replaces before that was written."""
 
     def __init__(self) -> None:
         self.items: list[tuple[str, list[str]]] = []  # (event, pieces of its text)
@@ -228,7 +228,7 @@ class WebChannel:
         if not self._running or self.history is None:
             return _error(503, "the history is not available right now")
         session = request.query.get("session", "default")
-        if not SESSION_NAME.match(session):
+        if not SESSION_NAME.fullmatch(session):  # `$` alone would let "alice\n" through
             return _error(400, "session must be 1-64 characters of letters, digits, _ . @ -")
         try:
             limit = int(request.query.get("limit", HISTORY_DEFAULT))

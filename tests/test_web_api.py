@@ -258,8 +258,8 @@ async def test_history_endpoint(served: Served) -> None:
             {"role": "user", "text": "hi from alice", "at": 1.0},
             {"role": "assistant", "text": "**hello**", "at": 2.0}]}
         assert served.history_calls == [("alice", 7)]
-        for params in ({"session": "../etc"}, {"session": "a", "limit": "0"}, {"session": "a", "limit": "201"},
-                       {"session": "a", "limit": "ten"}):
+        for params in ({"session": "../etc"}, {"session": "alice\n"}, {"session": "a", "limit": "0"},
+                       {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"}):
             async with http.get(served.base + "/api/history", params=params) as resp:
                 assert resp.status == 400, params
         served.channel.token = "sekret"

@@ -138,14 +138,14 @@
     try {
       const url = "api/history?session=" + encodeURIComponent(session.value) + "&limit=" + HISTORY_LIMIT;
       res = await fetch(url, { headers: authHeaders(), cache: "no-store" });
-      data = await res.json();
+      data = await res.json().catch(() => ({}));
     } catch (err) {
       clearLog();
       addMessage("error", "The gateway could not be reached: " + err.message);
       return;
     }
     if (busy) return;
-    if (!res.ok) {
+    if (!res.ok || !Array.isArray(data.messages)) {
       clearLog();
       shownHistory = "";
       if (res.status === 401) {
