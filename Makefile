@@ -1,9 +1,9 @@
-# make test | bench | soak   (PYTHON=/path/to/venv/bin/python to pick an interpreter)
+# make test | bench | soak | screenshots   (PYTHON=/path/to/venv/bin/python to pick an interpreter)
 PYTHON ?= $(firstword $(wildcard .venv/bin/python) python3)
 # Benchmarks written by other parts of the project, run when present.
 SCRIPT_BENCHES := context_engine context_cost purge
 
-.PHONY: test bench soak
+.PHONY: test bench soak screenshots
 
 test:
 	$(PYTHON) -m pytest -q
@@ -21,3 +21,7 @@ bench:
 # Minutes: repeated SIGKILL rounds under load, then a long hypothesis hunt for bad input.
 soak:
 	$(PYTHON) -m bench.soak
+
+# The web chat's README screenshots (headless Chromium, a gateway on the fake model).
+screenshots:
+	$(PYTHON) -m tests.web_screenshots docs/img

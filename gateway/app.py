@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from context.tokens import TokenCounter
@@ -23,7 +23,7 @@ from gateway.config import (
     startup_problems,
 )
 from gateway.http import HttpServer, build_app
-from gateway.keys import memory_scope, workspace_dir
+from gateway.keys import memory_scope, session_key, workspace_dir
 from gateway.logs import REDACTOR, set_log_level
 from gateway.metrics import Metrics
 from gateway.model import ModelClient
@@ -37,6 +37,9 @@ from gateway.tools.registry import ToolRegistry
 from gateway.types import Inbound
 from gateway.usage import Usage
 from gateway.workspace import restrict_mode
+
+if TYPE_CHECKING:
+    from channels.web import HistoryItem
 
 log = logging.getLogger("gateway.app")
 
@@ -217,11 +220,21 @@ class Gateway:
         from channels.web import WebChannel
 
         if cfg.channels.web.enabled and self.serve_http:
-            self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host, **_web_settings(cfg))
+            self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
+                                              history=self.web_history, **_web_settings(cfg))
         for name in ("telegram", "slack"):
             channel = self._make_channel(name, cfg)
             if channel is not None:
                 self.channels[name] = channel
+
+    async def web_history(self, session: str, limit: int) -> list[HistoryItem]:
+        """The web page's view of a session: what was said, oldest first."""
+        from channels.web import HistoryItem
+
+        assert self.services is not None
+        probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
+        stored = await self.services.store.chat_history(session_key(probe), limit=limit)
+        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in stored]
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
         if name == "telegram" and cfg.channels.telegram.enabled:

@@ -409,6 +409,18 @@ class Store:
             return []
         return await self.messages(key, from_turn=min(found))
 
+    async def chat_history(self, key: str, *, limit: int) -> list[Message]:
+        """The last `limit` messages the person saw in the chat, oldest first: what they
+        wrote and the final replies (no tool traffic, no gateway notices). Walks the
+        (session_key, turn, seq) index backwards and stops at `limit`."""
+        rows = await self._rows(
+            "SELECT * FROM (SELECT * FROM messages WHERE session_key=? AND injected=0 "
+            "AND (role='user' OR (role='assistant' AND tool_calls IS NULL)) "
+            "ORDER BY turn DESC, seq DESC LIMIT ?) ORDER BY turn, seq",
+            (key, limit),
+        )
+        return [_row_to_message(r) for r in rows]
+
     async def last_turn(self, key: str) -> int:
         rows = await self._rows("SELECT max(turn) FROM messages WHERE session_key=?", (key,))
         return int(rows[0][0]) if rows and rows[0][0] is not None else 0

@@ -347,3 +347,20 @@ async def test_readyz_never_answers_500() -> None:
         assert body["ready"] is False and "the check itself broke" in body["reasons"][0]
     finally:
         await server.stop()
+
+
+async def test_a_rebinding_page_cannot_read_the_history(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway()
+    port = port_of(gw)
+    await post_api(gw, json.dumps({"session": "hist", "text": "my secret plan"}).encode(),
+                   {"Content-Type": "application/json"})
+    url = f"http://127.0.0.1:{port}/api/history?session=hist"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers={"Host": f"evil.example:{port}"}) as resp:
+            assert resp.status == 403
+            assert "my secret plan" not in await resp.text()
+        async with http.get(url, headers={"Origin": "http://evil.example"}) as resp:
+            assert resp.status == 403
+        async with http.get(url) as resp:  # the page itself
+            assert resp.status == 200
+            assert "my secret plan" in await resp.text()

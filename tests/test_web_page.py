@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
-import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
-from playwright.async_api import async_playwright
+import pytest_asyncio
+from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
-from tests.conftest import GatewayFactory
+from gateway.app import Gateway
+from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel
+from tests.test_web_api import Served, served, stream_for  # noqa: F401  (fixture)
+from tests.web_screenshots import CHROMIUM, CHROMIUM_ARGS, SIZES, take
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run", "--disable-quic"]
+HOSTILE = ("Look:\n\n<script>window.__pwned = 1</script>\n\n<img src=x onerror=\"window.__pwned = 2\">\n\n"
+           "[harmless](javascript:window.__pwned=3) and <a href=\"https://example.org\" onclick=\"window.__pwned=4\">"
+           "a site</a>\n\n<iframe src=\"javascript:parent.__pwned=5\"></iframe>")
+RICH = ("Steps:\n\n1. first\n2. second\n\n```python\nprint('hi <b>')\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "See [the docs](https://example.org/docs).")
 
 
 @pytest.fixture
@@ -23,28 +32,205 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-async def test_chat_page_round_trip(make_gateway: GatewayFactory, fake_model: FakeModel, chromium_path: str) -> None:
+@pytest_asyncio.fixture
+async def browser(chromium_path: str) -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def open_page(browser: Browser | BrowserContext, url: str) -> tuple[Page, list[str]]:
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    await page.goto(url)
+    return page, errors
+
+
+async def test_chat_round_trip_renders_markdown(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                browser: Browser) -> None:
     gw = await make_gateway()
     assert gw.http is not None
-    fake_model.reply("Hello from the model <b>not bold</b>", delay=0.3)
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=chromium_path, args=ARGS, headless=True)
-        try:
-            page = await browser.new_page()
-            await page.goto(f"http://127.0.0.1:{gw.http.port}/")
-            await page.fill("#session", "browser-user")
-            await page.fill("#text", "hi from the browser")
-            await page.click("#send")
-            await page.wait_for_selector("#thinking:not([hidden])", timeout=5000)
-            bot = page.locator(".msg.bot")
-            await bot.first.wait_for(timeout=10_000)
-            assert await bot.first.text_content() == "Hello from the model <b>not bold</b>"
-            assert await page.locator(".msg.bot b").count() == 0  # shown as text, never as HTML
-            assert await page.locator(".msg.user").first.text_content() == "hi from the browser"
-            assert await page.is_hidden("#thinking")
-        finally:
-            await browser.close()
-    request = fake_model.requests[-1]
-    assert request["messages"][-1]["content"] == "hi from the browser"
+    fake_model.reply(RICH, delay=1.6)
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    assert await page.evaluate("document.activeElement.id") == "text"  # ready to type
+    assert "web-user" in (await page.text_content("#welcome") or "")
+    await page.fill("#text", "hi from the browser")
+    await page.press("#text", "Enter")
+    # The working state shows, counting seconds, while the agent works.
+    await page.wait_for_selector("#working:not([hidden])", timeout=5000)
+    assert await page.is_disabled("#send")
+    await expect(page.locator("#working-text")).to_have_text("working… 1 s", timeout=5000)
+    bot = page.locator(".msg.bot:not([hidden])")
+    await bot.first.wait_for(timeout=10_000)
+    await page.wait_for_selector("#working", state="hidden", timeout=5000)
+    assert await page.locator(".msg.user").first.text_content() == "hi from the browser"
+    assert await bot.locator("pre code").text_content() == "print('hi <b>')\n"
+    assert await bot.locator("b").count() == 0  # code is text, never markup
+    assert await bot.locator("pre").evaluate("e => getComputedStyle(e).fontFamily.includes('monospace')")
+    assert await bot.locator(".code button.copy").count() == 1
+    assert await bot.locator("ol li").count() == 2
+    assert await bot.locator("table td").all_text_contents() == ["1", "2"]
+    link = bot.locator("a", has_text="the docs")
+    assert await link.get_attribute("target") == "_blank"
+    assert "noopener" in (await link.get_attribute("rel") or "")
+    assert await page.evaluate("document.activeElement.id") == "text"
+    assert not await page.is_disabled("#send")
+    assert errors == []
+    assert fake_model.requests[-1]["messages"][-1]["content"] == "hi from the browser"
     assert gw.services is not None
-    assert await gw.services.store.count_messages("web:browser-user") == 2
+    assert await gw.services.store.count_messages("web:web-user") == 2
+
+
+async def test_hostile_replies_never_run(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                         browser: Browser) -> None:
+    gw = await make_gateway()
+    assert gw.http is not None
+    fake_model.reply(HOSTILE)
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "show me something")
+    await page.click("#send")
+    bot = page.locator(".msg.bot:not([hidden])")
+    await bot.first.wait_for(timeout=10_000)
+    assert "Look:" in (await bot.text_content() or "")
+    # The sanitizer removed everything that could run (the page's CSP would block it too).
+    assert await bot.locator("script, iframe, [onerror], [onclick]").count() == 0
+    assert await bot.locator("a[href^='javascript']").count() == 0
+    await bot.locator("a", has_text="harmless").click()
+    await page.wait_for_timeout(300)
+    assert await page.evaluate("typeof window.__pwned") == "undefined"
+    # Reloaded from the history, the same reply is just as harmless.
+    await page.reload()
+    await page.locator(".msg.bot").first.wait_for(timeout=5000)
+    await page.wait_for_timeout(300)
+    assert await page.evaluate("typeof window.__pwned") == "undefined"
+    assert await page.locator(".msg.bot script, .msg.bot [onerror]").count() == 0
+    assert errors == []
+
+
+async def test_history_appears_on_reload(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                         browser: Browser) -> None:
+    gw = await make_gateway()
+    assert gw.http is not None
+    url = f"http://127.0.0.1:{gw.http.port}/"
+    context = await browser.new_context()  # one browser profile: its localStorage persists
+    page, _ = await open_page(context, url)
+    await page.click("#settings-toggle")
+    await page.fill("#session", "reloader")
+    await page.press("#session", "Tab")  # "change": saved, and that session's history shown
+    assert await page.text_content("#who") == "session: reloader"
+    fake_model.reply("Here:\n\n```\ncode kept\n```")
+    await page.fill("#text", "first visit")
+    await page.press("#text", "Enter")
+    await page.locator(".msg.bot pre").wait_for(timeout=10_000)
+    # While the page is closed, another reply arrives in the same session.
+    await page.close()
+    fake_model.reply("sent while you were away")
+    assert await chat(gw, "reloader", "from elsewhere") == "sent while you were away"
+    page, errors = await open_page(context, url)
+    await page.locator(".msg.bot").nth(1).wait_for(timeout=5000)
+    assert await page.locator(".msg.user").all_text_contents() == ["first visit", "from elsewhere"]
+    assert await page.locator(".msg.bot pre").text_content() == "code kept\n"
+    assert (await page.locator(".msg.bot").nth(1).text_content() or "").strip() == "sent while you were away"
+    assert await page.text_content("#who") == "session: reloader"  # remembered by the browser
+    assert errors == []
+
+
+async def test_stop_aborts_the_wait_and_the_reply_arrives_later(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                                browser: Browser) -> None:
+    gw = await make_gateway()
+    assert gw.http is not None
+    fake_model.reply("worth the wait", delay=0.6)
+    page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "slow question")
+    await page.press("#text", "Enter")
+    await page.wait_for_selector("#working:not([hidden])", timeout=5000)
+    await page.click("#stop")
+    await page.wait_for_selector("#working", state="hidden", timeout=2000)
+    assert "Stopped waiting" in (await page.locator(".note").last.text_content() or "")
+    assert await page.locator(".msg.bot").count() == 0
+    # The turn went on in the gateway; the history button shows its reply.
+    assert gw.services is not None
+    async with asyncio.timeout(5):
+        while True:
+            if await gw.services.store.count_messages("web:web-user") == 2:
+                break
+            await asyncio.sleep(0.05)
+    await page.click("#refresh")
+    await page.locator(".msg.bot", has_text="worth the wait").wait_for(timeout=5000)
+
+
+async def test_a_token_gateway_asks_for_it_in_the_settings(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                          browser: Browser) -> None:
+    gw = await make_gateway(channels={"web": {"token": "page-token"}})
+    assert gw.http is not None
+    page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.wait_for_selector("#settings:not([hidden])", timeout=5000)
+    assert "token" in (await page.locator(".msg.error").text_content() or "")
+    await page.fill("#token", "page-token")
+    await page.press("#token", "Enter")
+    await expect(page.locator(".msg.error")).to_have_count(0, timeout=5000)
+    fake_model.reply("authorized")
+    await page.fill("#text", "hello")
+    await page.press("#text", "Enter")
+    await page.locator(".msg.bot", has_text="authorized").wait_for(timeout=10_000)
+    assert await page.evaluate("localStorage.getItem('gw.token')") == "page-token"
+
+
+async def test_streamed_reply_grows_on_the_page(served: Served, browser: Browser) -> None:  # noqa: F811
+    page, errors = await open_page(browser, served.base + "/")
+    await page.locator(".msg.bot").first.wait_for(timeout=5000)  # the fixture's history
+    await page.fill("#text", "stream please")
+    await page.press("#text", "Enter")
+    stream = stream_for(served, await served.next_inbound())
+    live = page.locator(".msg.bot.pending")
+    await stream.append("Working on **it")
+    await stream.append("**, one moment")
+    await live.locator("strong", has_text="it").wait_for(timeout=5000)  # Markdown while it grows
+    assert await page.is_visible("#working")
+    await stream.status("reading notes.md…")
+    await live.locator(".status", has_text="reading notes.md…").wait_for(timeout=5000)
+    assert "one moment" not in (await live.text_content() or "")  # the status replaced it
+    for word in ("Found ", "it:\n\n", "```\n", "line one\n"):
+        await stream.append(word)
+        await asyncio.sleep(0.03)
+    await live.locator("pre").wait_for(timeout=5000)  # an unclosed code block already shows
+    assert await page.is_visible("#working")
+    final = "Found it:\n\n```\nline one\nline two\n```"
+    await stream.append("line two\n```")
+    await stream.finish(final)
+    await page.wait_for_selector("#working", state="hidden", timeout=5000)
+    last = page.locator(".msg.bot").last
+    assert await last.locator("pre").text_content() == "line one\nline two\n"
+    assert await page.locator(".msg.bot.pending").count() == 0
+    assert errors == []
+
+
+async def test_the_gateway_streams_into_the_page(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                 browser: Browser) -> None:
+    if not hasattr(Gateway, "stream") or "chunk_delay" not in inspect.signature(FakeModel.reply).parameters:
+        pytest.skip("needs the agent's streaming (g-stream-core): Gateway.stream and a slow streaming fake model")
+    gw = await make_gateway()
+    assert gw.http is not None
+    chunks = ["Counting: **one**", ", two", ", three.\n\n```\ndone\n```"]
+    fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.4)  # type: ignore[call-arg]
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "count slowly")
+    await page.press("#text", "Enter")
+    live = page.locator(".msg.bot.pending")
+    await live.locator("strong", has_text="one").wait_for(timeout=5000)  # before the reply is complete
+    assert "three" not in (await live.text_content() or "")
+    assert await page.is_visible("#working")
+    await page.wait_for_selector("#working", state="hidden", timeout=10_000)
+    assert await page.locator(".msg.bot").last.locator("pre").text_content() == "done\n"
+    assert errors == []
+
+
+async def test_screenshots_script_still_works(chromium_path: str, tmp_path: Path) -> None:
+    saved = await take(tmp_path, chromium_path)
+    assert [p.name for p in saved] == list(SIZES)
+    for shot in saved:
+        assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 20_000

@@ -1,0 +1,359 @@
+// The web chat page: history on load, replies streamed as Server-Sent Events and rendered
+// as sanitized Markdown (marked + DOMPurify, vendored). No build step.
+(function () {
+  "use strict";
+
+  const HISTORY_LIMIT = 50;
+  const RENDER_EVERY_MS = 80; // re-render a growing reply at most this often
+  const SESSION_NAME = /^[A-Za-z0-9_.@-]{1,64}$/;
+
+  const $ = (id) => document.getElementById(id);
+  const log = $("log"), form = $("form"), text = $("text"), send = $("send");
+  const working = $("working"), workingText = $("working-text"), stop = $("stop");
+  const session = $("session"), token = $("token"), who = $("who"), welcome = $("welcome");
+  const settings = $("settings"), settingsToggle = $("settings-toggle"), refresh = $("refresh");
+
+  session.value = localStorage.getItem("gw.session") || session.value;
+  token.value = localStorage.getItem("gw.token") || "";
+
+  // -- Markdown ---------------------------------------------------------------------
+
+  marked.use({ gfm: true, breaks: true });
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A" && node.hasAttribute("href")) {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+
+  // Replies are untrusted: parsed by marked, then everything that could run or load
+  // script removed by DOMPurify (the page's Content-Security-Policy is the second wall).
+  function renderMarkdown(el, source) {
+    const html = marked.parse(source);
+    const fragment = DOMPurify.sanitize(html, {
+      RETURN_DOM_FRAGMENT: true, ADD_ATTR: ["target"],
+      FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select"],
+    });
+    for (const pre of fragment.querySelectorAll("pre")) decorateCode(pre);
+    for (const table of fragment.querySelectorAll("table")) {
+      const wrap = document.createElement("div");
+      wrap.className = "table";
+      table.replaceWith(wrap);
+      wrap.appendChild(table);
+    }
+    el.replaceChildren(fragment);
+  }
+
+  function decorateCode(pre) {
+    const code = pre.querySelector("code");
+    const lang = code && /language-([\w+#.-]+)/.exec(code.className || "");
+    const box = document.createElement("div");
+    box.className = "code";
+    const bar = document.createElement("div");
+    bar.className = "bar";
+    const label = document.createElement("span");
+    label.textContent = lang ? lang[1] : "code";
+    const copy = document.createElement("button");
+    copy.type = "button";
+    copy.className = "copy";
+    copy.textContent = "Copy";
+    copy.addEventListener("click", () => copyText(pre.textContent, copy));
+    bar.append(label, copy);
+    pre.replaceWith(box);
+    box.append(bar, pre);
+  }
+
+  async function copyText(value, button) {
+    try {
+      if (navigator.clipboard && window.isSecureContext) {
+        await navigator.clipboard.writeText(value);
+      } else { // plain http off loopback: no Clipboard API
+        const area = document.createElement("textarea");
+        area.value = value;
+        document.body.appendChild(area);
+        area.select();
+        document.execCommand("copy");
+        area.remove();
+      }
+      button.textContent = "Copied";
+    } catch (err) {
+      button.textContent = "Copy failed";
+    }
+    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+  }
+
+  // -- the log ----------------------------------------------------------------------
+
+  function nearBottom() {
+    return log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+  }
+
+  function scrollDown(force) {
+    if (force || nearBottom()) log.scrollTop = log.scrollHeight;
+  }
+
+  function addMessage(kind, body, at) {
+    const stick = nearBottom();
+    const div = document.createElement("div");
+    div.className = "msg " + kind;
+    if (kind === "bot") renderMarkdown(div, body);
+    else div.textContent = body; // the person's own text and errors: never HTML
+    if (at) div.title = new Date(at * 1000).toLocaleString();
+    log.appendChild(div);
+    scrollDown(stick);
+    return div;
+  }
+
+  function addNote(body) {
+    const p = document.createElement("p");
+    p.className = "note";
+    p.textContent = body;
+    log.appendChild(p);
+    scrollDown(true);
+  }
+
+  function clearLog() {
+    log.replaceChildren(welcome);
+  }
+
+  function showWho() {
+    who.textContent = "session: " + session.value;
+    welcome.textContent = "Chat with the gateway as \u201c" + session.value + "\u201d. Conversations are kept on "
+      + "the gateway, so earlier messages and replies that arrived while this page was closed show here.";
+  }
+
+  function authHeaders(extra) {
+    const headers = Object.assign({}, extra);
+    if (token.value) headers["Authorization"] = "Bearer " + token.value;
+    return headers;
+  }
+
+  // -- history ----------------------------------------------------------------------
+
+  let shownHistory = ""; // what the last history load showed, to skip redrawing the same
+
+  async function loadHistory(force) {
+    if (busy) return;
+    let res, data;
+    try {
+      const url = "api/history?session=" + encodeURIComponent(session.value) + "&limit=" + HISTORY_LIMIT;
+      res = await fetch(url, { headers: authHeaders(), cache: "no-store" });
+      data = await res.json().catch(() => ({}));
+    } catch (err) {
+      clearLog();
+      addMessage("error", "The gateway could not be reached: " + err.message);
+      return;
+    }
+    if (busy) return;
+    if (!res.ok || !Array.isArray(data.messages)) {
+      clearLog();
+      shownHistory = "";
+      if (res.status === 401) {
+        openSettings(true);
+        addMessage("error", "This gateway needs its token: enter channels.web.token in the settings (\u2699).");
+      } else {
+        addMessage("error", data.error || "the history could not be loaded (HTTP " + res.status + ")");
+      }
+      return;
+    }
+    const key = JSON.stringify(data.messages);
+    if (!force && key === shownHistory) return;
+    shownHistory = key;
+    clearLog();
+    if (data.messages.length === HISTORY_LIMIT) addNote("Showing the last " + HISTORY_LIMIT + " messages.");
+    for (const m of data.messages) addMessage(m.role === "user" ? "user" : "bot", m.text, m.at);
+    scrollDown(true);
+  }
+
+  // -- sending ----------------------------------------------------------------------
+
+  let busy = false;
+  let controller = null;
+  let ticker = null;
+
+  function setWorking(on) {
+    busy = on;
+    send.disabled = on;
+    working.hidden = !on;
+    clearInterval(ticker);
+    if (on) {
+      const started = Date.now();
+      workingText.textContent = "working\u2026 0 s";
+      ticker = setInterval(() => {
+        workingText.textContent = "working\u2026 " + Math.floor((Date.now() - started) / 1000) + " s";
+      }, 1000);
+    }
+  }
+
+  function newId() {
+    if (window.crypto && crypto.randomUUID) return crypto.randomUUID();
+    return Date.now().toString(36) + "-" + Math.random().toString(36).slice(2, 12);
+  }
+
+  // One reply as it grows: the text so far (or a tool status that replaced it),
+  // re-rendered at most every RENDER_EVERY_MS.
+  function liveReply() {
+    const div = addMessage("bot pending", "");
+    div.hidden = true; // the working line speaks until there is something to show
+    let answer = "", status = "", timer = null, last = 0;
+    function draw() {
+      timer = null;
+      last = Date.now();
+      const stick = nearBottom();
+      div.hidden = false;
+      if (answer) renderMarkdown(div, answer);
+      else {
+        const line = document.createElement("span");
+        line.className = "status";
+        line.textContent = status;
+        div.replaceChildren(line);
+      }
+      scrollDown(stick);
+    }
+    function schedule() {
+      if (timer === null) timer = setTimeout(draw, Math.max(0, RENDER_EVERY_MS - (Date.now() - last)));
+    }
+    return {
+      delta(t) { answer += t; schedule(); },
+      status(line) { answer = ""; status = line; schedule(); },
+      done(reply) {
+        clearTimeout(timer);
+        div.className = "msg bot";
+        div.hidden = false;
+        renderMarkdown(div, reply);
+        div.title = new Date().toLocaleString();
+        scrollDown(true);
+      },
+      drop() { clearTimeout(timer); div.remove(); },
+      shown() { return answer !== "" || status !== ""; },
+    };
+  }
+
+  // Server-Sent Events from a fetch body (EventSource cannot POST).
+  async function readEvents(res, onEvent) {
+    const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += value.replace(/\r\n?/g, "\n");
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        let event = "message";
+        const data = [];
+        for (const line of block.split("\n")) {
+          if (!line || line.startsWith(":")) continue; // comments are heartbeats
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          let val = colon < 0 ? "" : line.slice(colon + 1);
+          if (val.startsWith(" ")) val = val.slice(1);
+          if (field === "event") event = val;
+          else if (field === "data") data.push(val);
+        }
+        if (data.length && onEvent(event, JSON.parse(data.join("\n")))) return;
+      }
+    }
+  }
+
+  async function submit() {
+    const message = text.value.trim();
+    if (!message || busy) return;
+    if (!SESSION_NAME.test(session.value)) {
+      openSettings(true);
+      addMessage("error", "The session name must be 1-64 letters, digits, _ . @ or -.");
+      return;
+    }
+    addMessage("user", message);
+    scrollDown(true);
+    text.value = "";
+    fitText();
+    setWorking(true);
+    controller = new AbortController();
+    const reply = liveReply();
+    let finished = false;
+    try {
+      const res = await fetch("api/chat", {
+        method: "POST",
+        headers: authHeaders({ "Content-Type": "application/json", "Accept": "text/event-stream" }),
+        body: JSON.stringify({ session: session.value, text: message, id: newId(), stream: true }),
+        signal: controller.signal,
+      });
+      const type = res.headers.get("Content-Type") || "";
+      if (res.ok && type.startsWith("text/event-stream")) {
+        await readEvents(res, (event, data) => {
+          if (event === "delta") reply.delta(data.text);
+          else if (event === "status") reply.status(data.text);
+          else if (event === "done") { reply.done(data.reply); finished = true; }
+          else if (event === "error") { reply.drop(); addMessage("error", data.error); finished = true; }
+          return finished;
+        });
+        if (!finished) {
+          reply.drop();
+          addMessage("error", "The connection closed before the reply was complete; it will show in the "
+            + "history (\u21bb) once the gateway has answered.");
+        }
+      } else {
+        // Refused before any answer (bad token, busy, too long…), or an older gateway's JSON.
+        const data = await res.json().catch(() => ({ error: "unreadable answer (HTTP " + res.status + ")" }));
+        if (res.ok && typeof data.reply === "string") reply.done(data.reply);
+        else { reply.drop(); addMessage("error", data.error || "HTTP " + res.status); }
+        if (res.status === 401) openSettings(true);
+      }
+    } catch (err) {
+      reply.drop();
+      if (err.name === "AbortError") {
+        addNote("Stopped waiting. The gateway still finishes this turn; its reply will show in the "
+          + "history (\u21bb).");
+      } else {
+        addMessage("error", "The gateway could not be reached: " + err.message);
+      }
+    } finally {
+      controller = null;
+      setWorking(false);
+      shownHistory = ""; // the log has changed since the last history load
+      text.focus();
+    }
+  }
+
+  // -- controls ---------------------------------------------------------------------
+
+  function fitText() {
+    text.style.height = "auto";
+    text.style.height = Math.min(text.scrollHeight + 2, window.innerHeight * 0.4) + "px";
+  }
+
+  function openSettings(open) {
+    settings.hidden = !open;
+    settingsToggle.setAttribute("aria-expanded", String(open));
+  }
+
+  function applySettings() {
+    if (!SESSION_NAME.test(session.value)) return;
+    localStorage.setItem("gw.session", session.value);
+    if (token.value) localStorage.setItem("gw.token", token.value);
+    else localStorage.removeItem("gw.token");
+    showWho();
+    loadHistory(true);
+  }
+
+  stop.addEventListener("click", () => { if (controller) controller.abort(); });
+  form.addEventListener("submit", (e) => { e.preventDefault(); submit(); });
+  text.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
+  });
+  text.addEventListener("input", fitText);
+  settingsToggle.addEventListener("click", () => openSettings(settings.hidden));
+  session.addEventListener("change", applySettings);
+  token.addEventListener("change", applySettings);
+  refresh.addEventListener("click", () => loadHistory(true));
+  // Replies that came in while the tab was in the background.
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) loadHistory(false); });
+
+  if (window.matchMedia("(max-width: 520px)").matches) text.placeholder = "Message"; // the hint does not fit
+
+  showWho();
+  loadHistory(true);
+  text.focus();
+})();
