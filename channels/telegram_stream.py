@@ -274,9 +274,8 @@ class TelegramReplyStream:
 
     async def _deliver(self, text: str) -> None:
         """Make the visible messages exactly `send()`'s chunks of `text`; raises when they
-        could not be shown."""
-        if self._final is not None:
-            raise RuntimeError("this reply was already finished")
+        could not be shown. Called again (a `fail` after a `finish` that raised), the
+        new text replaces the old one."""
         self._final = render_markdown(text)
         if isinstance(self._failure, NetworkError):
             # The connection may be back: the final text gets a fresh set of attempts.

@@ -425,9 +425,6 @@ class FakeTelegram:
         text = params.get("text")
         chat_id = params["chat_id"]
         message_id = params["message_id"]
-        flooded = self._edit_flood(str(chat_id))
-        if flooded is not None:
-            return flooded
         shown = self._shown.get(message_id)
         if shown is None or str(shown[0]) != str(chat_id):
             return _error(400, "Bad Request: message to edit not found")
@@ -437,6 +434,9 @@ class FakeTelegram:
         parsed = _read_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
+        flooded = self._edit_flood(str(chat_id))
+        if flooded is not None:
+            return flooded
         if (parsed.text, parsed.entities) == (shown[1].text, shown[1].entities):
             return _error(400, "Bad Request: message is not modified: specified new message content "
                                "and reply markup are exactly the same as a current content and reply "
