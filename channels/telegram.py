@@ -295,6 +295,7 @@ class TelegramChannel:
         sleep: Sleep = asyncio.sleep,
         admits: AccessCheck | None = None,
         stream_interval_s: float = 1.0,
+        stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
     ) -> None:
         self._cfg = cfg
@@ -314,7 +315,9 @@ class TelegramChannel:
         self._stopping = False
         self._last_poll_ok: float | None = None
         self._webhook_ok = False
-        self._stream_interval_s = stream_interval_s  # least time between two updates of one chat
+        # Least time between two updates of one chat: `stream_interval` (the running
+        # config's `stream_interval_s`, read at each update) or a fixed value.
+        self._stream_interval = stream_interval or (lambda: stream_interval_s)
         self._observe = observe
         self._paces = ChatPaces()
         self._stream_tasks: set[asyncio.Task[None]] = set()
@@ -657,7 +660,7 @@ class TelegramChannel:
             thread=_int_or_none(inbound.thread_id),
             reply_to=_int_or_none(inbound.message_id) if inbound.is_group else None,
             pace=self._paces.for_chat(chat),
-            interval_s=self._stream_interval_s,
+            interval=self._stream_interval,
             tasks=self._stream_tasks,
             on_ref=on_ref,
             resume_ids=parse_reply_ref(resume_ref, chat),

@@ -204,7 +204,7 @@ class TelegramReplyStream:
         thread: int | None,
         reply_to: int | None,
         pace: ChatPace,
-        interval_s: float,
+        interval: Callable[[], float],
         tasks: set[asyncio.Task[None]],
         on_ref: ReplyRefSink | None = None,
         resume_ids: list[int] | None = None,
@@ -216,7 +216,7 @@ class TelegramReplyStream:
         self._thread = thread
         self._reply_to = reply_to  # quoted by the stream's first message only (as send() does)
         self._pace = pace
-        self._interval = max(0.0, interval_s)
+        self._interval_of = interval  # read at each update: a config reload applies at once
         self._tasks = tasks
         self._on_ref = on_ref
         self._observe_cb = observe
@@ -376,18 +376,18 @@ class TelegramReplyStream:
                 assert chunk is not None
                 await self._edit(index, chunk)
             self._network_failures = 0
-            self._pace.after(self._interval)
+            self._pace.after(self._interval())
         except RetryAfter as exc:
             wait = retry_seconds(exc)
             log.info("telegram: flood control on %s; edits pause %.1f s", self._chat, wait)
             self._observe("rate_limited")
-            self._pace.after(max(wait, self._interval))
+            self._pace.after(max(wait, self._interval()))
         except ChatMigrated as exc:
             # A group became a supergroup: the old messages stay behind in the old chat.
             self._chat = exc.new_chat_id
             self._shown, self._orphans = [], []
         except BadRequest as exc:
-            self._pace.after(self._interval)
+            self._pace.after(self._interval())
             self._refused(kind, index, chunk, exc)
         except NetworkError as exc:
             self._network_failures += 1
@@ -422,6 +422,12 @@ class TelegramReplyStream:
         else:
             log.warning("telegram: message to %s refused: %s", self._chat, exc)
             self._failure = exc
+
+    def _interval(self) -> float:
+        try:
+            return max(0.0, float(self._interval_of()))
+        except Exception:  # a broken config source must not stop the reply
+            return 1.0
 
     def _timeouts(self) -> dict[str, Any]:
         return {"read_timeout": CALL_TIMEOUT_S, "write_timeout": CALL_TIMEOUT_S,

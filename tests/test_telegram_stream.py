@@ -79,6 +79,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
 
     async def run(*, interval_s: float = FAST_S, edit_rule_s: float | None = FAST_S,
                   streaming: str = "edit", fake: FakeTelegram | None = None,
+                  interval: Callable[[], float] | None = None,
                   ) -> tuple[TelegramChannel, FakeTelegram, Observed]:
         """A started channel; on a new fake Bot API unless `fake` is given (a restart)."""
         if fake is None:
@@ -89,7 +90,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         cfg = TelegramConfig(enabled=True, token=fake.token, base_url=fake.base_url, poll_timeout_s=1,
                              streaming=streaming)
         channel = TelegramChannel(cfg, no_router, workspace_for=lambda inbound: tmp_path,
-                                  stream_interval_s=interval_s, observe=observed)
+                                  stream_interval_s=interval_s, stream_interval=interval, observe=observed)
         await channel.start()
         channels.append(channel)
         return channel, fake, observed
@@ -172,13 +173,21 @@ async def test_a_long_reply_streams_into_messages_and_ends_as_sends_chunks(start
 
     reply = big_reply()
     assert len(reply) > 10_000
-    slowest = await feed(stream, reply)
+    slowest = await feed(stream, reply, pause_s=0.01)
     assert slowest < 0.05, "appending never waits for Telegram"
     # Before the end: more than one message, each within the limit, all plain.
     streamed = await fake.wait_shown(CHAT, lambda shown: len(shown) >= 3)
     assert all(utf16_len(text) <= TELEGRAM_TEXT_LIMIT for text in streamed)
     edits_before_finish = len(fake.edits)
-    assert edits_before_finish >= 5 and all("entities" not in e for e in fake.edits)
+    assert edits_before_finish >= 4 and all("entities" not in e for e in fake.edits)
+    # A message closed at the size limit keeps its text: once the next one exists, it is
+    # not edited again until the end.
+    streamed_history = list(fake.history)
+    for i, (method, *_) in enumerate(streamed_history):
+        if method == "sendMessage":
+            earlier = {m for meth, _, m, _ in streamed_history[:i] if meth == "sendMessage"}
+            later_edits = {m for meth, _, m, _ in streamed_history[i:] if meth == "editMessageText"}
+            assert not earlier & later_edits
 
     await stream.finish(reply)
     chunks = render_markdown(reply)
@@ -292,6 +301,17 @@ async def test_the_real_one_second_rule_is_kept_and_429s_are_waited_out(start: S
     assert observed.count("rate_limited") == 1
     edits = len(fake.edits)
     assert 1 <= edits <= elapsed + 1, "at most one edit a second"
+
+
+async def test_the_interval_follows_the_running_config(start: Start) -> None:
+    setting = [0.3]  # stream_interval_s as the gateway's config holds it now
+    channel, fake, _ = await start(interval=lambda: setting[0], edit_rule_s=0.3)
+    stream = open_stream(channel, dm())
+    text = "step by step " * 80
+    await feed(stream, text, size=20, pause_every=1, pause_s=0.01)
+    await stream.finish(text)
+    assert fake.shown(CHAT) == final_texts(text)
+    assert fake.rate_limited == [], "the fixed 0.05 s was not used"
 
 
 async def test_two_replies_in_one_chat_share_its_pace(start: Start) -> None:
