@@ -65,7 +65,8 @@ class LoadTelegram(FakeTelegram):
     """The fake Bot API with a future per chat for the next reply sent to it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        # No flood control: the load comes from many turns per chat back to back.
+        super().__init__(edit_interval_s=None, send_per_s=None)
         self.waiters: dict[int, asyncio.Future[str]] = {}
 
     def expect(self, chat_id: int) -> asyncio.Future[str]:

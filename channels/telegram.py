@@ -19,7 +19,6 @@ import os
 import re
 import time
 import unicodedata
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -39,9 +38,12 @@ from telegram.error import (
     TelegramError,
 )
 
-from channels.base import AccessCheck, InboundHandler
+from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
 from channels.telegram_http import AiohttpRequest
+from channels.telegram_stream import ChatPaces, TelegramReplyStream, parse_reply_ref
+from channels.telegram_stream import is_format_error as _is_format_error
+from channels.telegram_stream import retry_seconds as _retry_seconds
 from gateway.config import TelegramConfig, usable_webhook_secret
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.types import Attachment, Inbound
@@ -53,7 +55,6 @@ ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not tu
 MAX_FILE_BYTES = 20 * 1024 * 1024  # the Bot API's own getFile limit
 TYPING_INTERVAL_S = 4.0  # Telegram shows "typing" for ~5 s
 TYPING_DELAY_S = 0.5  # the indicator starts once a turn takes longer than this
-MAX_RETRY_WAIT_S = 60.0  # longest flood-control wait we honour in one go
 SEND_ATTEMPTS = 5
 HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after this
 READY_SLACK_S = 15.0
@@ -295,6 +296,9 @@ class TelegramChannel:
         commands: Sequence[tuple[str, str]] = (),
         sleep: Sleep = asyncio.sleep,
         admits: AccessCheck | None = None,
+        stream_interval_s: float = 1.0,
+        stream_interval: Callable[[], float] | None = None,
+        observe: StreamObserver | None = None,
     ) -> None:
         self._cfg = cfg
         self._handler = handler
@@ -313,6 +317,12 @@ class TelegramChannel:
         self._stopping = False
         self._last_poll_ok: float | None = None
         self._webhook_ok = False
+        # Least time between two updates of one chat: `stream_interval` (the running
+        # config's `stream_interval_s`, read at each update) or a fixed value.
+        self._stream_interval = stream_interval or (lambda: stream_interval_s)
+        self._observe = observe
+        self._paces = ChatPaces()
+        self._stream_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def cfg(self) -> TelegramConfig:
@@ -354,11 +364,11 @@ class TelegramChannel:
     async def stop(self) -> None:
         self._stopping = True
         task, self._task = self._task, None
-        typing = set(self._typing_tasks)
-        for typing_task in typing:
-            typing_task.cancel()  # shutting down: the bot's connections close right after
-        if typing:
-            await asyncio.wait(typing, timeout=1)
+        background = self._typing_tasks | self._stream_tasks
+        for side_task in background:
+            side_task.cancel()  # shutting down: the bot's connections close right after
+        if background:
+            await asyncio.wait(background, timeout=1)
         if task is not None:
             if not self._in_handler:
                 task.cancel()  # idle in a long poll: nothing to lose
@@ -641,6 +651,26 @@ class TelegramChannel:
                     raise
                 await self._sleep(min(2.0 ** (attempt - 1), 30.0))
 
+    def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+               resume_ref: str | None = None) -> ReplyStream | None:
+        """A reply shown as it grows by editing messages (SPEC §5.1), or None when
+        `streaming` is "off" (the reply is then sent whole with `send()`)."""
+        if self._cfg.streaming == "off":
+            return None
+        chat = _chat_ref(inbound.chat_id)
+        return TelegramReplyStream(
+            bot=self._require_bot,
+            chat=chat,
+            thread=_int_or_none(inbound.thread_id),
+            reply_to=_int_or_none(inbound.message_id) if inbound.is_group else None,
+            pace=self._paces.for_chat(chat),
+            interval=self._stream_interval,
+            tasks=self._stream_tasks,
+            on_ref=on_ref,
+            resume_ids=parse_reply_ref(resume_ref, chat),
+            observe=self._observe,
+        )
+
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
         done = asyncio.Event()
@@ -694,19 +724,6 @@ def _store_file(
     tmp = target.with_name(f".{target.name}.part")
     tmp.write_bytes(data)
     os.replace(tmp, target)
-
-
-def _retry_seconds(exc: RetryAfter) -> float:
-    with warnings.catch_warnings():  # PTB warns that the int form is deprecated
-        warnings.simplefilter("ignore")
-        value = exc.retry_after
-    seconds = value if isinstance(value, int | float) else value.total_seconds()
-    return max(0.0, min(float(seconds), MAX_RETRY_WAIT_S))
-
-
-def _is_format_error(exc: BadRequest) -> bool:
-    text = str(exc).lower()
-    return "parse" in text or "entit" in text
 
 
 def _chat_ref(chat_id: str) -> int | str:

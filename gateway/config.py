@@ -108,6 +108,7 @@ class TelegramConfig(_Strict):
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     poll_timeout_s: int = Field(default=30, ge=0, le=60)
+    streaming: Literal["edit", "off"] = "edit"  # edit: replies grow in place (SPEC §5.1)
 
 
 class SlackConfig(_Strict):

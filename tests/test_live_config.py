@@ -473,6 +473,7 @@ ROWS = [
     Row("channels.telegram.webhook_url", "https://bot.example/other", "channel", p_tg_receives),
     Row("channels.telegram.webhook_secret", "another-secret-0123456789", "channel", p_tg_receives),
     Row("channels.telegram.poll_timeout_s", 2, "channel", p_tg_poll_timeout),
+    Row("channels.telegram.streaming", "off", "channel", p_tg_receives),
     Row("channels.slack.enabled", False, "channel", p_slack_gone),
     Row("channels.slack.bot_token", "xoxb-other", "channel", p_slack_receives,
         rotate("slack", "bot_token", "xoxb-other")),

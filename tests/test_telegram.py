@@ -77,14 +77,16 @@ class Recorder:
 
 
 class SleepLog:
-    """Injected sleep: records the requested waits and returns at once."""
+    """Injected sleep: records the requested waits and returns at once (or, `real`, after
+    the wait: the fake Bot API refuses a call made before its retry_after)."""
 
-    def __init__(self) -> None:
+    def __init__(self, real: bool = False) -> None:
         self.waits: list[float] = []
+        self.real = real
 
     async def __call__(self, seconds: float) -> None:
         self.waits.append(seconds)
-        await asyncio.sleep(0)
+        await asyncio.sleep(seconds if self.real else 0)
 
 
 def workspace_for(root: Path) -> Callable[[Inbound], Path]:
@@ -368,13 +370,13 @@ async def test_malformed_markdown_is_still_delivered(
 
 
 async def test_flood_control_is_waited_out(fake_telegram: FakeTelegram, start_channel: Starter) -> None:
-    sleep = SleepLog()
+    sleep = SleepLog(real=True)
     channel, _ = await start_channel(sleep=sleep)
-    fake_telegram.fail_next("sendMessage", 429, retry_after=3)
+    fake_telegram.fail_next("sendMessage", 429, retry_after=0.3)
     await channel.send(dm_inbound(), "after the flood")
     [sent] = await fake_telegram.wait_sent(1)
     assert sent["text"] == "after the flood"
-    assert sleep.waits == [3.0]
+    assert sleep.waits == [0.3]
     assert len(fake_telegram.calls_of("sendMessage")) == 2
 
 

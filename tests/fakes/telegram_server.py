@@ -8,18 +8,28 @@ events with timeouts and script failures:
     fake.push_message(chat_id=1, user_id=1, text="hi")
     sent = await fake.wait_sent(1)
     fake.fail_next("sendMessage", 429, retry_after=1)
-    fake.reject_formatting()             # next formatted sendMessage → "can't parse entities"
+    fake.reject_formatting()             # next formatted send/edit → "can't parse entities"
     fake.shown(42)                       # what the person sees in chat 42, edits applied
 
 Text is read as Telegram reads it (tests/fakes/telegram_text.py): `parse_mode` HTML and
 MarkdownV2 are parsed and malformed markup is refused with "can't parse entities", and the
 4096-unit limit applies to the text after parsing.
+
+Flood control, per chat, as Telegram applies it: a message edited sooner than
+`edit_interval_s` after the chat's previous edit, or a sendMessage beyond a burst of
+`send_burst` refilled at `send_per_s`, gets 429 with `parameters.retry_after` (whole
+seconds, as Telegram says it, unless the limit is a sub-second one set for a fast test);
+a call made before a 429's retry_after has passed (scripted with `fail_next` or not) is
+refused again. Every 429 the fake decides itself is listed in `rate_limited`.
+An edit that changes nothing is refused as "message is not modified", an edit or delete
+of a message that is gone as "message to edit/delete not found".
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +44,9 @@ from tests.fakes.telegram_text import EntityError, Parsed, parse_message
 DEFAULT_TOKEN = "123456:TEST-fake-token"
 TEXT_LIMIT = 4096
 
+# Methods under per-chat flood control: a 429's retry_after holds for all of them.
+_PACED = frozenset({"sendmessage", "editmessagetext", "deletemessage"})
+
 # Form fields that stay strings even when they look like JSON numbers.
 _STRING_FIELDS = frozenset(
     {"text", "caption", "secret_token", "url", "description", "file_id", "action", "parse_mode"}
@@ -44,7 +57,7 @@ _STRING_FIELDS = frozenset(
 class _Failure:
     status: int
     description: str
-    retry_after: int | None
+    retry_after: float | None
 
 
 def utf16_len(text: str) -> int:
@@ -60,8 +73,14 @@ class FakeTelegram:
         *,
         bot_id: int = 7_000_001,
         bot_username: str = "gateway_test_bot",
+        edit_interval_s: float | None = 1.0,
+        send_burst: int = 20,
+        send_per_s: float | None = 1.0,
     ) -> None:
         self.token = token
+        self.edit_interval_s = edit_interval_s  # None: edits are not rate limited
+        self.send_burst = send_burst
+        self.send_per_s = send_per_s  # None: sendMessage is not rate limited
         self.bot_id = bot_id
         self.bot_username = bot_username
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -70,9 +89,17 @@ class FakeTelegram:
         self.commands: list[dict[str, Any]] = []  # what setMyCommands stored
         self.webhook: dict[str, Any] | None = None  # setWebhook params, None when deleted
         self.chat_actions: list[dict[str, Any]] = []
-        self.edits: list[dict[str, Any]] = []
+        self.edits: list[dict[str, Any]] = []  # editMessageText params that succeeded
+        self.deleted: list[int] = []  # ids of the bot's messages deleted (by the bot or a person)
+        self.rate_limited: list[str] = []  # the method of each call answered with 429
+        # What happened to the bot's messages, in order: (method, chat id, message id,
+        # visible text): every successful sendMessage, editMessageText and deleteMessage.
+        self.history: list[tuple[str, Any, int, str]] = []
         # Every message the bot posted, by message id, as currently shown (edits applied).
         self._shown: dict[int, tuple[Any, Parsed]] = {}
+        self._last_edit: dict[str, float] = {}  # chat → monotonic time of its last edit
+        self._send_tokens: dict[str, tuple[float, float]] = {}  # chat → (tokens, at)
+        self._blocked_until: dict[str, float] = {}  # chat → end of a scripted 429's retry_after
         self.port = 0
         self._updates: list[dict[str, Any]] = []  # pending (not yet confirmed), by update_id
         self._next_update_id = 1
@@ -188,7 +215,7 @@ class FakeTelegram:
         self._files[file_id] = (content, file_path)
 
     def fail_next(
-        self, method: str, status: int, description: str = "", retry_after: int | None = None
+        self, method: str, status: int, description: str = "", retry_after: float | None = None
     ) -> None:
         """The next call of `method` answers with this error (queued: call again for more)."""
         if not description:
@@ -196,9 +223,27 @@ class FakeTelegram:
         self._failures[method.lower()].append(_Failure(status, description, retry_after))
 
     def reject_formatting(self, times: int = 1) -> None:
-        """The next `times` sendMessage calls that carry entities or parse_mode get
-        400 "Bad Request: can't parse entities"."""
+        """The next `times` sendMessage or editMessageText calls that carry entities or
+        parse_mode get 400 "Bad Request: can't parse entities"."""
         self._reject_formatting += times
+
+    def delete_by_person(self, message_id: int) -> None:
+        """Someone deleted one of the bot's messages: it can no longer be edited."""
+        shown = self._shown.pop(message_id, None)
+        if shown is not None:
+            self.deleted.append(message_id)
+            self.history.append(("deleted", shown[0], message_id, ""))
+            self._notify()
+
+    def message_ids(self, chat_id: Any = None) -> list[int]:
+        """The ids of the bot's messages (in `chat_id`) still visible, in order."""
+        return [mid for mid, (chat, _) in self._shown.items()
+                if chat_id is None or str(chat) == str(chat_id)]
+
+    def versions(self, message_id: int) -> list[str]:
+        """Every text message `message_id` showed, in order (sent, then each edit)."""
+        return [text for method, _, mid, text in self.history
+                if mid == message_id and method in ("sendMessage", "editMessageText")]
 
     def bot_user(self) -> dict[str, Any]:
         return {"id": self.bot_id, "is_bot": True, "first_name": "Gateway",
@@ -208,6 +253,11 @@ class FakeTelegram:
         """The visible text of each message the bot posted (to `chat_id`), in order, as it
         reads now: markup parsed, escapes removed, edits applied."""
         return [parsed.text for chat, parsed in self._shown.values()
+                if chat_id is None or str(chat) == str(chat_id)]
+
+    def shown_parsed(self, chat_id: Any = None) -> list[Parsed]:
+        """Like `shown`, with each message's entities as Telegram stored them."""
+        return [parsed for chat, parsed in self._shown.values()
                 if chat_id is None or str(chat) == str(chat_id)]
 
     async def wait_shown(self, chat_id: Any, ready: Callable[[list[str]], bool], timeout: float = 5) -> list[str]:
@@ -289,9 +339,16 @@ class FakeTelegram:
             return _error(400, f"Bad Request: {exc}")
         self.calls.append((method, params))
         self._notify()
+        chat = str(params.get("chat_id"))
+        if method.lower() in _PACED and self._blocked_until.get(chat, 0.0) > time.monotonic():
+            # Called again before the retry_after Telegram gave: refused again.
+            remaining = self._blocked_until[chat] - time.monotonic()
+            return self._flooded(method, remaining, 1.0 if remaining >= 1 else 0.0)
         failures = self._failures.get(method.lower())
         if failures:
             failure = failures.popleft()
+            if failure.status == 429 and failure.retry_after and method.lower() in _PACED:
+                self._blocked_until[chat] = time.monotonic() + failure.retry_after
             return _error(failure.status, failure.description, failure.retry_after)
         handler = getattr(self, f"_api_{method.lower()}", None)
         if handler is None:
@@ -337,16 +394,19 @@ class FakeTelegram:
         chat_id = params["chat_id"]
         text = params.get("text")
         entities = params.get("entities") or []
-        formatted = bool(entities) or bool(params.get("parse_mode"))
-        if isinstance(text, str) and formatted and self._reject_formatting > 0:
-            self._reject_formatting -= 1
-            return _error(400, "Bad Request: can't parse entities: unsupported start tag at byte offset 0")
+        refused = self._refused_formatting(text, params)
+        if refused is not None:
+            return refused
         parsed = _read_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
+        flooded = self._send_flood(str(chat_id))
+        if flooded is not None:
+            return flooded
         message_id = self._new_message_id()
         self._shown[message_id] = (chat_id, parsed)
         self.sent.append(params)
+        self.history.append(("sendMessage", chat_id, message_id, parsed.text))
         self._notify()
         message: dict[str, Any] = {
             "message_id": message_id,
@@ -363,14 +423,28 @@ class FakeTelegram:
 
     async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
         text = params.get("text")
+        chat_id = params["chat_id"]
+        message_id = params["message_id"]
+        shown = self._shown.get(message_id)
+        if shown is None or str(shown[0]) != str(chat_id):
+            return _error(400, "Bad Request: message to edit not found")
+        refused = self._refused_formatting(text, params)
+        if refused is not None:
+            return refused
         parsed = _read_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
-        chat_id = params["chat_id"]
-        shown = self._shown.get(params["message_id"])
-        if shown is not None and str(shown[0]) == str(chat_id):
-            self._shown[params["message_id"]] = (chat_id, parsed)
+        flooded = self._edit_flood(str(chat_id))
+        if flooded is not None:
+            return flooded
+        if (parsed.text, parsed.entities) == (shown[1].text, shown[1].entities):
+            return _error(400, "Bad Request: message is not modified: specified new message content "
+                               "and reply markup are exactly the same as a current content and reply "
+                               "markup of the message")
+        self._last_edit[str(chat_id)] = time.monotonic()
+        self._shown[message_id] = (chat_id, parsed)
         self.edits.append(params)
+        self.history.append(("editMessageText", chat_id, message_id, parsed.text))
         self._notify()
         return _ok({
             "message_id": params["message_id"],
@@ -380,6 +454,51 @@ class FakeTelegram:
             "from": self.bot_user(),
             "text": text,
         })
+
+    async def _api_deletemessage(self, params: dict[str, Any]) -> web.Response:
+        chat_id, message_id = params["chat_id"], params["message_id"]
+        shown = self._shown.get(message_id)
+        if shown is None or str(shown[0]) != str(chat_id):
+            return _error(400, "Bad Request: message to delete not found")
+        del self._shown[message_id]
+        self.deleted.append(message_id)
+        self.history.append(("deleteMessage", chat_id, message_id, ""))
+        self._notify()
+        return _ok(True)
+
+    def _refused_formatting(self, text: Any, params: dict[str, Any]) -> web.Response | None:
+        formatted = bool(params.get("entities")) or bool(params.get("parse_mode"))
+        if isinstance(text, str) and formatted and self._reject_formatting > 0:
+            self._reject_formatting -= 1
+            return _error(400, "Bad Request: can't parse entities: unsupported start tag at byte offset 0")
+        return None
+
+    def _edit_flood(self, chat: str) -> web.Response | None:
+        """429 when this chat's previous edit was less than `edit_interval_s` ago."""
+        if self.edit_interval_s is None or chat not in self._last_edit:
+            return None
+        wait = self._last_edit[chat] + self.edit_interval_s - time.monotonic()
+        return self._flooded("editMessageText", wait, self.edit_interval_s) if wait > 0 else None
+
+    def _send_flood(self, chat: str) -> web.Response | None:
+        """A token bucket per chat: `send_burst` messages at once, then `send_per_s`."""
+        if self.send_per_s is None:
+            return None
+        now = time.monotonic()
+        tokens, at = self._send_tokens.get(chat, (float(self.send_burst), now))
+        tokens = min(float(self.send_burst), tokens + (now - at) * self.send_per_s)
+        if tokens < 1:
+            self._send_tokens[chat] = (tokens, now)
+            return self._flooded("sendMessage", (1 - tokens) / self.send_per_s, 1 / self.send_per_s)
+        self._send_tokens[chat] = (tokens - 1, now)
+        return None
+
+    def _flooded(self, method: str, wait: float, rule_s: float) -> web.Response:
+        self.rate_limited.append(method)
+        self._notify()
+        # Telegram says whole seconds; a sub-second rule (a fast test) says the exact wait.
+        retry: float = max(1, math.ceil(wait)) if rule_s >= 1 else max(round(wait, 3), 0.001)
+        return _error(429, f"Too Many Requests: retry after {retry}", retry_after=retry)
 
     async def _api_sendchataction(self, params: dict[str, Any]) -> web.Response:
         self.chat_actions.append(params)
@@ -452,7 +571,7 @@ def _ok(result: Any) -> web.Response:
     return web.json_response({"ok": True, "result": result})
 
 
-def _error(status: int, description: str, retry_after: int | None = None) -> web.Response:
+def _error(status: int, description: str, retry_after: float | None = None) -> web.Response:
     body: dict[str, Any] = {"ok": False, "error_code": status, "description": description}
     if retry_after is not None:
         body["parameters"] = {"retry_after": retry_after}

@@ -1,0 +1,462 @@
+"""Streamed Telegram replies (SPEC §5.1, `channels.telegram.streaming: "edit"`): the real
+python-telegram-bot against the fake Bot API, which enforces Telegram's flood control,
+size limit, "not modified" and "not found" rules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from telegram import Bot
+from telegram.error import BadRequest, RetryAfter
+
+from channels.base import ReplyStream, StreamingChannel
+from channels.telegram import TelegramChannel
+from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
+from gateway.config import TelegramConfig
+from gateway.types import Inbound
+from tests.fakes.telegram_server import FakeTelegram
+
+CHAT = 42
+GROUP = -100777
+FAST_S = 0.05  # the stream interval and the fake's edit rule in the fast tests
+
+
+class Observed:
+    """The stream events the channel reported (what /metrics counts)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __call__(self, event: str) -> None:
+        self.events.append(event)
+
+    def count(self, event: str) -> int:
+        return self.events.count(event)
+
+
+class Refs:
+    """An `on_ref` sink: what the gateway would persist with the turn."""
+
+    def __init__(self) -> None:
+        self.refs: list[str] = []
+        self._changed = asyncio.Event()
+
+    async def __call__(self, ref: str) -> None:
+        self.refs.append(ref)
+        self._changed.set()
+
+    async def wait_ids(self, n: int, timeout: float = 5) -> list[int]:
+        """Wait until the last reference names `n` messages."""
+        async with asyncio.timeout(timeout):
+            while not self.refs or len(self.last_ids()) != n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.last_ids()
+
+    def last_ids(self) -> list[int]:
+        return json.loads(self.refs[-1])["message_ids"]
+
+
+async def no_router(inbound: Inbound) -> None:
+    return None
+
+
+Start = Callable[..., Awaitable[tuple[TelegramChannel, FakeTelegram, Observed]]]
+
+
+@pytest.fixture
+async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    fakes: list[FakeTelegram] = []
+    channels: list[TelegramChannel] = []
+
+    async def run(*, interval_s: float = FAST_S, edit_rule_s: float | None = FAST_S,
+                  streaming: str = "edit", fake: FakeTelegram | None = None,
+                  interval: Callable[[], float] | None = None,
+                  ) -> tuple[TelegramChannel, FakeTelegram, Observed]:
+        """A started channel; on a new fake Bot API unless `fake` is given (a restart)."""
+        if fake is None:
+            fake = FakeTelegram(edit_interval_s=edit_rule_s)
+            await fake.start()
+            fakes.append(fake)
+        observed = Observed()
+        cfg = TelegramConfig(enabled=True, token=fake.token, base_url=fake.base_url, poll_timeout_s=1,
+                             streaming=streaming)
+        channel = TelegramChannel(cfg, no_router, workspace_for=lambda inbound: tmp_path,
+                                  stream_interval_s=interval_s, stream_interval=interval, observe=observed)
+        await channel.start()
+        channels.append(channel)
+        return channel, fake, observed
+
+    yield run
+    for channel in channels:
+        await channel.stop()
+    for fake in fakes:
+        await fake.stop()
+
+
+def dm(message_id: int = 500) -> Inbound:
+    return Inbound(channel="telegram", chat_id=str(CHAT), user_id=str(CHAT), text="hi", event_id="1",
+                   message_id=str(message_id))
+
+
+def in_topic(user: int, message_id: int, thread: int | None = 9) -> Inbound:
+    return Inbound(channel="telegram", chat_id=str(GROUP), user_id=str(user), text="hi", event_id=str(message_id),
+                   message_id=str(message_id), thread_id=str(thread) if thread else None, is_group=True)
+
+
+def open_stream(channel: TelegramChannel, inbound: Inbound, **kwargs: Any) -> ReplyStream:
+    stream = channel.stream(inbound, **kwargs)
+    assert isinstance(stream, ReplyStream)
+    return stream
+
+
+def big_reply() -> str:
+    """Over 10,000 characters of Markdown: prose with formatting, emoji and CJK, a short
+    code block and one longer than a message."""
+    prose = " ".join(f"Word{i} **bold{i}** 数据{i} _it{i}_ 🚀 終端." for i in range(110))
+    short_code = "\n".join(f"x_{i} = {i}  # 短い" for i in range(30))
+    long_code = "\n".join(f"    value_{i} = compute({i}, 'ü')  # 🧪 line {i}" for i in range(140))
+    return (f"# Report\n\n{prose}\n\n```python\n{short_code}\n```\n\n{prose[:1800]}\n\n"
+            f"```python\n{long_code}\n```\n\nThe end. 完了 ✅")
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+async def feed(stream: ReplyStream, text: str, *, size: int = 40, pause_every: int = 4,
+               pause_s: float = 0.005) -> float:
+    """Append `text` in small pieces over time, like a model; returns the slowest append."""
+    slowest = 0.0
+    for i, piece in enumerate(pieces(text, size)):
+        started = time.perf_counter()
+        await stream.append(piece)
+        slowest = max(slowest, time.perf_counter() - started)
+        if i % pause_every == 0:
+            await asyncio.sleep(pause_s)
+    return slowest
+
+
+def final_texts(reply: str) -> list[str]:
+    return [chunk.text for chunk in render_markdown(reply)]
+
+
+def no_space(text: str) -> str:
+    return re.sub(r"\s", "", text)
+
+
+# ---------------------------------------------------------------------------- the contract
+
+
+async def test_streaming_off_sends_whole_replies(start: Start) -> None:
+    channel, _, _ = await start(streaming="off")
+    assert isinstance(channel, StreamingChannel)
+    assert channel.stream(dm()) is None
+
+
+async def test_a_long_reply_streams_into_messages_and_ends_as_sends_chunks(start: Start) -> None:
+    channel, fake, observed = await start()
+    refs = Refs()
+    stream = open_stream(channel, dm(), on_ref=refs)
+    await feed(stream, "Let me look at your notes first. 🙂 ", size=6)
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Let me look at your notes first. 🙂"])
+    await stream.status("reading notes.md…")
+    assert await fake.wait_shown(CHAT, lambda shown: shown == ["⏳ reading notes.md…"])
+
+    reply = big_reply()
+    assert len(reply) > 10_000
+    slowest = await feed(stream, reply, pause_s=0.01)
+    assert slowest < 0.05, "appending never waits for Telegram"
+    # Before the end: more than one message, each within the limit, all plain.
+    streamed = await fake.wait_shown(CHAT, lambda shown: len(shown) >= 3)
+    assert all(utf16_len(text) <= TELEGRAM_TEXT_LIMIT for text in streamed)
+    edits_before_finish = len(fake.edits)
+    assert edits_before_finish >= 4 and all("entities" not in e for e in fake.edits)
+    # A message closed at the size limit keeps its text: once the next one exists, it is
+    # not edited again until the end.
+    streamed_history = list(fake.history)
+    for i, (method, *_) in enumerate(streamed_history):
+        if method == "sendMessage":
+            earlier = {m for meth, _, m, _ in streamed_history[:i] if meth == "sendMessage"}
+            later_edits = {m for meth, _, m, _ in streamed_history[i:] if meth == "editMessageText"}
+            assert not earlier & later_edits
+
+    await stream.finish(reply)
+    chunks = render_markdown(reply)
+    assert len(chunks) >= 3
+    shown = fake.shown_parsed(CHAT)
+    assert [m.text for m in shown] == [c.text for c in chunks]
+    assert [m.entities for m in shown] == [list(c.entities) for c in chunks], "the end is formatted"
+    assert any(e["type"] == "pre" for m in shown for e in m.entities)
+    # Nothing sent twice: every message ever sent is visible now or was deleted.
+    assert len(fake.sent) - len(fake.deleted) == len(chunks)
+    assert fake.rate_limited == [], "never faster than Telegram allows"
+    assert observed.count("reply") == 1 and observed.count("continued") == len(fake.sent) - 1
+    assert observed.count("edit") == len(fake.edits)
+    assert refs.last_ids() == fake.message_ids(CHAT)
+    assert "reply_parameters" not in fake.sent[0], "DMs are answered without quoting (as send())"
+
+
+async def test_status_first_then_the_answer_replaces_it_in_the_same_message(start: Start) -> None:
+    channel, fake, observed = await start()
+    stream = open_stream(channel, dm())
+    await stream.status("searching the web…")
+    assert await fake.wait_shown(CHAT, lambda shown: shown == ["⏳ searching the web…"])
+    await stream.append("Found **it**")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Found it"])
+    await stream.finish("Found **it**: the answer.")
+    [message] = fake.shown_parsed(CHAT)
+    assert message.text == "Found it: the answer."
+    assert message.entities == [{"type": "bold", "offset": 6, "length": 2}]
+    assert len(fake.sent) == 1 and fake.deleted == []
+    assert observed.count("reply") == 1 and observed.count("continued") == 0
+
+
+async def test_a_short_reply_goes_out_formatted_in_one_message(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, in_topic(5, 77))
+    await stream.finish("**Hi** there")
+    [sent] = fake.sent
+    assert sent["text"] == "Hi there" and sent["entities"] == [{"type": "bold", "offset": 0, "length": 2}]
+    assert sent["message_thread_id"] == 9
+    assert sent["reply_parameters"] == {"message_id": 77, "allow_sending_without_reply": True}
+    assert fake.edits == []
+
+
+async def test_the_final_text_shorter_than_the_streamed_one_removes_the_extra_messages(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, dm())
+    draft = "\n\n".join(f"Paragraph {i}: " + "text 数据 🙂 " * 40 for i in range(40))
+    await feed(stream, draft, size=200)
+    await fake.wait_shown(CHAT, lambda shown: len(shown) >= 3)
+    await stream.finish("Short in the end.")
+    assert fake.shown(CHAT) == ["Short in the end."]
+    assert len(fake.deleted) == len(fake.sent) - 1
+
+
+async def test_a_status_replaces_everything_shown_before_it(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, dm())
+    await feed(stream, "Thinking out loud. " * 600, size=300)  # over 11,000 characters
+    await fake.wait_shown(CHAT, lambda shown: len(shown) >= 3)
+    await stream.status("running a tool")
+    assert await fake.wait_shown(CHAT, lambda shown: shown == ["⏳ running a tool"])
+    await stream.append("The result.")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["The result."])
+    await stream.finish("The result.")
+    assert fake.shown(CHAT) == ["The result."]
+
+
+# ---------------------------------------------------------------------------- flood control
+
+
+async def test_a_429_storm_drops_nothing_and_repeats_nothing(start: Start) -> None:
+    channel, fake, observed = await start()
+    words = ["alpha", "数据", "🙂", "über", "naïve", "終端", "zeta", "🚀🚀"]
+    text = " ".join(words[i % len(words)] + ("\n" if i % 13 == 12 else "") for i in range(2400))
+    for _ in range(6):
+        fake.fail_next("editMessageText", 429, retry_after=0.15)
+    for _ in range(2):
+        fake.fail_next("sendMessage", 429, retry_after=0.1)
+    stream = open_stream(channel, dm())
+    slowest = await feed(stream, text, size=25, pause_every=2, pause_s=0.004)
+    assert slowest < 0.05
+    await stream.finish(text)
+
+    assert fake.shown(CHAT) == final_texts(text)
+    assert fake.rate_limited == [], "no call before the retry_after Telegram gave"
+    assert observed.count("rate_limited") == 8
+    # At every moment the messages read as a beginning of the reply: nothing repeated,
+    # nothing out of order, nothing lost on the way.
+    whole = no_space(text)
+    visible: dict[int, str] = {}
+    for method, _, message_id, shown in fake.history:
+        if method == "deleteMessage":
+            visible.pop(message_id)
+        else:
+            visible[message_id] = shown
+        assert whole.startswith(no_space("".join(visible[m] for m in sorted(visible))))
+    assert len(fake.sent) - len(fake.deleted) == len(final_texts(text))
+
+
+async def test_the_real_one_second_rule_is_kept_and_429s_are_waited_out(start: Start) -> None:
+    channel, fake, observed = await start(interval_s=1.0, edit_rule_s=1.0)
+    fake.fail_next("editMessageText", 429, retry_after=2)  # longer than the interval
+    stream = open_stream(channel, dm())
+    began = time.monotonic()
+    text = "".join(f"Line {i}: 数据 🙂 step\n" for i in range(60))
+    await feed(stream, text, size=8, pause_every=1, pause_s=0.02)  # about 3 s of typing
+    await stream.finish(text)
+    elapsed = time.monotonic() - began
+    assert fake.shown(CHAT) == final_texts(text)
+    assert fake.rate_limited == []
+    assert observed.count("rate_limited") == 1
+    edits = len(fake.edits)
+    assert 1 <= edits <= elapsed + 1, "at most one edit a second"
+
+
+async def test_the_interval_follows_the_running_config(start: Start) -> None:
+    setting = [0.3]  # stream_interval_s as the gateway's config holds it now
+    channel, fake, _ = await start(interval=lambda: setting[0], edit_rule_s=0.3)
+    stream = open_stream(channel, dm())
+    text = "step by step " * 80
+    await feed(stream, text, size=20, pause_every=1, pause_s=0.01)
+    await stream.finish(text)
+    assert fake.shown(CHAT) == final_texts(text)
+    assert fake.rate_limited == [], "the fixed 0.05 s was not used"
+
+
+async def test_two_replies_in_one_chat_share_its_pace(start: Start) -> None:
+    channel, fake, _ = await start()
+    first, second = open_stream(channel, in_topic(5, 70, None)), open_stream(channel, in_topic(6, 71, None))
+    text_a = "A says " + "alpha beta " * 300
+    text_b = "B says " + "gamma delta " * 300
+    await asyncio.gather(feed(first, text_a, size=11), feed(second, text_b, size=13))
+    await asyncio.gather(first.finish(text_a), second.finish(text_b))
+    assert sorted(fake.shown(GROUP)) == sorted(final_texts(text_a) + final_texts(text_b))
+    assert fake.rate_limited == [], "one chat, one pace: two streams never edit too fast together"
+    replies = [s.get("reply_parameters", {}).get("message_id") for s in fake.sent]
+    assert sorted(r for r in replies if r) == [70, 71]
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+async def test_refused_formatting_at_the_end_falls_back_to_plain_text(start: Start) -> None:
+    channel, fake, observed = await start()
+    stream = open_stream(channel, dm())
+    await stream.append("Some **bold** and a [link](https://example.org)")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Some bold and a link"])
+    fake.reject_formatting()
+    await stream.finish("Some **bold** and a [link](https://example.org)")
+    [message] = fake.shown_parsed(CHAT)
+    assert (message.text, message.entities) == ("Some bold and a link", [])
+    assert observed.count("plain_fallback") == 1
+
+
+async def test_a_message_deleted_mid_stream_continues_in_a_new_one(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, dm())
+    await stream.append("First part. ")
+    await fake.wait_shown(CHAT, lambda shown: len(shown) == 1)
+    [first_id] = fake.message_ids(CHAT)
+    fake.delete_by_person(first_id)
+    text = "First part. Second part."
+    await stream.append("Second part.")
+    await stream.finish(text)
+    assert fake.shown(CHAT) == [text]
+    assert fake.message_ids(CHAT) != [first_id]
+
+
+async def test_unchanged_text_is_not_an_error(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, dm())
+    await stream.append("Same text")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Same text"])
+    await stream.finish("Same text")  # the final edit would change nothing
+    assert fake.shown(CHAT) == ["Same text"] and len(fake.sent) == 1
+
+
+async def test_a_reply_that_cannot_be_shown_raises_from_finish(start: Start) -> None:
+    channel, fake, _ = await start()
+    fake.fail_next("sendMessage", 403, "Forbidden: bot was blocked by the user")
+    stream = open_stream(channel, dm())
+    await stream.append("hello")  # never raises into the agent
+    with pytest.raises(Exception, match="blocked"):
+        await stream.finish("hello")
+
+
+# ---------------------------------------------------------------------------- crash recovery
+
+
+async def test_a_resumed_reply_edits_the_messages_already_shown(start: Start) -> None:
+    channel, fake, _ = await start()
+    refs = Refs()
+    before_crash = open_stream(channel, dm(), on_ref=refs)
+    await feed(before_crash, "Half an answer " * 400, size=500)  # two messages
+    await fake.wait_shown(CHAT, lambda shown: len(shown) == 2)
+    shown_ids = fake.message_ids(CHAT)
+    assert await refs.wait_ids(2) == shown_ids
+    await channel.stop()  # the crash: the first stream's flusher is gone
+
+    restarted, _, _ = await start(fake=fake)
+    sent_before = len(fake.sent)
+    resumed = open_stream(restarted, dm(), resume_ref=refs.refs[-1])
+    await resumed.finish("The **whole** answer.")
+    assert len(fake.sent) == sent_before, "no second reply: the one shown was edited"
+    assert fake.message_ids(CHAT) == shown_ids[:1]
+    assert fake.shown(CHAT) == ["The whole answer."]
+
+
+async def test_a_resume_ref_for_another_chat_is_ignored(start: Start) -> None:
+    channel, fake, _ = await start()
+    stream = open_stream(channel, dm(), resume_ref=json.dumps({"chat_id": 1, "message_ids": [1]}))
+    await stream.finish("fresh")
+    assert fake.shown(CHAT) == ["fresh"] and len(fake.sent) == 1
+
+
+async def test_stopping_the_channel_ends_its_streams(start: Start) -> None:
+    channel, fake, _ = await start()
+    fake.fail_next("sendMessage", 429, retry_after=30)  # the flusher is left waiting
+    stream = open_stream(channel, dm())
+    await stream.append("text")
+    await fake.wait_call("sendMessage")
+    assert channel._stream_tasks
+    await asyncio.wait_for(channel.stop(), 3)
+    assert not channel._stream_tasks
+    with pytest.raises(RuntimeError, match="not started"):
+        await asyncio.wait_for(stream.finish("text"), 1)
+
+
+# ---------------------------------------------------------------------------- the fake
+
+
+async def test_the_fake_enforces_telegram_limits() -> None:
+    fake = FakeTelegram(edit_interval_s=1.0, send_burst=3, send_per_s=1.0)
+    await fake.start()
+    try:
+        async with Bot(fake.token, base_url=fake.base_url) as bot:
+            message = await bot.send_message(CHAT, "draft")
+            await bot.edit_message_text("one", chat_id=CHAT, message_id=message.message_id)
+            with pytest.raises(RetryAfter) as flood:
+                await bot.edit_message_text("two", chat_id=CHAT, message_id=message.message_id)
+            assert flood.value.retry_after == 1
+            await bot.edit_message_text("other chat", chat_id=CHAT + 1,
+                                        message_id=(await bot.send_message(CHAT + 1, "x")).message_id)
+            await asyncio.sleep(1.0)
+            with pytest.raises(BadRequest, match=r"(?i)not modified"):
+                await bot.edit_message_text("one", chat_id=CHAT, message_id=message.message_id)
+            with pytest.raises(BadRequest, match=r"(?i)message to edit not found"):
+                await bot.edit_message_text("x", chat_id=CHAT, message_id=9999)
+            with pytest.raises(BadRequest, match=r"(?i)can't parse entities"):
+                await bot.edit_message_text("bad", chat_id=CHAT, message_id=message.message_id,
+                                            entities=[{"type": "bold", "offset": 1, "length": 9}])
+            with pytest.raises(BadRequest, match=r"(?i)too long"):
+                await bot.edit_message_text("😀" * 2049, chat_id=CHAT, message_id=message.message_id)
+            for n in (2, 3, 4):  # the bucket refilled while we slept: 3 at once
+                await bot.send_message(CHAT, f"burst {n}")
+            with pytest.raises(RetryAfter):
+                await bot.send_message(CHAT, "burst 5")
+            assert await bot.delete_message(CHAT, message.message_id)
+            with pytest.raises(BadRequest, match=r"(?i)message to delete not found"):
+                await bot.delete_message(CHAT, message.message_id)
+        assert fake.rate_limited == ["editMessageText", "sendMessage"]
+        assert fake.shown(CHAT) == ["burst 2", "burst 3", "burst 4"]
+        assert fake.versions(message.message_id) == ["draft", "one"]
+        fake.fail_next("editMessageText", 429, retry_after=2)
+        async with aiohttp.ClientSession() as http:
+            url = f"{fake.base_url}{fake.token}/editMessageText"
+            for expected in (2, 2):  # the second call came too soon: refused again
+                async with http.post(url, json={"chat_id": CHAT, "message_id": 1, "text": "y"}) as resp:
+                    body = await resp.json()
+                    assert resp.status == 429 and body["parameters"]["retry_after"] == expected
+    finally:
+        await fake.stop()
