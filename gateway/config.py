@@ -115,6 +115,7 @@ class SlackConfig(_Strict):
     signing_secret: SecretStr | None = None
     mode: Literal["socket", "http"] = "socket"
     base_url: str = "https://slack.com/api/"
+    streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
 
     @model_validator(mode="after")
     def _check(self) -> SlackConfig:
