@@ -323,6 +323,10 @@ async def test_rate_limits_are_honoured_nothing_dropped_or_repeated(rig: Rig, mo
 
     expected = native_chunks(reply) if mode == "native" else update_chunks(reply)
     assert fake.visible("C1", inbound.thread_id) == expected
+    if mode == "native":
+        # Appends only add: a message never edited shows each appended piece exactly once.
+        edited = {p["ts"] for p in fake.method_calls("chat.update")}
+        assert len(edited) < len(expected)
     assert fake.rate_limited, "the limits were never reached"
     assert "rate_limited" in rig.events
     assert fake.violations == []  # never back before Retry-After
