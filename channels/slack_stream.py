@@ -163,7 +163,8 @@ class SlackReplyStream:
         task = self._task
         assert task is not None
         try:
-            await asyncio.wait_for(asyncio.shield(task), FINISH_TIMEOUT_S)
+            async with asyncio.timeout(FINISH_TIMEOUT_S):
+                await asyncio.shield(task)  # the flusher owns the last pass, even if we go
         except TimeoutError:
             task.cancel()
             raise RuntimeError("slack: streamed reply not shown in time") from None
