@@ -48,8 +48,12 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
-from channels.base import AccessCheck, InboundHandler
+from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from channels.slack_format import clean_text, slack_to_text, split_message, to_mrkdwn
+from channels.slack_stream import SlackReplyStream
+from channels.slack_stream import describe as _describe
+from channels.slack_stream import error_code as _error_code
+from channels.slack_stream import retry_after as _retry_after
 from gateway.config import SlackConfig
 from gateway.http import JsonBodyError, JsonTooDeep, parse_json_body
 from gateway.types import Attachment, Inbound
@@ -62,7 +66,6 @@ WORKING_REACTION = "hourglass_flowing_sand"
 MAX_FILE_BYTES = 20 * 1024 * 1024
 SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are replays
 RATE_LIMIT_RETRIES = 3
-MAX_RETRY_AFTER_S = 60.0
 RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
 API_TIMEOUT_S = 15
 SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
@@ -143,9 +146,11 @@ def _files(raw: Any) -> tuple[SlackFile, ...]:
     return tuple(found)
 
 
-def parse_event(event: Any, *, bot_user_id: str | None, bot_id: str | None = None) -> ParsedEvent | None:
+def parse_event(
+    event: Any, *, bot_user_id: str | None, bot_id: str | None = None, team_id: str | None = None
+) -> ParsedEvent | None:
     """One Events API `event` → what the router gets, or None when it is not a person's
-    new message to us (the caller logs and acknowledges)."""
+    new message to us (the caller logs and acknowledges). `team_id` is the envelope's."""
     if not isinstance(event, dict):
         return None
     kind = event.get("type")
@@ -186,8 +191,15 @@ def parse_event(event: Any, *, bot_user_id: str | None, bot_id: str | None = Non
         mentioned=mentioned or kind == "app_mention",
         reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
         user_name=_profile_name(event.get("user_profile")),
+        # The person's team: a native stream in a channel names its recipient (SPEC §5.1).
+        extra=_team_extra(event, team_id),
     )
     return ParsedEvent(inbound, files)
+
+
+def _team_extra(event: dict[str, Any], team_id: str | None) -> dict[str, Any]:
+    team = _ident(event.get("user_team")) or _ident(event.get("team")) or _ident(team_id)
+    return {"team_id": team} if team else {}
 
 
 def parse_command(payload: Any) -> Inbound | None:
@@ -247,18 +259,6 @@ def reply_thread(inbound: Inbound) -> str | None:
     return inbound.thread_id
 
 
-def _retry_after(headers: Any) -> float:
-    value = None
-    if headers is not None:
-        with contextlib.suppress(Exception):
-            value = headers.get("Retry-After") or headers.get("retry-after")
-    try:
-        delay = float(value) if value is not None else 1.0
-    except (TypeError, ValueError):
-        delay = 1.0
-    return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
-
-
 # ---------------------------------------------------------------------------- the channel
 
 
@@ -284,8 +284,12 @@ class SlackChannel:
         start_timeout_s: float = 15.0,
         ping_interval_s: float = 10.0,
         admits: AccessCheck | None = None,
+        stream_interval_s: float = 1.0,
+        observe: StreamObserver | None = None,
     ) -> None:
         self._cfg = cfg
+        self._stream_interval_s = stream_interval_s
+        self._observe = observe
         self._handler = handler
         self._workspace_for = workspace_for
         self._admits = admits
@@ -456,7 +460,9 @@ class SlackChannel:
             context[_DEFER] = True
             return
         try:
-            parsed = parse_event(body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id)
+            parsed = parse_event(
+                body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id, team_id=body.get("team_id")
+            )
         except Exception:
             log.warning("slack: dropped a malformed event", exc_info=True)
             return
@@ -491,11 +497,12 @@ class SlackChannel:
         except Exception:
             log.exception("slack: handler failed for %s", inbound.event_id)
 
-    def _spawn(self, coro: Awaitable[None], *, name: str) -> None:
+    def _spawn(self, coro: Awaitable[None], *, name: str) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
-        self._tasks.add(task)
+        self._tasks.add(task)  # cancelled by stop()
         task.add_done_callback(self._tasks.discard)
+        return task
 
     @asynccontextmanager
     async def _one_at_a_time(self, event_id: str) -> AsyncIterator[None]:
@@ -615,6 +622,28 @@ class SlackChannel:
         thread_ts = reply_thread(inbound)
         for chunk in chunks:
             await self._post_chunk(inbound.chat_id, chunk, thread_ts)
+
+    def stream(
+        self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None, resume_ref: str | None = None
+    ) -> ReplyStream | None:
+        """The reply shown as it grows (SPEC §5.1, channels/slack_stream.py): `native` Slack
+        streams in a thread, else (or where Slack refuses them) `update` edits. None when
+        `streaming` is off, and for slash commands (their ephemeral replies cannot be edited)."""
+        mode = self._cfg.streaming
+        if mode == "off" or self._client is None or inbound.extra.get("command"):
+            return None
+        recipient: dict[str, str] = {}
+        if inbound.is_group:  # Slack wants to know who a stream in a channel is for
+            recipient["recipient_user_id"] = inbound.user_id
+            team = inbound.extra.get("team_id")
+            if isinstance(team, str) and team:
+                recipient["recipient_team_id"] = team
+        return SlackReplyStream(
+            self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=mode == "native",
+            recipient=recipient, interval_s=self._stream_interval_s, sleep=self._sleep,
+            spawn=lambda coro, name: self._spawn(coro, name=name), name=f"slack-stream-{inbound.event_id}",
+            observe=self._observe, on_ref=on_ref, resume_ref=resume_ref,
+        )
 
     async def _post_chunk(self, channel: str, chunk: str, thread_ts: str | None) -> None:
         client = self._require_client()
@@ -802,17 +831,3 @@ def _malformed_event(body: Any) -> bool:
 def _event_type(body: Any) -> Any:
     event = body.get("event") if isinstance(body, dict) else None
     return event.get("type") if isinstance(event, dict) else None
-
-
-def _error_code(err: SlackApiError) -> str:
-    with contextlib.suppress(Exception):
-        code = err.response.get("error")
-        if isinstance(code, str):
-            return code
-    return "unknown"
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, SlackApiError):
-        return f"Slack error {_error_code(err)}"
-    return f"{type(err).__name__}: {err}"[:300]

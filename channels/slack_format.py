@@ -79,15 +79,28 @@ def split_message(text: str, limit: int = MESSAGE_LIMIT) -> list[str]:
     return chunks
 
 
+def ends_in_code_block(text: str) -> bool:
+    """Whether `text` ends inside a ``` fence (by split_message's rule), i.e. the last
+    chunk split_message makes of it gets a closing fence the text does not have yet."""
+    in_fence = False
+    for line in text.splitlines():
+        if _toggles(line):
+            in_fence = not in_fence
+    return in_fence
+
+
+def _toggles(line: str) -> bool:
+    # A line with an odd number of fences toggles (```code``` on one line does not).
+    return line.lstrip().startswith(_FENCE) and line.count(_FENCE) % 2 == 1
+
+
 def _pieces(text: str, budget: int) -> list[_Piece]:
     pieces: list[_Piece] = []
     in_fence = False
     for line in text.splitlines(keepends=True):
         before = in_fence
-        if line.lstrip().startswith(_FENCE):
-            # A line with an odd number of fences toggles (```code``` on one line does not).
-            if line.count(_FENCE) % 2 == 1:
-                in_fence = not in_fence
+        if _toggles(line):
+            in_fence = not in_fence
         parts = _hard_split(line, budget) if len(line) > budget else [line]
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

@@ -118,6 +118,7 @@ class SlackConfig(_Strict):
     signing_secret: SecretStr | None = None
     mode: Literal["socket", "http"] = "socket"
     base_url: str = "https://slack.com/api/"
+    streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
 
 
 class WebConfig(_Strict):

@@ -12,6 +12,7 @@ import aiohttp
 
 from gateway.app import Gateway
 from gateway.keys import workspace_dir
+from gateway.types import Inbound
 from tests.conftest import GatewayFactory
 from tests.fakes import slack_server
 from tests.fakes.openai_server import FakeModel
@@ -201,3 +202,19 @@ async def test_a_strangers_file_is_never_downloaded(make_gateway: GatewayFactory
 
     assert fake_slack.downloads == [admins["id"]]  # the admin's file was fetched, the stranger's never
     assert "notes.txt" in fake_model.requests[-1]["messages"][-1]["content"]
+
+
+async def test_the_gateways_slack_channel_streams_replies(make_gateway: GatewayFactory, fake_slack: FakeSlack) -> None:
+    """The channel the gateway builds from config streams (native by default) at the real
+    interval; the agent's side of the wiring is tested with the core (sessions.py)."""
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=slack_section(fake_slack))
+    slack = gw.channels["slack"]
+    assert slack.cfg.streaming == "native"
+    inbound = Inbound(channel="slack", chat_id="D5", user_id="U5", text="q", event_id="D5:2.1", thread_id="1.1")
+    stream = slack.stream(inbound)
+    assert stream is not None
+    await stream.append("hello")
+    await fake_slack.wait_for(lambda: fake_slack.visible("D5", "1.1") == ["hello"])
+    await stream.finish("hello **there** 👋")
+    assert fake_slack.visible("D5", "1.1") == ["hello **there** 👋"]
+    assert len(fake_slack.method_calls("chat.startStream")) == 1

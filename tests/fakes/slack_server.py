@@ -5,6 +5,17 @@ talk to it unchanged (base_url = FakeSlack.base_url).
 Every Web API call is recorded in `calls`; waits are event based with timeouts; failures
 are scripted with `fail_next`. `signed_event_request` builds the HTTP-mode requests Slack
 would send to the gateway's /slack/events (correctly signed, forged or stale).
+
+Messages the bot posts are kept as Slack would show them (`messages`, `visible`): posted,
+edited (`chat.update`), deleted (`chat.delete`) or streamed (`chat.startStream` /
+`appendStream` / `stopStream`, append-only while the stream is open). Slack's documented
+rules are enforced: a stream needs `thread_ts`, and in channels the recipient's team and
+user; `markdown_text` is at most 12,000 characters per call; `text` past 40,000 is cut
+(`chat.postMessage`) or refused (`chat.update`). Per-method rate limits follow Slack's
+tiers (token buckets per workspace, per channel for posting, per message for edits) and
+answer HTTP 429 with an integer `Retry-After`; a call that comes back before that time is
+recorded in `violations`. `rate_scale` speeds the fake's clock up for tests (limits and
+Retry-After are in "Slack seconds" = real seconds * rate_scale).
 """
 
 from __future__ import annotations
@@ -14,11 +25,12 @@ import hashlib
 import hmac
 import itertools
 import json
+import math
 import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -33,11 +45,61 @@ BOT_ID = "BBOT"
 TEAM_ID = "T1"
 
 
+TEXT_LIMIT = 40_000  # Slack cuts `text` here
+MARKDOWN_LIMIT = 12_000  # `markdown_text` per call (chat.postMessage / update / *Stream)
+
+
 @dataclass
 class _Failure:
     status: int
     headers: dict[str, str]
     body: dict[str, Any]
+
+
+@dataclass
+class FakeMessage:
+    """One message of the bot's as people see it."""
+
+    channel: str
+    ts: str
+    thread_ts: str | None
+    text: str
+    format: str  # "mrkdwn" | "plain" | "markdown"
+    streaming: bool = False  # an open chat.startStream: only appends until stopped
+    deleted: bool = False
+    history: list[str] = field(default_factory=list)  # every text it has shown, in order
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """`per_s` calls a second sustained (Slack seconds), bursts of `burst`, counted per
+    "workspace", "channel" or "message" (channel + ts)."""
+
+    per_s: float
+    burst: int
+    per: str = "workspace"
+
+
+# Slack's tiers (per method, per workspace): Tier 2 20+/min, Tier 3 50+/min, Tier 4 100+/min;
+# edits of one message about 1/s. chat.postMessage (about 1/s per channel, "short bursts
+# allowed") is limited only when a test asks (POST_LIMIT): the flood tests post hundreds
+# of answers to one channel in seconds, and the adapter's answer to a 429 there is tested
+# on its own.
+POST_LIMIT = RateLimit(1.0, 5, "channel")
+DEFAULT_LIMITS: dict[str, tuple[RateLimit, ...]] = {
+    "chat.update": (RateLimit(1.0, 2, "message"), RateLimit(50 / 60, 50)),
+    "chat.delete": (RateLimit(50 / 60, 50),),
+    "chat.startStream": (RateLimit(20 / 60, 20),),
+    "chat.appendStream": (RateLimit(100 / 60, 30),),
+    "chat.stopStream": (RateLimit(20 / 60, 20),),
+}
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+    blocked_until: float = 0.0
 
 
 class FakeSlack:
@@ -52,6 +114,8 @@ class FakeSlack:
         self.base_url = ""  # "http://127.0.0.1:PORT/api/" once started
         self.root_url = ""
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.call_times: list[float] = []  # time.monotonic() of each entry in `calls`
+        self.latency: dict[str, float] = {}  # method → seconds before it answers (a slow Slack)
         self.posted: list[dict[str, Any]] = []  # chat.postMessage params, in order
         self.ephemeral: list[dict[str, Any]] = []  # chat.postEphemeral params
         self.responses: list[dict[str, Any]] = []  # bodies posted to response_url hooks
@@ -61,6 +125,18 @@ class FakeSlack:
         self.downloads: list[str] = []  # file ids served
         self.users: dict[str, dict[str, Any]] = {}
         self.sockets_opened = 0
+        self.messages: dict[tuple[str, str], FakeMessage] = {}
+        self.statuses: list[dict[str, Any]] = []  # assistant.threads.setStatus params
+        self.thread_status: dict[tuple[str, str], str] = {}  # what each thread shows now
+        # Older workspaces / tokens refuse the chat.*Stream methods: e.g. "unknown_method"
+        # or "not_allowed_token_type".
+        self.native_refusal: str | None = None
+        self.status_refusal: str | None = None  # assistant.threads.setStatus refused
+        self.limits: dict[str, tuple[RateLimit, ...]] = dict(DEFAULT_LIMITS)
+        self.rate_scale = 1.0
+        self.rate_limited: list[tuple[str, int]] = []  # (method, Retry-After) of each 429 sent
+        self.violations: list[str] = []  # calls that came back before their Retry-After
+        self._buckets: dict[tuple[str, str, str], _Bucket] = {}
         self._files: dict[str, tuple[bytes, str]] = {}
         self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
         self._sockets: list[web.WebSocketResponse] = []
@@ -129,6 +205,23 @@ class FakeSlack:
 
     def method_calls(self, method: str) -> list[dict[str, Any]]:
         return [params for name, params in self.calls if name == method]
+
+    def timed_calls(self, method: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(at, params) for at, (name, params) in zip(self.call_times, self.calls, strict=True)
+                if name == method]
+
+    def set_limit(self, method: str, *limits: RateLimit) -> None:
+        self.limits[method] = limits
+
+    def visible(self, channel: str, thread_ts: str | None = None) -> list[str]:
+        """The texts of the bot's messages people see in a channel's top level (or in one
+        thread), oldest first."""
+        return [m.text for m in self.visible_messages(channel, thread_ts)]
+
+    def visible_messages(self, channel: str, thread_ts: str | None = None) -> list[FakeMessage]:
+        shown = [m for m in self.messages.values()
+                 if m.channel == channel and m.thread_ts == thread_ts and not m.deleted]
+        return sorted(shown, key=lambda m: _ts_key(m.ts))
 
     # -- pushing over Socket Mode
 
@@ -224,7 +317,10 @@ class FakeSlack:
         method = request.match_info["method"]
         params = await _params(request)
         self.calls.append((method, params))
+        self.call_times.append(time.monotonic())
         try:
+            if method in self.latency:
+                await asyncio.sleep(self.latency[method])
             failures = self._failures.get(method)
             if failures:
                 failure = failures.popleft()
@@ -233,6 +329,12 @@ class FakeSlack:
             expected = self.app_token if method == "apps.connections.open" else self.bot_token
             if token != expected:
                 return web.json_response({"ok": False, "error": "invalid_auth"})
+            retry_after = self._rate_check(method, params)
+            if retry_after is not None:
+                self.rate_limited.append((method, retry_after))
+                return web.json_response(
+                    {"ok": False, "error": "ratelimited"}, status=429, headers={"Retry-After": str(retry_after)}
+                )
             return web.json_response(self._answer(method, params))
         finally:
             await self._notify()
@@ -246,10 +348,17 @@ class FakeSlack:
         if method == "apps.connections.open":
             return {"ok": True, "url": f"ws://127.0.0.1:{self.root_url.rsplit(':', 1)[1]}/socket?ticket=t1"}
         if method == "chat.postMessage":
-            self.posted.append(params)
-            ts = f"{int(time.time())}.{next(self._ids):06d}"
-            message = {"text": params.get("text")}
-            return {"ok": True, "channel": params.get("channel"), "ts": ts, "message": message}
+            return self._post(params)
+        if method in ("chat.startStream", "chat.appendStream", "chat.stopStream", "chat.update", "chat.delete"):
+            return self._edit(method, params)
+        if method == "assistant.threads.setStatus":
+            if self.status_refusal:
+                return {"ok": False, "error": self.status_refusal}
+            self.statuses.append(params)
+            self.thread_status[(str(params.get("channel_id")), str(params.get("thread_ts")))] = str(
+                params.get("status", "")
+            )
+            return {"ok": True}
         if method == "chat.postEphemeral":
             self.ephemeral.append(params)
             return {"ok": True, "message_ts": f"{int(time.time())}.{next(self._ids):06d}"}
@@ -260,6 +369,135 @@ class FakeSlack:
             user = self.users.get(str(params.get("user")))
             return {"ok": True, "user": user} if user else {"ok": False, "error": "user_not_found"}
         return {"ok": True}
+
+    # -- messages
+
+    def _new_ts(self) -> str:
+        return f"{int(time.time())}.{next(self._ids):06d}"
+
+    def _add_message(self, channel: str, thread_ts: Any, text: str, fmt: str, *, streaming: bool = False) -> str:
+        ts = self._new_ts()
+        thread = str(thread_ts) if thread_ts else None
+        self.messages[(channel, ts)] = FakeMessage(channel, ts, thread, text, fmt, streaming, history=[text])
+        if thread is not None:
+            self.thread_status.pop((channel, thread), None)  # a reply clears the thread's status
+        return ts
+
+    def _post(self, params: dict[str, Any]) -> dict[str, Any]:
+        channel = str(params.get("channel", ""))
+        markdown = params.get("markdown_text")
+        if markdown is not None:
+            if params.get("text") or params.get("blocks"):
+                return {"ok": False, "error": "markdown_text_conflict"}
+            if len(str(markdown)) > MARKDOWN_LIMIT:
+                return {"ok": False, "error": "msg_too_long"}
+            text, fmt = str(markdown), "markdown"
+        else:
+            text = str(params.get("text") or "")
+            if not text:
+                return {"ok": False, "error": "no_text"}
+            text = text[:TEXT_LIMIT]  # documented: Slack truncates past 40,000 characters
+            fmt = "plain" if params.get("mrkdwn") in (False, "false", "0") else "mrkdwn"
+        self.posted.append(params)
+        ts = self._add_message(channel, params.get("thread_ts"), text, fmt)
+        return {"ok": True, "channel": channel, "ts": ts, "message": {"text": text}}
+
+    def _edit(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        channel = str(params.get("channel", ""))
+        if method == "chat.startStream":
+            return self._start_stream(channel, params)
+        if method.endswith("Stream") and self.native_refusal:
+            return {"ok": False, "error": self.native_refusal}
+        message = self.messages.get((channel, str(params.get("ts", ""))))
+        if message is None or message.deleted:
+            return {"ok": False, "error": "message_not_found"}
+        markdown = params.get("markdown_text")
+        if markdown is not None and len(str(markdown)) > MARKDOWN_LIMIT:
+            return {"ok": False, "error": "msg_too_long"}
+        if method == "chat.delete":
+            message.deleted = True
+            return {"ok": True, "channel": channel, "ts": message.ts}
+        if method == "chat.update":
+            if message.streaming:
+                return {"ok": False, "error": "cant_update_message"}  # stop the stream first
+            if markdown is not None:
+                if params.get("text") or params.get("blocks"):
+                    return {"ok": False, "error": "markdown_text_conflict"}
+                text, fmt = str(markdown), "markdown"
+            else:
+                text, fmt = str(params.get("text") or ""), "mrkdwn"
+                if not text:
+                    return {"ok": False, "error": "no_text"}
+                if len(text) > TEXT_LIMIT:
+                    return {"ok": False, "error": "msg_too_long"}
+            message.text, message.format = text, fmt
+            message.history.append(text)
+            return {"ok": True, "channel": channel, "ts": message.ts, "text": text}
+        if not message.streaming:
+            return {"ok": False, "error": "message_not_in_streaming_state"}
+        if method == "chat.appendStream" and not markdown:
+            return {"ok": False, "error": "no_text"}
+        if len(message.text) + len(str(markdown or "")) > TEXT_LIMIT:
+            return {"ok": False, "error": "msg_too_long"}
+        if markdown:
+            message.text += str(markdown)
+            message.history.append(message.text)
+        if method == "chat.stopStream":
+            message.streaming = False
+        return {"ok": True, "channel": channel, "ts": message.ts}
+
+    def _start_stream(self, channel: str, params: dict[str, Any]) -> dict[str, Any]:
+        if self.native_refusal:
+            return {"ok": False, "error": self.native_refusal}
+        thread_ts = params.get("thread_ts")
+        if not thread_ts:
+            return {"ok": False, "error": "invalid_arguments",
+                    "response_metadata": {"messages": ["[ERROR] missing required field: thread_ts"]}}
+        if not channel.startswith("D"):  # streaming to a channel names who receives it
+            if not params.get("recipient_team_id"):
+                return {"ok": False, "error": "missing_recipient_team_id"}
+            if not params.get("recipient_user_id"):
+                return {"ok": False, "error": "missing_recipient_user_id"}
+        markdown = str(params.get("markdown_text") or "")
+        if len(markdown) > MARKDOWN_LIMIT:
+            return {"ok": False, "error": "msg_too_long"}
+        ts = self._add_message(channel, thread_ts, markdown, "markdown", streaming=True)
+        return {"ok": True, "channel": channel, "ts": ts}
+
+    # -- rate limits
+
+    def _rate_check(self, method: str, params: dict[str, Any]) -> int | None:
+        """None when the call may go through, else the Retry-After (whole Slack seconds)."""
+        limits = self.limits.get(method, ())
+        now = time.monotonic()
+        keys = []
+        for limit in limits:
+            if limit.per == "channel":
+                key = str(params.get("channel", ""))
+            elif limit.per == "message":
+                key = f"{params.get('channel', '')}:{params.get('ts', '')}"
+            else:
+                key = TEAM_ID
+            keys.append((limit, (method, limit.per, key)))
+        wait = 0.0
+        for limit, key in keys:
+            rate = limit.per_s * self.rate_scale
+            bucket = self._buckets.setdefault(key, _Bucket(float(limit.burst), now))
+            bucket.tokens = min(float(limit.burst), bucket.tokens + (now - bucket.at) * rate)
+            bucket.at = now
+            if now < bucket.blocked_until - 0.005:
+                self.violations.append(f"{method} {key[2]} came back {bucket.blocked_until - now:.3f}s early")
+            if bucket.tokens < 1.0:
+                wait = max(wait, (1.0 - bucket.tokens) / rate)
+        if wait <= 0:
+            for _, key in keys:
+                self._buckets[key].tokens -= 1.0
+            return None
+        retry_after = max(1, math.ceil(wait * self.rate_scale))
+        for _, key in keys:
+            bucket = self._buckets[key]
+            bucket.blocked_until = max(bucket.blocked_until, now + retry_after / self.rate_scale)
+        return retry_after
 
     async def _socket(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(autoping=True)
@@ -306,6 +544,11 @@ class FakeSlack:
         self.responses.append({"hook": request.match_info["hook"], **body})
         await self._notify()
         return web.Response(text="ok")
+
+
+def _ts_key(ts: str) -> tuple[int, int]:
+    seconds, _, micros = ts.partition(".")
+    return int(seconds or 0), int(micros or 0)
 
 
 async def _params(request: web.Request) -> dict[str, Any]:
