@@ -482,6 +482,7 @@ ROWS = [
     Row("channels.slack.signing_secret", "another-signing-secret", "channel", p_slack_receives),
     Row("channels.slack.mode", "http", "channel", p_slack_receives),
     Row("channels.slack.base_url", lambda r: localhost(r.slack.base_url), "channel", p_slack_receives),
+    Row("channels.slack.streaming", "update", "channel", p_slack_receives),
     Row("channels.web.enabled", False, "restart", p_still_serving),
     Row("channels.web.token", "web-token-after-4567", "live", p_web_token),
     Row("channels.terminal.enabled", False, "restart", p_nothing_to_see),
