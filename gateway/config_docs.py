@@ -110,6 +110,9 @@ MEANINGS: dict[str, str] = {
     "channels.slack.mode": "Socket Mode (no public address needed) or HTTP events at `POST /slack/events` on "
                            "the gateway's HTTP server.",
     "channels.slack.base_url": "The Slack Web API base (slack_sdk's meaning).",
+    "channels.slack.streaming": "`native`: Slack's streaming methods in the reply's thread (edits where Slack "
+                                "refuses them); `update`: post, then edit at most once per `stream_interval_s`; "
+                                "`off`: sent whole at the end.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
     "channels.web.token": "Bearer token of the web chat and API; required when `http.host` is not a loopback "
                           "address.",
