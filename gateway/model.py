@@ -686,24 +686,28 @@ class ModelClient:
 
     async def complete(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                        on_text: Callable[[str], Awaitable[None]] | None = None,
+                       on_retry: Callable[[], Awaitable[None]] | None = None,
                        max_tokens: int | None = None) -> ModelReply:
         """One model call, retried on transient failures.
 
-        With on_text the reply is streamed and every text delta is passed on as it comes;
-        a failure after text was passed on is raised, not retried (it would repeat)."""
+        With on_text the reply is streamed and every text delta is passed on as it comes.
+        A failure after text was passed on is raised, not retried (the text would come
+        twice), unless on_retry is given: it is awaited before such a retry, so the
+        caller can take back what the failed attempt showed."""
         if not self.configured:
             raise ModelError("not_configured", "no API key: set model.api_key or OPENAI_API_KEY")
         self._in_flight += 1
         self._idle.clear()
         try:
-            return await self._complete(messages, tools, on_text, max_tokens)
+            return await self._complete(messages, tools, on_text, on_retry, max_tokens)
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
 
     async def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                        on_text: Callable[[str], Awaitable[None]] | None, max_tokens: int | None) -> ModelReply:
+                        on_text: Callable[[str], Awaitable[None]] | None,
+                        on_retry: Callable[[], Awaitable[None]] | None, max_tokens: int | None) -> ModelReply:
         retries = 0
         while True:
             if self._closed:
@@ -714,9 +718,12 @@ class ModelClient:
                 reply = await self._call(messages, tools, on_text, max_tokens, attempt)
             except ModelError as err:
                 self._record(started, err.kind, retries, on_text is not None, status=err.status)
-                if self._adapt(err, streaming=on_text is not None):
+                repeats = attempt.streamed_text and on_retry is None
+                if not repeats and self._adapt(err, streaming=on_text is not None):
+                    if attempt.streamed_text and on_retry is not None:
+                        await on_retry()
                     continue
-                if not err.retryable or retries >= self._cfg.max_retries or attempt.streamed_text:
+                if not err.retryable or retries >= self._cfg.max_retries or repeats:
                     raise
                 delay = retry_delay(retries, err.retry_after, self._random.random())
                 if delay is None:
@@ -724,6 +731,8 @@ class ModelClient:
                 log.warning("model call failed (%s, HTTP %s); retry %d/%d in %.1fs", err.kind,
                             err.status, retries + 1, self._cfg.max_retries, delay)
                 retries += 1
+                if attempt.streamed_text and on_retry is not None:
+                    await on_retry()  # before the wait: the person sees why nothing moves
                 await self._sleep(delay)
                 continue
             self._record(started, "ok", retries, on_text is not None,
