@@ -59,6 +59,8 @@ class ThinkFilter:
         self.retracted = False
 
     def feed(self, delta: str) -> str:
+        if not self._inside and not self._held and "<" not in delta:
+            return delta  # nearly every delta: no tag can start in it
         text = self._held + delta
         self._held = ""
         out: list[str] = []
