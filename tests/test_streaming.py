@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -466,3 +467,21 @@ async def _until(channel: RecordingChannel, check: Any) -> None:
 async def _first_stream(channel: RecordingChannel) -> RecordingStream:
     await asyncio.wait_for(_until(channel, lambda: channel.streams), 10)
     return channel.streams[0]
+
+
+async def test_the_terminal_erases_what_a_status_replaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((20, 24)))
+    out = SlowWriter()
+    terminal = TerminalChannel(out=out, tty=True)  # type: ignore[arg-type]
+    stream = terminal.stream(said("x"))
+
+    await stream.append("Let me look that up in your notes, one moment")  # 5 + 45 chars: 3 rows of 20
+    await stream.status("reading notes.md…")
+    await stream.append("Found it.")
+    await stream.finish("Found it.")
+
+    screen = out.text
+    erase = "\r\033[2A\033[J"  # back to the first of the 3 rows, clear to the end of the screen
+    assert screen.index(erase) < screen.index("reading notes.md…") < screen.index("Found it.")
+    assert screen.count("Found it.") == 1 and screen.endswith("Found it.\n\n")
+    assert await terminal.replies.get() == ("Found it.", True)
