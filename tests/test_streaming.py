@@ -29,7 +29,7 @@ from gateway.app import Gateway
 from gateway.config import load_config
 from gateway.metrics import Metrics
 from gateway.store import Store
-from gateway.streaming import RETRYING_STATUS, ThinkFilter, clean_reply
+from gateway.streaming import RETRYING_STATUS, StepFeed, clean_reply
 from gateway.tools.status import tool_status
 from gateway.types import Inbound, Message, ToolCall, inbound_to_dict
 from tests.conftest import write_config
@@ -407,22 +407,41 @@ async def test_the_terminal_prints_as_it_comes_and_the_answer_once(
 # -- the pure parts -----------------------------------------------------------------------
 
 
-@given(st.lists(st.sampled_from(["<think>", "</think>", "<", "think", ">", "/", "a", " ", "\n", "é", "<th"]),
-                max_size=14),
-       st.lists(st.integers(min_value=0, max_value=60), max_size=6))
-def test_reasoning_filter_does_not_depend_on_how_text_is_split(pieces: list[str], cuts: list[int]) -> None:
+class Collect:
+    """The visible text of a stream, the way a platform keeps it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    async def append(self, delta: str) -> None:
+        self.text += delta
+
+    async def status(self, line: str) -> None:
+        self.text = ""  # replaced; the next text starts afresh
+
+
+def _now(coro: Any) -> None:
+    """Run a coroutine that never waits (Collect's methods) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    raise AssertionError("the coroutine waited")
+
+
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<", "think", ">", "/", "a", " ", "\n", "é", "<th", "k>"]),
+                max_size=16),
+       st.lists(st.integers(min_value=0, max_value=60), max_size=8))
+def test_streamed_text_adds_up_to_the_stored_reply_however_it_is_split(pieces: list[str], cuts: list[int]) -> None:
     text = "".join(pieces)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    think = ThinkFilter()
-    shown = ""
+    shown = Collect()
+    feed = StepFeed(shown)  # type: ignore[arg-type]
     for start, end in itertools.pairwise(bounds):
-        out = think.feed(text[start:end])
-        if think.retracted:  # what was shown before is withdrawn by the caller
-            think.retracted, shown = False, ""
-        shown += out
-    shown += think.flush()
-    assert shown.strip() == clean_reply(text)
-    assert "<think>" not in clean_reply(text)
+        _now(feed.text(text[start:end]))
+    _now(feed.end())
+    assert shown.text == clean_reply(text)
+    assert "<think>" not in shown.text
 
 
 def test_tool_status_lines() -> None:
