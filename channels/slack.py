@@ -285,10 +285,12 @@ class SlackChannel:
         ping_interval_s: float = 10.0,
         admits: AccessCheck | None = None,
         stream_interval_s: float = 1.0,
+        stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
     ) -> None:
         self._cfg = cfg
-        self._stream_interval_s = stream_interval_s
+        # The running config's `stream_interval_s`, read as each reply starts, or a fixed value.
+        self._stream_interval = stream_interval or (lambda: stream_interval_s)
         self._observe = observe
         self._handler = handler
         self._workspace_for = workspace_for
@@ -640,7 +642,7 @@ class SlackChannel:
                 recipient["recipient_team_id"] = team
         return SlackReplyStream(
             self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=mode == "native",
-            recipient=recipient, interval_s=self._stream_interval_s, sleep=self._sleep,
+            recipient=recipient, interval_s=self._stream_interval(), sleep=self._sleep,
             spawn=lambda coro, name: self._spawn(coro, name=name), name=f"slack-stream-{inbound.event_id}",
             observe=self._observe, on_ref=on_ref, resume_ref=resume_ref,
         )

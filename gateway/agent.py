@@ -1,6 +1,11 @@
 """The turn loop (SPEC §5): ask context/ for the request, call the model, run the tools,
 store every message as it is produced, repeat up to `agent_max_steps`, recover once from
-a context overflow."""
+a context overflow.
+
+Given a `ReplyStream` (SPEC §5.1), every model call of the turn streams into it: the text
+as it comes (reasoning removed, gateway/streaming.py), a status line in its place when
+the step turns out to call tools. The caller ends the stream with the returned text.
+Without one, calls take the plain (faster) non-streamed path."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from context.engine import Prepared, prepare, recover_overflow
 from context.truncate import cut_tool_result
@@ -18,10 +23,15 @@ from gateway.config import Config, atomic_write_text
 from gateway.live import LiveSession
 from gateway.model import ModelError, ModelReply
 from gateway.services import Services
+from gateway.streaming import StepFeed, clean_reply
 from gateway.summarizer import Summarizer
 from gateway.tools.base import ToolContext, ToolError, ToolOutput
+from gateway.tools.status import tool_status
 from gateway.types import Message, ToolCall
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
+
+if TYPE_CHECKING:
+    from channels.base import ReplyStream
 
 log = logging.getLogger("gateway.agent")
 
@@ -102,12 +112,20 @@ class Agent:
         for effect in prepared.effects:
             self.summarizer.submit(live, effect)
 
-    async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None) -> ModelReply:
+    async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None,
+                          feed: StepFeed | None = None) -> ModelReply:
         async with self.s.model_slots:
-            return await self.s.model.complete(prepared.messages, tools=tools or None)
+            if feed is None:
+                return await self.s.model.complete(prepared.messages, tools=tools or None)
+            feed.next_step()
+            return await self.s.model.complete(prepared.messages, tools=tools or None,
+                                               on_text=feed.text, on_retry=feed.retry)
 
-    async def run_turn(self, live: LiveSession) -> TurnResult:
-        """Run the current turn (its user message is already stored) to a final reply."""
+    async def run_turn(self, live: LiveSession, stream: ReplyStream | None = None) -> TurnResult:
+        """Run the current turn (its user message is already stored) to a final reply.
+        With `stream`, the reply is shown as it is produced (append/status only: the
+        caller finishes or fails the stream with the result's text)."""
+        feed = StepFeed(stream) if stream is not None else None
         recovered = False
         step = 0
         live.turn_tokens = 0
@@ -126,7 +144,7 @@ class Agent:
             if prepared.user_notice:
                 return TurnResult(prepared.user_notice, "notice")
             try:
-                reply = await self._call_model(prepared, tools)
+                reply = await self._call_model(prepared, tools, feed)
             except ModelError as err:
                 if err.kind != "overflow":
                     log.warning("model error", extra={"session": live.key, "kind": err.kind,
@@ -135,7 +153,7 @@ class Agent:
                 if recovered:
                     return await self._clear_after_overflow(live)
                 recovered = True
-                outcome = await self._recover(live, cfg, system, tools, err)
+                outcome = await self._recover(live, cfg, system, tools, err, feed)
                 if outcome is None:
                     return await self._clear_after_overflow(live)
                 if isinstance(outcome, ModelError):
@@ -151,19 +169,28 @@ class Agent:
             if reply.completion_tokens:
                 self.s.metrics.tokens.labels("out").inc(reply.completion_tokens)
             calls = () if final else reply.tool_calls
-            text = (reply.content or "").strip()
             if not calls:
+                # Exactly what the stream showed of this step: the same filter, whole.
+                text = clean_reply(reply.content)
+                if feed is not None:
+                    await feed.end()
                 if not text:
                     text = step_limit_reply(cfg.agent_max_steps) if final else EMPTY_REPLY
                 await self.store(live, Message(role="assistant", content=text, turn=live.ctx.current_turn))
                 return TurnResult(text, "ok")
+            if feed is not None:
+                # The step's text was not the answer: the person sees what runs instead.
+                await feed.status(tool_status(calls))
+            # Kept as the model wrote it (reasoning included): models that think between
+            # tool calls expect to read their thoughts back within the turn.
             await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
                                            tool_calls=tuple(calls)))
             for call in calls:
                 await self._run_tool(live, cfg, call)
 
     async def _recover(
-        self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError
+        self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError,
+        feed: StepFeed | None = None,
     ) -> tuple[ModelReply, Prepared] | ModelError | None:
         """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once.
         None when the retry overflows again; the error when it fails otherwise."""
@@ -173,7 +200,7 @@ class Agent:
                                     counter=self.s.counter, provider_limit=err.provider_limit)
         self._apply(live, prepared)
         try:
-            reply = await self._call_model(prepared, tools)
+            reply = await self._call_model(prepared, tools, feed)
         except ModelError as again:
             if again.kind == "overflow":
                 self.s.metrics.overflow_recoveries.labels("cleared").inc()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,7 @@ from gateway.usage import Usage
 from gateway.workspace import restrict_mode
 
 if TYPE_CHECKING:
+    from channels.base import ReplyRefSink, ReplyStream, StreamObserver
     from channels.web import HistoryItem
 
 log = logging.getLogger("gateway.app")
@@ -148,7 +151,8 @@ class Gateway:
         self.services = services
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)
-        self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing)
+        self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
+                                       stream=self.stream)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems)
@@ -221,7 +225,8 @@ class Gateway:
 
         if cfg.channels.web.enabled and self.serve_http:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
-                                              history=self.web_history, **_web_settings(cfg))
+                                              history=self.web_history, **_web_settings(cfg),
+                                              **self.stream_settings(WebChannel, "web"))
         for name in ("telegram", "slack"):
             channel = self._make_channel(name, cfg)
             if channel is not None:
@@ -241,13 +246,39 @@ class Gateway:
             from channels.telegram import TelegramChannel
 
             return TelegramChannel(cfg.channels.telegram, self.router.handle, workspace_for=self.workspace_for,
-                                   commands=BOT_COMMANDS, admits=self.router.admits)
+                                   commands=BOT_COMMANDS, admits=self.router.admits,
+                                   **self.stream_settings(TelegramChannel, name))
         if name == "slack" and cfg.channels.slack.enabled:
             from channels.slack import SlackChannel
 
             return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for,
-                                admits=self.router.admits)
+                                admits=self.router.admits, **self.stream_settings(SlackChannel, name))
         return None
+
+    def stream_observer(self, channel: str) -> StreamObserver:
+        """Counts a channel's stream events in /metrics (gateway_stream_events_total)."""
+        assert self.services is not None
+        return self.services.metrics.stream_observer(channel)
+
+    def stream_interval(self) -> float:
+        """`stream_interval_s` of the running config: channels read it per update, so a
+        reload applies to the next update without restarting them."""
+        return self.cfg.stream_interval_s
+
+    def stream_settings(self, factory: Callable[..., Any], channel: str) -> dict[str, Any]:
+        """The streaming keyword arguments a channel's constructor takes: `observe`
+        (a StreamObserver for this channel) and `stream_interval` (a callable returning
+        the current `stream_interval_s`)."""
+        try:
+            accepted = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            return {}
+        settings: dict[str, Any] = {}
+        if "observe" in accepted:
+            settings["observe"] = self.stream_observer(channel)
+        if "stream_interval" in accepted:
+            settings["stream_interval"] = self.stream_interval
+        return settings
 
     async def _start_channel(self, name: str, channel: Any) -> None:
         try:
@@ -319,6 +350,22 @@ class Gateway:
             log.warning("reply for a channel that is not running", extra={"channel": inbound.channel})
             return
         await channel.send(inbound, text)
+
+    def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+               resume_ref: str | None = None) -> ReplyStream | None:
+        """The channel's stream for the reply to `inbound` (SPEC §5.1), or None: the
+        channel cannot stream (no `stream`), streaming is off, or opening one failed; the
+        reply then goes out whole through `deliver`."""
+        channel = self.channels.get(inbound.channel)
+        open_stream = getattr(channel, "stream", None)
+        if open_stream is None:
+            return None
+        try:
+            return open_stream(inbound, on_ref=on_ref, resume_ref=resume_ref)  # type: ignore[no-any-return]
+        except Exception:
+            log.exception("could not open a reply stream; sending the reply whole",
+                          extra={"channel": inbound.channel})
+            return None
 
     def typing(self, inbound: Inbound) -> AbstractAsyncContextManager[Any]:
         channel = self.channels.get(inbound.channel)

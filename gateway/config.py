@@ -182,6 +182,8 @@ class Config(_Strict):
     channels: ChannelsConfig = ChannelsConfig()
     http: HttpConfig = HttpConfig()
     limits: LimitsConfig = LimitsConfig()
+    # Least time between two updates of one streamed message (SPEC §5.1).
+    stream_interval_s: float = Field(default=1.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
     _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())

@@ -42,6 +42,8 @@ MEANINGS: dict[str, str] = {
                                 "model's window minus `model.max_output_tokens`).",
     "agent_max_context_turns": "Most turns kept in the live context; past it the earliest half is summarized "
                                "in the background and dropped.",
+    "stream_interval_s": "Least seconds between two updates of one streamed message (Telegram edits, Slack "
+                         "appends and updates).",
     "agent_max_steps": "Most tool-calling model calls in one turn; then one call without tools gives the answer.",
     "system_prompt": "The agent's instructions, at the start of every request.",
     "data_dir": "Where the database, the workspaces and the memory live; relative to the config file's directory.",

@@ -39,6 +39,16 @@ class Metrics:
         self.busy = Counter("gateway_busy_replies_total", "Busy replies (queue full)", registry=r)
         self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
         self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
+        self.stream_events = Counter(
+            "gateway_stream_events_total", "What streamed replies did (channels/base.py StreamObserver)",
+            ["channel", "event"], registry=r,
+        )
+
+    def stream_observer(self, channel: str) -> Callable[[str], None]:
+        """A channel's StreamObserver: counts each event it reports, by name."""
+        def observe(event: str) -> None:
+            self.stream_events.labels(channel, event).inc()
+        return observe
 
     def watch_store(self, stats: Callable[[], StoreStats]) -> None:
         """The store's write counters, read at each scrape."""

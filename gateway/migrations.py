@@ -182,4 +182,10 @@ MIGRATIONS: list[str] = [
             ON CONFLICT(identity, day) DO UPDATE SET turns = turns + 1, tokens = tokens + excluded.tokens;
     END;
     """,
+    # 4: where a streamed reply is shown (SPEC §5.1): the channel's reference to the
+    # platform message(s) of the turn's reply, so a turn resumed after a crash edits them
+    # instead of posting the reply a second time.
+    """
+    ALTER TABLE events ADD COLUMN reply_ref TEXT;
+    """,
 ]

@@ -7,16 +7,16 @@ agent what to do. `classify_error()` is the pure part: it recognizes context ove
 every provider's wording (so the agent can recover, §4.4) and never mistakes another 400
 for one.
 
-Transports: a plain call is one JSON POST through `gateway.model_http` (the openai SDK's
-request and response handling cost more CPU than the rest of a turn); a streamed call
-goes through the SDK. Both end in the same ModelReply / ModelError kinds.
+Transport: `gateway.model_http`, straight over aiohttp (the openai SDK's request and
+response handling cost more CPU than the rest of a turn, and ~70 µs per streamed chunk).
+A plain call is one JSON POST; a streamed one reads Server-Sent Events. Both end in the
+same ModelReply / ModelError kinds, with the meanings the SDK's exceptions had.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -28,35 +28,13 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC
 from email.utils import parsedate_to_datetime
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import aiohttp
 
 from gateway.config import ModelConfig
-from gateway.model_http import CompletionsEndpoint, RawResponse, completions_url
+from gateway.model_http import CompletionsEndpoint, RawResponse, SseReader
 from gateway.types import ToolCall
-
-if TYPE_CHECKING:
-    import openai
-
-
-@functools.cache
-def _sdk() -> SimpleNamespace:
-    """The openai SDK and its HTTP library, imported on first use: they are most of the
-    gateway's import time, and the first import normally happens in the worker thread
-    that builds the client, so startup and /readyz do not wait for it."""
-    import openai
-    from openai.types.chat import ChatCompletion
-
-    try:  # the transport the SDK raises from: httpx2 in openai 3, httpx before
-        import httpx2 as http
-    except ImportError:  # pragma: no cover - older SDKs
-        import httpx as http  # type: ignore[no-redef]
-    return SimpleNamespace(
-        openai=openai, ChatCompletion=ChatCompletion, http=http,
-        call_failures=(openai.OpenAIError, http.HTTPError, TimeoutError, ValueError),
-    )
 
 log = logging.getLogger(__name__)
 
@@ -404,26 +382,6 @@ def _refused(exc: BaseException) -> bool:
     return False
 
 
-def _error_from_exception(exc: BaseException) -> ModelError:
-    if _refused(exc):
-        return ModelError("connection", str(exc) or type(exc).__name__)
-    sdk = _sdk()
-    openai, _http = sdk.openai, sdk.http
-    if isinstance(exc, openai.APITimeoutError | TimeoutError | _http.TimeoutException):
-        return ModelError("timeout", "the request timed out")
-    if isinstance(exc, openai.APIStatusError):
-        body, message = exc.body, exc.message
-        kind, limit = classify_error(exc.status_code, body, message)
-        return ModelError(kind, _detail(body, message), status=exc.status_code, provider_limit=limit,
-                          retry_after=parse_retry_after(exc.response.headers), code=_code(body))
-    if isinstance(exc, openai.APIConnectionError | _http.TransportError):
-        return ModelError("connection", str(exc) or type(exc).__name__)
-    if isinstance(exc, openai.APIError):  # an error event inside a stream, no HTTP status
-        kind, limit = classify_error(None, exc.body, exc.message)
-        return ModelError(kind, _detail(exc.body, exc.message), provider_limit=limit, code=_code(exc.body))
-    return ModelError("invalid_response", f"{type(exc).__name__}: {exc}"[:500])
-
-
 def _detail(body: object, message: str) -> str:
     if isinstance(body, Mapping):
         inner = body.get("error", body)
@@ -449,14 +407,6 @@ def _code(body: object) -> str | None:
 def _new_call_id() -> str:
     # Some local servers omit ids; the tool result needs one to pair with.
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _usage(usage: Any) -> tuple[int | None, int | None]:
-    if usage is None:
-        return None, None
-    prompt, completion = getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
-    return (prompt if isinstance(prompt, int) else None,
-            completion if isinstance(completion, int) else None)
 
 
 def _int_or_none(value: object) -> int | None:
@@ -535,6 +485,15 @@ def _transport_error(exc: BaseException) -> ModelError:
     return ModelError("connection", f"{type(exc).__name__}: {exc}"[:500])
 
 
+def _stream_error(error: object) -> ModelError:
+    """An error event inside a stream (OpenRouter and others send one mid-answer): no
+    HTTP status, so its body alone says what it is."""
+    message = error.get("message") if isinstance(error, Mapping) else None
+    message = message if isinstance(message, str) and message else "An error occurred during streaming"
+    kind, limit = classify_error(None, error, message)
+    return ModelError(kind, _detail(error, message), provider_limit=limit, code=_code(error))
+
+
 @dataclass(slots=True)
 class _PartialCall:
     id: str = ""
@@ -555,32 +514,47 @@ class StreamAssembly:
     completion_tokens: int | None = None
     saw_choice: bool = False
 
-    def add(self, chunk: Any) -> str:
-        """Take one chunk; returns the text it adds (possibly "")."""
-        self.model = getattr(chunk, "model", None) or self.model
-        if getattr(chunk, "usage", None) is not None:
-            self.prompt_tokens, self.completion_tokens = _usage(chunk.usage)
+    def add(self, chunk: Mapping[str, Any]) -> str:
+        """Take one chunk (a parsed `chat.completion.chunk`); returns the text it adds
+        (possibly ""). Fields of the wrong shape are skipped, as the SDK did. Plain dict
+        checks: this runs for every chunk, and ABC isinstance checks cost more than the rest."""
+        model = chunk.get("model")
+        if isinstance(model, str) and model:
+            self.model = model
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+            self.completion_tokens = _int_or_none(usage.get("completion_tokens"))
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return ""
         added = []
-        for choice in getattr(chunk, "choices", None) or []:
-            if getattr(choice, "index", 0) not in (0, None):
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) not in (0, None):
                 continue  # we ask for one choice
             self.saw_choice = True
-            delta = getattr(choice, "delta", None)
-            if delta is not None:
-                if isinstance(delta.content, str) and delta.content:
-                    added.append(delta.content)
-                for call in delta.tool_calls or []:
-                    self._merge(call)
-            if choice.finish_reason:
-                self.finish_reason = choice.finish_reason
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                content = delta.get("content")  # reasoning_content and the like are not the answer
+                if isinstance(content, str) and content:
+                    added.append(content)
+                calls = delta.get("tool_calls")
+                for call in calls if isinstance(calls, list) else ():
+                    if isinstance(call, dict):
+                        self._merge(call)
+            finish = choice.get("finish_reason")
+            if isinstance(finish, str) and finish:
+                self.finish_reason = finish
         text = "".join(added)
         if text:
             self.text.append(text)
         return text
 
-    def _merge(self, delta: Any) -> None:
-        index, call_id = getattr(delta, "index", None), getattr(delta, "id", None)
-        function = getattr(delta, "function", None)
+    def _merge(self, delta: Mapping[str, Any]) -> None:
+        index, call_id = _int_or_none(delta.get("index")), delta.get("id")
+        call_id = call_id if isinstance(call_id, str) else None
+        function = delta.get("function")
+        function = function if isinstance(function, dict) else {}
         slot: _PartialCall | None
         if index is not None:
             slot = self.by_index.get(index)
@@ -597,10 +571,10 @@ class StreamAssembly:
                 self.by_index[index] = slot
         if call_id:
             slot.id = call_id
-        name = getattr(function, "name", None)
-        if name and name != slot.name:
+        name = function.get("name")
+        if isinstance(name, str) and name and name != slot.name:
             slot.name = name if not slot.name else slot.name + name
-        arguments = getattr(function, "arguments", None)
+        arguments = function.get("arguments")
         if isinstance(arguments, str):
             slot.arguments.append(arguments)
 
@@ -621,8 +595,6 @@ class StreamAssembly:
 # ----------------------------------------------------------------------------------------
 # The client
 
-# What the SDK or its transport may raise while a call is in flight.
-
 
 @dataclass(slots=True)
 class _Attempt:
@@ -638,9 +610,7 @@ class ModelClient:
         self._sleep = sleep
         self._on_call = on_call
         self._random = random.Random()
-        self._client: openai.AsyncOpenAI | None = None  # the SDK, for streamed calls only
-        self._client_lock = asyncio.Lock()
-        self._endpoint: CompletionsEndpoint | None = None  # plain calls (see gateway.model_http)
+        self._endpoint: CompletionsEndpoint | None = None  # see gateway.model_http
         self._closed = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -680,30 +650,31 @@ class ModelClient:
             if self._endpoint is not None:
                 endpoint, self._endpoint = self._endpoint, None
                 await endpoint.close()
-            if self._client is not None:
-                client, self._client = self._client, None
-                await client.close()
 
     async def complete(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                        on_text: Callable[[str], Awaitable[None]] | None = None,
+                       on_retry: Callable[[], Awaitable[None]] | None = None,
                        max_tokens: int | None = None) -> ModelReply:
         """One model call, retried on transient failures.
 
-        With on_text the reply is streamed and every text delta is passed on as it comes;
-        a failure after text was passed on is raised, not retried (it would repeat)."""
+        With on_text the reply is streamed and every text delta is passed on as it comes.
+        A failure after text was passed on is raised, not retried (the text would come
+        twice), unless on_retry is given: it is awaited before such a retry, so the
+        caller can take back what the failed attempt showed."""
         if not self.configured:
             raise ModelError("not_configured", "no API key: set model.api_key or OPENAI_API_KEY")
         self._in_flight += 1
         self._idle.clear()
         try:
-            return await self._complete(messages, tools, on_text, max_tokens)
+            return await self._complete(messages, tools, on_text, on_retry, max_tokens)
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
 
     async def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                        on_text: Callable[[str], Awaitable[None]] | None, max_tokens: int | None) -> ModelReply:
+                        on_text: Callable[[str], Awaitable[None]] | None,
+                        on_retry: Callable[[], Awaitable[None]] | None, max_tokens: int | None) -> ModelReply:
         retries = 0
         while True:
             if self._closed:
@@ -714,9 +685,12 @@ class ModelClient:
                 reply = await self._call(messages, tools, on_text, max_tokens, attempt)
             except ModelError as err:
                 self._record(started, err.kind, retries, on_text is not None, status=err.status)
-                if self._adapt(err, streaming=on_text is not None):
+                repeats = attempt.streamed_text and on_retry is None
+                if not repeats and self._adapt(err, streaming=on_text is not None):
+                    if attempt.streamed_text and on_retry is not None:
+                        await on_retry()
                     continue
-                if not err.retryable or retries >= self._cfg.max_retries or attempt.streamed_text:
+                if not err.retryable or retries >= self._cfg.max_retries or repeats:
                     raise
                 delay = retry_delay(retries, err.retry_after, self._random.random())
                 if delay is None:
@@ -724,6 +698,8 @@ class ModelClient:
                 log.warning("model call failed (%s, HTTP %s); retry %d/%d in %.1fs", err.kind,
                             err.status, retries + 1, self._cfg.max_retries, delay)
                 retries += 1
+                if attempt.streamed_text and on_retry is not None:
+                    await on_retry()  # before the wait: the person sees why nothing moves
                 await self._sleep(delay)
                 continue
             self._record(started, "ok", retries, on_text is not None,
@@ -751,34 +727,48 @@ class ModelClient:
                 raise _transport_error(exc) from exc
             return reply_from_response(raw)
 
-        client = await self._ensure_client()
-        # Messages and tools are plain JSON already: sent as extra_body they skip the SDK's
-        # recursive transform of typed params, which costs ~10 ms per call on long requests.
-        params = dict(body, messages=[], extra_body={"messages": messages, **({"tools": tools} if tools else {})})
-        params.pop("tools", None)
-        params["stream"] = True
+        body["stream"] = True
         if self._stream_usage:
-            params["stream_options"] = {"include_usage": True}
+            body["stream_options"] = {"include_usage": True}
+        endpoint = await self._ensure_endpoint()
+        try:
+            async with endpoint.stream(body) as response:
+                if response.status >= 400 or response.content_type == "application/json":
+                    # An error, or a provider that ignored `stream`: one whole body.
+                    raw = RawResponse(status=response.status, headers=response.headers, body=await response.read())
+                    reply = reply_from_response(raw)
+                    if reply.content:
+                        attempt.streamed_text = True
+                        await on_text(reply.content)
+                    return reply
+                return await self._read_stream(SseReader(response.content), on_text, attempt)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # The transport's timeouts cover silence (sock_read): a reply may take long to stream.
+            raise _transport_error(exc) from exc
+
+    async def _read_stream(self, events: SseReader, on_text: Callable[[str], Awaitable[None]],
+                           attempt: _Attempt) -> ModelReply:
         assembly = StreamAssembly()
-        try:
-            stream = await client.chat.completions.create(**params)
-        except _sdk().call_failures as exc:
-            raise _error_from_exception(exc) from exc
-        try:
-            chunks = stream.__aiter__()
-            while True:
-                try:
-                    chunk = await anext(chunks)
-                except StopAsyncIteration:
+        while True:
+            try:
+                event, data = await anext(events)
+                if data.startswith("[DONE]"):
                     break
-                except _sdk().call_failures as exc:
-                    raise _error_from_exception(exc) from exc
-                text = assembly.add(chunk)
-                if text:
-                    attempt.streamed_text = True
-                    await on_text(text)
-        finally:
-            await stream.close()
+                chunk = json.loads(data)
+            except StopAsyncIteration:
+                break
+            except ValueError as exc:  # not JSON, or an event beyond any sane size
+                raise ModelError("invalid_response", f"the stream is not valid: {exc}"[:500]) from exc
+            if not isinstance(chunk, dict):
+                continue
+            if chunk.get("error") and event in ("", "error"):
+                raise _stream_error(chunk["error"])
+            if event not in ("", "message"):
+                continue  # not a completion chunk
+            text = assembly.add(chunk)
+            if text:
+                attempt.streamed_text = True
+                await on_text(text)
         return assembly.reply()
 
     def _adapt(self, err: ModelError, *, streaming: bool) -> bool:
@@ -816,21 +806,6 @@ class ModelClient:
                 raise ModelError("connection", f"cannot use model.base_url: {exc}") from exc
         return self._endpoint
 
-    async def _ensure_client(self) -> openai.AsyncOpenAI:
-        async with self._client_lock:
-            if self._client is None:
-                # Building the HTTP client loads CA certificates from disk: off the loop.
-                try:
-                    self._client = await asyncio.to_thread(self._build_client)
-                except (_sdk().openai.OpenAIError, _sdk().http.InvalidURL, ValueError) as exc:
-                    raise ModelError("connection", f"cannot use model.base_url: {exc}") from exc
-            return self._client
-
-    def _build_client(self) -> openai.AsyncOpenAI:
-        completions_url(self._cfg.base_url)  # the same checks (and errors) as plain calls
-        return _sdk().openai.AsyncOpenAI(api_key=self._cfg.key_value(), base_url=self._cfg.base_url,
-                                  timeout=self._cfg.timeout_s, max_retries=0, http_client=_http_client(self._cfg))
-
     def _record(self, started: float, outcome: str, attempt: int, stream: bool, *,
                 status: int | None = None, prompt: int | None = None,
                 completion: int | None = None) -> None:
@@ -843,18 +818,6 @@ class ModelClient:
             self._on_call(record)
         except Exception:  # metrics must never break a turn
             log.exception("on_call hook failed")
-
-
-def _http_client(cfg: ModelConfig) -> Any:
-    """The SDK's aiohttp transport when this openai version ships it: the same requests for
-    a fraction of the CPU of the default httpx/h11 stack (it matters at hundreds of turns/s)."""
-    factory = getattr(_sdk().openai, "DefaultAioHttpClient", None)
-    if factory is None:
-        return None
-    try:
-        return factory(timeout=cfg.timeout_s)
-    except RuntimeError:  # the aiohttp extra is missing in this openai version
-        return None
 
 
 def iter_error_kinds() -> Iterator[str]:

@@ -2,7 +2,14 @@
 every producer; sessions run concurrently; a full queue gets a "busy" reply.
 
 Live sessions are a bounded LRU cache over the store, restored lazily on first use
-(SPEC §4.5)."""
+(SPEC §4.5).
+
+A turn's reply streams when the channel gives a stream for it (SPEC §5.1): the agent
+feeds it, this module ends it with the stored reply (`finish`, or `fail` for an error
+reply) and keeps the stream's platform reference with the turn's event, so a turn
+resumed after a crash edits the message already shown. Otherwise the reply goes out
+whole with `send()` at the end. The typing indicator runs while the agent works; with a
+stream, until the stream first shows something."""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from context.engine import SessionContext
 from context.restore import restore_messages
@@ -21,19 +28,35 @@ from gateway.agent import Agent, TurnResult
 from gateway.keys import workspace_dir
 from gateway.live import LiveSession
 from gateway.services import Services
+from gateway.streaming import TypingUntilShown
 from gateway.types import Inbound, Message
 from gateway.usage import today
 from gateway.workspace import make_private_dir
+
+if TYPE_CHECKING:
+    from channels.base import ReplyRefSink, ReplyStream
 
 log = logging.getLogger("gateway.sessions")
 
 Deliver = Callable[[Inbound, str], Awaitable[None]]
 Typing = Callable[[Inbound], AbstractAsyncContextManager[Any]]
 
+
+class OpenStream(Protocol):
+    """`Gateway.stream`: the channel's stream for this reply, or None (send it whole)."""
+
+    def __call__(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+                 resume_ref: str | None = None) -> ReplyStream | None: ...
+
+
+# finish/fail are bounded by the channel; this only guards the turn against one that is not.
+FINISH_TIMEOUT_S = 300.0
+
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
 STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
                  "e.g. a full disk), so I could not answer. Please try again later.")
 TIMEOUT_REPLY = "Answering took too long and was stopped. Your message is saved; please try again."
+RESEND_REPLY = "I restarted before I could answer your last message; please send it again."
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +95,13 @@ def _close_open_turn(messages: list[Message]) -> list[Message]:
 
 
 class SessionManager:
-    def __init__(self, services: Services, agent: Agent, *, deliver: Deliver, typing: Typing | None = None) -> None:
+    def __init__(self, services: Services, agent: Agent, *, deliver: Deliver, typing: Typing | None = None,
+                 stream: OpenStream | None = None) -> None:
         self.s = services
         self.agent = agent
         self.deliver = deliver
         self.typing = typing or (lambda _inbound: nullcontext())
+        self.open_stream = stream
         self.live: OrderedDict[str, LiveSession] = OrderedDict()
         self._loading: dict[str, asyncio.Lock] = {}
         self._last_turns: dict[str, int] = {}
@@ -235,24 +260,31 @@ class SessionManager:
             # statement marks the event running with this turn.
             await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn),
                                    event=(inbound.channel, inbound.event_id))
-        else:
+        resume_ref: str | None = None
+        if job.resume_turn is not None:
             turn = job.resume_turn
+            # Where a stream showed this turn's reply before the restart, if it did.
+            resume_ref = await store.reply_ref(inbound.channel, inbound.event_id)
             done = [m for m in live.ctx.messages if m.turn == turn]
             if done and _is_final_reply(done[-1]):
-                # Answered before the restart but maybe not delivered: deliver it once now.
-                await self._send(inbound, done[-1].content)
+                # Answered before the restart but maybe not delivered: deliver it once now
+                # (into the message already shown, when a stream showed one).
+                await self._say(inbound, done[-1].content, resume_ref=resume_ref)
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
                 return
             if not done or turn != live.ctx.current_turn:
                 # The turn fell out of the restored window, or a newer turn was stored after
                 # it (the agent only ever continues the latest turn): ask for it again.
-                await self._send(inbound, "I restarted before I could answer your last message; "
-                                          "please send it again.")
+                await self._say(inbound, RESEND_REPLY, resume_ref=resume_ref, failed=True)
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
                 return
-        result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s)
+        stream = self._stream(inbound, resume_ref)
+        result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s, stream)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
-        delivered = await self._send(inbound, result.text)
+        if stream is None:
+            delivered = await self._send(inbound, result.text)
+        else:
+            delivered = await self._end_stream(inbound, stream, result.text, failed=result.outcome != "ok")
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
         # The turn counts against the person's daily usage in the same statement.
         usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
@@ -266,11 +298,50 @@ class SessionManager:
         msgs = [m for m in live.ctx.messages if m.turn == turn]
         return bool(msgs) and msgs[0].role == "user" and msgs[0].content == text and not _is_final_reply(msgs[-1])
 
-    async def _run_agent(self, live: LiveSession, inbound: Inbound, timeout: float) -> TurnResult:
+    def _stream(self, inbound: Inbound, resume_ref: str | None) -> ReplyStream | None:
+        if self.open_stream is None:
+            return None
+        store = self.s.store
+
+        async def keep_ref(ref: str) -> None:
+            try:
+                await store.set_reply_ref(inbound.channel, inbound.event_id, ref)
+            except Exception as err:  # losing it costs at most a second message after a crash
+                log.warning("could not keep a reply's reference",
+                            extra={"channel": inbound.channel, "error": str(err)[:300]})
+
+        return self.open_stream(inbound, on_ref=keep_ref, resume_ref=resume_ref)
+
+    async def _end_stream(self, inbound: Inbound, stream: ReplyStream, text: str, *, failed: bool) -> bool:
+        """Make what the stream shows equal `text`; False when it could not be delivered."""
         try:
-            async with self.typing(inbound):
+            async with asyncio.timeout(FINISH_TIMEOUT_S):
+                if failed:
+                    await stream.fail(text)
+                else:
+                    await stream.finish(text)
+            return True
+        except Exception:
+            log.exception("streamed reply could not be delivered", extra={"channel": inbound.channel})
+            return False
+
+    async def _say(self, inbound: Inbound, text: str, *, resume_ref: str | None, failed: bool = False) -> bool:
+        """A reply that needs no model; into the streamed message already shown, if any."""
+        stream = self._stream(inbound, resume_ref) if resume_ref is not None else None
+        if stream is None:
+            return await self._send(inbound, text)
+        return await self._end_stream(inbound, stream, text, failed=failed)
+
+    async def _run_agent(self, live: LiveSession, inbound: Inbound, timeout: float,
+                         stream: ReplyStream | None = None) -> TurnResult:
+        try:
+            if stream is None:
+                async with self.typing(inbound):
+                    async with asyncio.timeout(timeout):
+                        return await self.agent.run_turn(live)
+            async with TypingUntilShown(stream, self.typing(inbound)) as shown:
                 async with asyncio.timeout(timeout):
-                    return await self.agent.run_turn(live)
+                    return await self.agent.run_turn(live, shown)
         except TimeoutError:
             log.warning("turn timed out", extra={"session": live.key})
             return TurnResult(TIMEOUT_REPLY, "timeout")

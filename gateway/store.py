@@ -472,6 +472,14 @@ class Store:
         await self._turn_ends.submit((channel, event_id),
                                      (channel, event_id, status, time.time(), identity, day, tokens))
 
+    async def set_reply_ref(self, channel: str, event_id: str, ref: str) -> None:
+        """Remember where the reply to this event is being shown (a stream's reference)."""
+        await self._rows("UPDATE events SET reply_ref=? WHERE channel=? AND event_id=?", (ref, channel, event_id))
+
+    async def reply_ref(self, channel: str, event_id: str) -> str | None:
+        rows = await self._rows("SELECT reply_ref FROM events WHERE channel=? AND event_id=?", (channel, event_id))
+        return rows[0][0] if rows else None
+
     async def event_status(self, channel: str, event_id: str) -> str | None:
         rows = await self._rows("SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id))
         return rows[0][0] if rows else None

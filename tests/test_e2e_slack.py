@@ -46,24 +46,21 @@ async def test_dm_and_threads_over_socket_mode(make_gateway: GatewayFactory, fak
     env = await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U5", "text": "hello",
                                        "ts": "100.1", "channel": "D5"})
     await fake_slack.wait_acked(env)
-    (posted,) = await fake_slack.wait_posted(1)
-    assert posted["channel"] == "D5" and posted["text"] == "dm answer"
+    # Replies stream (update mode at the top level, native in threads): wait for what people see.
+    await fake_slack.wait_for(lambda: fake_slack.visible("D5") == ["dm answer"])
 
     # Top-level mentions: one session per (channel, person), answered where they were asked.
     fake_model.reply("top one")
     fake_model.reply("top two")
     await fake_slack.push_event(_mention(fake_slack, "200.1", "first question"))
-    await fake_slack.wait_posted(2)
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1") == ["top one"])
     await fake_slack.push_event(_mention(fake_slack, "300.1", "second question"))
-    posted = await fake_slack.wait_posted(3)
-    assert [p["channel"] for p in posted[1:]] == ["C1", "C1"]
-    assert "thread_ts" not in posted[1] and "thread_ts" not in posted[2]
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1") == ["top one", "top two"])  # at the top level
     assert "first question" in str(fake_model.requests[2]["messages"])  # the same conversation
     # A thread is a conversation of its own, answered in the thread.
     fake_model.reply("in the thread")
     await fake_slack.push_event(_mention(fake_slack, "301.1", "a side question", thread_ts="300.1"))
-    posted = await fake_slack.wait_posted(4)
-    assert posted[3]["thread_ts"] == "300.1"
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "300.1") == ["in the thread"])
     assert "first question" not in str(fake_model.requests[3]["messages"])
     assert gw.services is not None
     store = gw.services.store
@@ -102,17 +99,16 @@ async def test_a_thread_never_uses_one_persons_memory(make_gateway: GatewayFacto
     fake_model.tool_call("memory_write", {"text": A_SECRET, "target": "memory"})
     fake_model.reply("noted")
     await fake_slack.push_event(_mention(fake_slack, "200.1", "remember my locker code", user="U5"))
-    await fake_slack.wait_posted(1)
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1") == ["noted"])
     fake_model.reply("hi Alice")
     await fake_slack.push_event(_mention(fake_slack, "201.1", "hello thread", user="U5", thread_ts="200.1"))
-    await fake_slack.wait_posted(2)
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "200.1") == ["hi Alice"])
     mark = len(fake_model.requests)
     fake_model.tool_call("read_file", {"path": "MEMORY.md"})
     fake_model.tool_call("memory_write", {"text": B_FACT, "target": "memory"})
     fake_model.reply("done")
     await fake_slack.push_event(_mention(fake_slack, "202.1", "what do you know?", user="U6", thread_ts="200.1"))
-    posted = await fake_slack.wait_posted(3)
-    assert posted[2]["thread_ts"] == "200.1"
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "200.1") == ["hi Alice", "done"])
 
     bobs = fake_model.requests[mark:]
     assert len(bobs) == 3

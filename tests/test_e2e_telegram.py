@@ -200,17 +200,18 @@ async def test_a_topic_never_uses_one_persons_memory(make_gateway: GatewayFactor
 
     fake_model.tool_call("memory_write", {"text": A_SECRET, "target": "memory"})
     fake_model.reply("noted")
+    # Replies stream (a status first, then the answer): wait for each turn's final text.
     say(5, "remember my locker code")
-    await fake_telegram.wait_sent(1)
+    await fake_telegram.wait_shown(-100, lambda t: "noted" in t)
     fake_model.reply("hi Alice")
     say(5, "hello topic", topic=9)
-    await fake_telegram.wait_sent(2)
+    await fake_telegram.wait_shown(-100, lambda t: "hi Alice" in t)
     mark = len(fake_model.requests)
     fake_model.tool_call("read_file", {"path": "MEMORY.md"})
     fake_model.tool_call("memory_write", {"text": B_FACT, "target": "memory"})
     fake_model.reply("done")
     say(6, "what do you know about us?", topic=9)
-    await fake_telegram.wait_sent(3)
+    await fake_telegram.wait_shown(-100, lambda t: "done" in t)
 
     bobs = fake_model.requests[mark:]
     assert len(bobs) == 3

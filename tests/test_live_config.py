@@ -150,6 +150,12 @@ async def p_context_turns(r: Rig) -> None:
     assert re.search(r"Turns: \d+ of 7\b", await r.say("ctx", "/context"))
 
 
+async def p_stream_interval(r: Rig) -> None:
+    # Channels read the interval at each update: the running ones see the new value.
+    for name in ("telegram", "slack"):
+        assert r.gw.channels[name]._stream_interval() == 0.25
+
+
 async def p_steps(r: Rig) -> None:
     def insist_on_tools(body: dict[str, Any]) -> Reply:
         if body.get("tools"):
@@ -439,6 +445,7 @@ ROWS = [
     Row("agent_max_context_tokens", 40_000, "live", p_context_tokens),
     Row("agent_max_context_turns", 7, "live", p_context_turns),
     Row("agent_max_steps", 1, "live", p_steps),
+    Row("stream_interval_s", 0.25, "live", p_stream_interval),
     Row("system_prompt", "You are the table test bot.", "live", p_system_prompt),
     Row("data_dir", "data-elsewhere", "restart", p_data_dir),
     Row("timezone", "Asia/Tokyo", "live", p_timezone),

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
@@ -12,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from openai.types.chat import ChatCompletionChunk
+from aiohttp import web
 from pydantic import SecretStr
 
 from gateway.config import ModelConfig
@@ -179,10 +182,10 @@ def test_stream_assembly_handles_providers_that_number_every_call_zero() -> None
         {"tool_calls": [{"index": 0, "id": "b", "function": {"name": "read_file", "arguments": '{"pa'}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": 'th": "x"}'}}]},
     ):
-        assembly.add(ChatCompletionChunk.model_validate({
+        assembly.add({
             "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
             "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
-        }))
+        })
 
     reply = assembly.reply()
 
@@ -334,6 +337,85 @@ async def test_stream_options_rejection_is_learned(fake_model: FakeModel, client
     assert [("stream_options" in r) for r in fake_model.requests] == [True, False, False]
 
 
+async def test_a_provider_that_ignores_stream_still_answers(fake_model: FakeModel, client: ModelClient) -> None:  # noqa: F811
+    fake_model.raw(200, json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "all at once"}, "finish_reason": "stop"}]}))
+    deltas = Deltas()
+
+    reply = await client.complete(USER, on_text=deltas)
+
+    assert reply.content == "all at once" and deltas.parts == ["all at once"]
+
+
+@asynccontextmanager
+async def sse_server(pieces: list[bytes], *, hold_open_s: float = 0) -> AsyncIterator[str]:
+    """A provider that writes its event stream in exactly these pieces (a short pause
+    between them, so they arrive in separate reads), then keeps the response open for
+    `hold_open_s` before ending it."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(hold_open_s)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    finally:
+        await runner.cleanup()
+
+
+def sse_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+async def test_server_sent_events_are_read_however_the_bytes_arrive() -> None:
+    arguments = json.dumps({"path": "big.md", "pad": "x" * 300_000})  # one event far past a line buffer
+    events = [
+        b": keep-alive comment\r\n\r\n",
+        b"data: " + json.dumps(sse_chunk({"role": "assistant", "content": "Hel"})).encode() + b"\r\n\r\n",
+        b"event: message\ndata: " + json.dumps(sse_chunk({"content": "lo é漢"}), ensure_ascii=False).encode() + b"\n\n",
+        b"data: " + json.dumps(sse_chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {
+            "name": "read_file", "arguments": arguments}}]}, "tool_calls")).encode() + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    stream = b"".join(events)
+    # Cut everywhere that matters: inside "data:", inside a CRLF, inside a UTF-8 character.
+    cuts = sorted({3, 20, stream.index(b"\r\n") + 1, stream.index("é".encode()) + 1, 1000, 200_000})
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    async with sse_server(pieces) as base_url:
+        client = ModelClient(ModelConfig(name="m", base_url=base_url, api_key=SecretStr("k"), timeout_s=5))
+        deltas = Deltas()
+        reply = await client.complete(USER, on_text=deltas)
+        await client.close()
+
+    assert "".join(deltas.parts) == reply.content == "Hello é漢"
+    assert [(c.id, c.name, c.arguments) for c in reply.tool_calls] == [("call_1", "read_file", arguments)]
+
+
+async def test_a_stream_held_open_after_done_does_not_hold_the_reply() -> None:
+    done = [b"data: " + json.dumps(sse_chunk({"content": "ok"}, "stop")).encode() + b"\n\n", b"data: [DONE]\n\n"]
+    async with sse_server(done, hold_open_s=10) as base_url:
+        client = ModelClient(ModelConfig(name="m", base_url=base_url, api_key=SecretStr("k"), timeout_s=30))
+        started = time.monotonic()
+        reply = await client.complete(USER, on_text=Deltas())
+        took = time.monotonic() - started
+        await client.close()
+
+    assert reply.content == "ok"
+    assert took < 5
+
+
 async def test_max_completion_tokens_is_used_when_max_tokens_is_refused(
     fake_model: FakeModel, client: ModelClient,  # noqa: F811
 ) -> None:
@@ -359,14 +441,15 @@ async def test_max_completion_tokens_is_used_when_max_tokens_is_refused(
     (200, json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                       "choices": [{"index": 0, "finish_reason": "stop"}]}), "application/json"),
 ], ids=["empty-choices", "truncated-json", "html-page", "no-message"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streamed"])
 async def test_unusable_response_is_invalid_response(
     fake_model: FakeModel, client: ModelClient, rec: Recorder,  # noqa: F811
-    status: int, body: str, content_type: str,
+    status: int, body: str, content_type: str, streaming: bool,
 ) -> None:
     fake_model.raw(status, body, content_type)
 
     with pytest.raises(ModelError) as caught:
-        await client.complete(USER)
+        await client.complete(USER, on_text=Deltas() if streaming else None)
 
     assert caught.value.kind == "invalid_response"
     assert rec.outcomes == ["invalid_response"]

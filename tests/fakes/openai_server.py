@@ -13,8 +13,9 @@ Scripted replies are consumed first in, first out. When the script is empty, the
 responder set with `respond_with()` answers, and when it has nothing to say (returns
 None) the `default` does: an echo of the last user text ("echo: <text>").
 
-Every reply works for `stream=True` too: text is streamed in several deltas, tool call
-arguments in pieces, and a usage chunk is sent when `stream_options.include_usage` is set.
+Every reply works for `stream=True` too: text is streamed in several deltas (or the exact
+`chunks` given, `chunk_delay` apart), tool call arguments in pieces, and a usage chunk is
+sent when `stream_options.include_usage` is set.
 Usage that a test does not give is estimated (about 4 characters per token), so code
 that calibrates token counts always sees numbers.
 
@@ -60,6 +61,12 @@ class Reply:
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens)
     delay: float = 0.0
     finish_reason: str | None = None  # None: "tool_calls" when calls, else "stop"
+    # Streaming only: the text in exactly these deltas (else word-sized ones), a pause
+    # before each delta (a slow provider), and reasoning sent first as
+    # `reasoning_content` deltas the way DeepSeek and vLLM's reasoning parsers do.
+    chunks: tuple[str, ...] | None = None
+    chunk_delay: float = 0.0
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +200,15 @@ class FakeModel:
     # -- scripting ---------------------------------------------------------------------------
 
     def reply(self, text: str, *, usage: tuple[int, int] | None = None, delay: float = 0,
-              finish_reason: str = "stop") -> None:
-        self._script.append(Reply(text=text, usage=usage, delay=delay, finish_reason=finish_reason))
+              finish_reason: str = "stop", chunks: list[str] | None = None, chunk_delay: float = 0,
+              reasoning: str | None = None) -> None:
+        """A text answer. With `chunks`, it is streamed in exactly those deltas (and `text`
+        must be their concatenation)."""
+        if chunks is not None and "".join(chunks) != text:
+            raise ValueError("the chunks must add up to the text")
+        self._script.append(Reply(text=text, usage=usage, delay=delay, finish_reason=finish_reason,
+                                  chunks=tuple(chunks) if chunks is not None else None,
+                                  chunk_delay=chunk_delay, reasoning=reasoning))
 
     def tool_call(self, name: str, arguments: dict[str, Any] | str, *, call_id: str | None = None,
                   text: str | None = None, usage: tuple[int, int] | None = None) -> None:
@@ -343,6 +357,8 @@ class FakeModel:
 
     def _completion(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -374,7 +390,11 @@ class FakeModel:
             await _sse(response, chunk)
 
         await send({"role": "assistant", "content": ""})
-        for piece in _pieces(reply.text or ""):
+        for piece in _pieces(reply.reasoning or ""):
+            await send({"reasoning_content": piece})
+        for piece in reply.chunks if reply.chunks is not None else _pieces(reply.text or ""):
+            if reply.chunk_delay:
+                await self._pause(reply.chunk_delay)
             await send({"content": piece})
         if error is not None:
             await _sse(response, {"error": error})
