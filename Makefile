@@ -22,6 +22,7 @@ bench:
 soak:
 	$(PYTHON) -m bench.soak
 
-# The web chat's README screenshots (headless Chromium, a gateway on the fake model).
+# The web chat's and the admin page's README screenshots (headless Chromium, a gateway on the fakes).
 screenshots:
 	$(PYTHON) -m tests.web_screenshots docs/img
+	$(PYTHON) -m tests.admin_screenshot docs/img

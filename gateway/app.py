@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo
 
 from context.tokens import TokenCounter
 from gateway.access import Pairing
+from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
 from gateway.agent import Agent
 from gateway.commands import BOT_COMMANDS, Commands
 from gateway.config import (
@@ -70,7 +71,8 @@ def secret_values(cfg: Config) -> list[str]:
         if model is not None:
             values.append(model.key_value())
     t, s, w = cfg.channels.telegram, cfg.channels.slack, cfg.channels.web
-    for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token):
+    for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token,
+                   cfg.http.admin_token):
         if secret is not None:
             values.append(secret.get_secret_value())
     return [v for v in values if v]
@@ -103,6 +105,7 @@ class Gateway:
         self.watcher: Any = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
+        self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
 
     # -- wiring ------------------------------------------------------------------------
 
@@ -162,6 +165,7 @@ class Gateway:
             self._build_channels(cfg)
         if self.serve_http:
             extra = self.channels["web"].routes() if "web" in self.channels else []
+            extra += self._admin(services).routes()
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
                             channel=self.channels.get, extra_routes=extra)
             self.http = HttpServer(app, cfg.http)
@@ -169,6 +173,7 @@ class Gateway:
                 await self.http.start()
             except OSError as err:
                 await store.close()
+                self.recent_errors.uninstall()
                 raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
@@ -185,6 +190,17 @@ class Gateway:
         if not services.model.configured:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")
+
+    def _admin(self, services: Services) -> AdminApi:
+        self.recent_errors.install()
+        return AdminApi(config=lambda: self.cfg, store=services.store, pairing=self.pairing, ready=self.ready,
+                        next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
+                        tool_sources=self.tool_sources_state, errors=self.recent_errors,
+                        http_host=self.cfg.http.host)
+
+    def tool_sources_state(self) -> list[ToolSourceState]:
+        """Each tool source's state (MCP servers and the like) for the admin page."""
+        return describe_tool_sources(self.services.tools.sources) if self.services is not None else []
 
     def _memory(self, services: Services) -> Any:
         try:
@@ -408,6 +424,7 @@ class Gateway:
             await self.scheduler.stop()
         if self.http is not None:
             await self.http.stop()
+        self.recent_errors.uninstall()
         await s.background.close(timeout=5)
         for client in s.models.values():
             await client.close()

@@ -57,6 +57,7 @@ LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # guessable word cannot stand in for a secret.
 WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]+")
 WEBHOOK_SECRET_MIN, WEBHOOK_SECRET_MAX = 16, 256
+ADMIN_TOKEN_MIN = 16  # the admin API is reachable from the network: no guessable words
 
 
 class _Strict(BaseModel):
@@ -145,6 +146,8 @@ class HttpConfig(_Strict):
     body_timeout_s: float = Field(default=30, gt=0)  # the whole request body
     keepalive_timeout_s: float = Field(default=15, gt=0)  # idle between requests
     max_connections_per_client: int = Field(default=64, ge=1)  # open connections from one address
+    # The admin page (/admin) is served only while this is set; its API needs it as a bearer token.
+    admin_token: SecretStr | None = None
 
 
 class LimitsConfig(_Strict):
@@ -391,6 +394,7 @@ SECRET_KEYS = {
     "channels.slack.app_token",
     "channels.slack.signing_secret",
     "channels.web.token",
+    "http.admin_token",
 }
 
 
@@ -426,6 +430,26 @@ def usable_webhook_secret(cfg: TelegramConfig) -> str | None:
     then refuses every webhook request)."""
     value = cfg.webhook_secret.get_secret_value() if cfg.webhook_secret is not None else None
     return value if value is not None and webhook_secret_problem(value) is None else None
+
+
+def admin_token_problem(cfg: Config, unset_vars: list[str] | None = None) -> str | None:
+    """Why `http.admin_token` cannot guard the admin page, or None (also when it is not
+    set: the page is then off). `unset_vars`: the variables its `${...}` names that are unset."""
+    if unset_vars:
+        return (f"http.admin_token: the environment variable {', '.join(unset_vars)} is not set "
+                "(needed for the admin page; remove the key to turn the page off)")
+    token = secret_text(cfg.http.admin_token)
+    if cfg.http.admin_token is not None and token is None:
+        return ("http.admin_token: empty; set a long random value (e.g. `openssl rand -hex 32`), "
+                "or null for no admin page")
+    if token is None:
+        return None
+    if len(token) < ADMIN_TOKEN_MIN:
+        return (f"http.admin_token: too short ({len(token)} characters); use at least {ADMIN_TOKEN_MIN} random ones "
+                "(e.g. `openssl rand -hex 32`)")
+    if token == secret_text(cfg.channels.web.token):
+        return "http.admin_token: must differ from channels.web.token (the chat's token must not open the admin page)"
+    return None
 
 
 def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -> list[str]:
@@ -477,6 +501,10 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
             problems.append(not_set("channels.web.token", "while channels.web.enabled is true"))
         elif cfg.http.host not in LOOPBACK_HOSTS and secret_text(web.token) is None:
             problems.append("channels.web.token: required when http.host is not a loopback address")
+    if http:
+        problem = admin_token_problem(cfg, unset.get("http.admin_token"))
+        if problem is not None:
+            problems.append(problem)
     # A secret this function does not know yet: its reference must resolve.
     for path in unset:
         if path not in SECRET_KEYS:

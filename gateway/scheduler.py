@@ -117,6 +117,12 @@ class Scheduler:
         if self._aps is not None and self._aps.running:
             self._aps.reschedule_job(JOB_CONSOLIDATION, trigger=self._trigger)
 
+    def next_runs(self) -> dict[str, datetime | None]:
+        """Each scheduled job's next fire time (the admin page shows them)."""
+        if self._aps is None or not self._aps.running:
+            return {}
+        return {job.id: job.next_run_time for job in self._aps.get_jobs()}
+
     def next_consolidation(self) -> datetime | None:
         return self._trigger.get_next_fire_time(None, self._now())
 

@@ -79,6 +79,32 @@ class JobRun:
     detail: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """One row of the admin page's sessions list."""
+    key: str
+    channel: str
+    updated_at: float
+    turns: int
+    tokens_today: int  # tokenizer counts of the messages stored since `day_start`
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPairing:
+    code: str
+    identity: str
+    created_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class UsageDay:
+    identity: str
+    day: str
+    turns: int
+    tokens: int
+
+
 def _truncation_to_json(t: Truncation | None) -> str | None:
     if t is None:
         return None
@@ -553,6 +579,42 @@ class Store:
             return None
         return JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
                       outcome=r["outcome"], detail=r["detail"])
+
+    # -- the admin page (read-only views, each bounded) -----------------------------------
+
+    async def recent_sessions(self, *, limit: int, day_start: float,
+                              before: tuple[float, str] | None = None) -> list[SessionSummary]:
+        """Sessions by last activity, newest first, `limit` of them after the cursor
+        `before` (the last row's (updated_at, key)). Turns and today's tokens are looked
+        up per listed session in the (session_key, turn) index, never over all messages."""
+        after_clause, args = "", ()
+        if before is not None:
+            after_clause, args = "WHERE (s.updated_at, s.key) < (?, ?)", before
+        rows = await self._rows(
+            "SELECT s.key, s.channel, s.updated_at, "
+            "(SELECT coalesce(max(turn), 0) FROM messages WHERE session_key = s.key) AS turns, "
+            "(SELECT coalesce(sum(token_count), 0) FROM messages WHERE session_key = s.key AND created_at >= ?) "
+            f"AS tokens_today FROM sessions s {after_clause} ORDER BY s.updated_at DESC, s.key DESC LIMIT ?",
+            (day_start, *args, limit),
+        )
+        return [SessionSummary(key=r["key"], channel=r["channel"], updated_at=r["updated_at"],
+                               turns=int(r["turns"]), tokens_today=int(r["tokens_today"])) for r in rows]
+
+    async def pending_pairings(self, now: float, *, limit: int = 100) -> list[PendingPairing]:
+        """Codes still waiting for an admin (not approved, not expired), newest first."""
+        rows = await self._rows(
+            "SELECT code, identity, created_at, expires_at FROM pairing_codes "
+            "WHERE approved_at IS NULL AND expires_at > ? ORDER BY created_at DESC LIMIT ?", (now, limit))
+        return [PendingPairing(code=r["code"], identity=r["identity"], created_at=r["created_at"],
+                               expires_at=r["expires_at"]) for r in rows]
+
+    async def usage_since(self, first_day: str, *, limit: int = 5000) -> list[UsageDay]:
+        """Daily usage rows from `first_day` (YYYY-MM-DD) on, newest day first."""
+        rows = await self._rows(
+            "SELECT identity, day, turns, tokens FROM usage WHERE day >= ? ORDER BY day DESC, tokens DESC LIMIT ?",
+            (first_day, limit))
+        return [UsageDay(identity=r["identity"], day=r["day"], turns=int(r["turns"]), tokens=int(r["tokens"]))
+                for r in rows]
 
     # -- purge (SPEC §7): small statements, each its own commit, so a chat's write waits
     # -- for one batch at most, never for the whole purge --------------------------------

@@ -368,6 +368,15 @@ async def p_web_token(r: Rig) -> None:
     assert (await r.post("tok", "hi", token="web-token-after-4567"))[0] == 200
 
 
+async def p_admin_token(r: Rig) -> None:
+    url = f"http://127.0.0.1:{r.port}/admin/api/status"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers={"Authorization": "Bearer admin-token-after-0123456789"}) as resp:
+            assert resp.status == 200  # the page was off at start: on at once
+        async with http.get(url, headers={"Authorization": f"Bearer {WEB_TOKEN}"}) as resp:
+            assert resp.status == 401
+
+
 # Restart-only keys: the running gateway keeps the value it started with.
 
 async def p_data_dir(r: Rig) -> None:
@@ -499,6 +508,7 @@ ROWS = [
     Row("http.body_timeout_s", 3, "restart", p_still_serving),
     Row("http.keepalive_timeout_s", 3, "restart", p_still_serving),
     Row("http.max_connections_per_client", 8, "restart", p_still_serving),
+    Row("http.admin_token", "admin-token-after-0123456789", "live", p_admin_token),
     Row("limits.max_concurrent_model_calls", 2, "live", p_model_slots),
     Row("limits.session_queue_size", 1, "live", p_queue_size),
     Row("limits.max_inbound_chars", 50, "live", p_inbound_chars),

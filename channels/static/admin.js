@@ -1,0 +1,350 @@
+// The admin page: asks for http.admin_token (kept in this tab's sessionStorage), then
+// reads the gateway's /admin/api/* views. Everything shown is set as text, never as HTML.
+(function () {
+  "use strict";
+
+  const TOKEN_KEY = "gw.admin_token";
+  const PAGE = 50;
+  const REFRESH_MS = 30000;
+
+  const $ = (id) => document.getElementById(id);
+  const login = $("login"), loginForm = $("login-form"), tokenInput = $("token"), loginError = $("login-error");
+  const dashboard = $("dashboard"), notice = $("notice"), updated = $("updated");
+  const refreshButton = $("refresh"), signoutButton = $("signout"), moreButton = $("sessions-more");
+
+  let token = sessionStorage.getItem(TOKEN_KEY) || "";
+  let nextSessions = null; // the cursor of the next sessions page
+  let shownSessions = 0;
+  let timer = null;
+
+  class ApiError extends Error {
+    constructor(status, message) { super(message); this.status = status; }
+  }
+
+  async function api(path, body) {
+    const init = { headers: { Authorization: "Bearer " + token }, cache: "no-store" };
+    if (body !== undefined) {
+      init.method = "POST";
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    let resp;
+    try {
+      resp = await fetch("admin/api/" + path, init);
+    } catch (err) {
+      throw new ApiError(0, "The gateway did not answer (" + err.message + ").");
+    }
+    let data = null;
+    try { data = await resp.json(); } catch (err) { data = null; }
+    if (!resp.ok) {
+      throw new ApiError(resp.status, (data && data.error) || ("The gateway answered " + resp.status + "."));
+    }
+    return data;
+  }
+
+  // -- formatting --------------------------------------------------------------------
+
+  const number = new Intl.NumberFormat();
+  const dateTime = new Intl.DateTimeFormat(undefined, { dateStyle: "medium", timeStyle: "short" });
+
+  function ago(seconds) {
+    const delta = Date.now() / 1000 - seconds;
+    const past = delta >= 0, d = Math.abs(delta);
+    let text;
+    if (d < 45) text = Math.round(d) + " s";
+    else if (d < 2700) text = Math.round(d / 60) + " min";
+    else if (d < 86400 * 1.5) text = Math.round(d / 3600) + " h";
+    else if (d < 86400 * 30) text = Math.round(d / 86400) + " d";
+    else return dateTime.format(new Date(seconds * 1000));
+    return past ? text + " ago" : "in " + text;
+  }
+
+  function duration(seconds) {
+    if (seconds < 1) return Math.round(seconds * 1000) + " ms";
+    if (seconds < 120) return seconds.toFixed(1) + " s";
+    return Math.round(seconds / 60) + " min";
+  }
+
+  function el(tag, text, className) {
+    const node = document.createElement(tag);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    if (className) node.className = className;
+    return node;
+  }
+
+  function when(seconds) {
+    if (seconds === null || seconds === undefined) return el("td", "—", "muted");
+    const cell = el("td", ago(seconds));
+    cell.title = dateTime.format(new Date(seconds * 1000));
+    return cell;
+  }
+
+  function wide(cell) { // a column narrow screens leave out
+    cell.classList.add("wide");
+    return cell;
+  }
+
+  function emptyRow(tbody, columns, text) {
+    const row = el("tr", null, "empty");
+    const cell = el("td", text, "muted");
+    cell.colSpan = columns;
+    row.append(cell);
+    tbody.replaceChildren(row);
+  }
+
+  function showNotice(text, isError) {
+    notice.textContent = text;
+    notice.className = isError ? "error" : "ok";
+    notice.hidden = false;
+  }
+
+  // -- views -------------------------------------------------------------------------
+
+  async function loadStatus() {
+    const data = await api("status");
+    const list = $("channels");
+    list.replaceChildren();
+    for (const item of [...data.channels, ...data.checks]) {
+      const chip = el("li", null, item.ok ? "chip ok" : "chip bad");
+      chip.append(el("strong", item.name), el("span", item.ok ? "ready" : "not ready"));
+      if (item.detail) chip.append(el("span", item.detail, "why"));
+      list.append(chip);
+    }
+    const tools = $("tool-sources");
+    tools.replaceChildren();
+    if (!data.tool_sources.length) tools.append(el("li", "No MCP servers or other tool sources configured.", "muted"));
+    for (const source of data.tool_sources) {
+      const good = ["ready", "connected"].includes(source.state);
+      const chip = el("li", null, good ? "chip ok" : "chip bad");
+      chip.append(el("strong", source.name), el("span", source.state + " · " + source.tools.length + " tools"));
+      if (source.detail) chip.append(el("span", source.detail, "why"));
+      chip.title = source.tools.join(", ");
+      tools.append(chip);
+    }
+  }
+
+  async function loadPairings() {
+    const data = await api("pairings");
+    const tbody = $("pairings").tBodies[0];
+    if (!data.pending.length) return emptyRow(tbody, 5, "No one is waiting for approval.");
+    tbody.replaceChildren();
+    for (const p of data.pending) {
+      const row = el("tr");
+      row.dataset.code = p.code;
+      const action = el("td");
+      const button = el("button", "Approve", "approve");
+      button.type = "button";
+      button.addEventListener("click", () => approve(p.code, p.identity, button));
+      action.append(button);
+      row.append(el("td", p.identity), el("td", p.code, "mono"), wide(when(p.created_at)), wide(when(p.expires_at)),
+                 action);
+      tbody.append(row);
+    }
+  }
+
+  async function approve(code, identity, button) {
+    button.disabled = true;
+    try {
+      const data = await api("pairings/approve", { code: code });
+      showNotice(data.message + " They can chat now.", false);
+    } catch (err) {
+      if (handleAuth(err)) return;
+      showNotice("Could not approve " + identity + ": " + err.message, true);
+    }
+    await guarded(loadPairings, "pairings");
+  }
+
+  function sessionRow(s) {
+    const row = el("tr");
+    row.append(el("td", s.key, "mono"), wide(el("td", s.channel)), when(s.last_activity),
+               el("td", number.format(s.turns), "num"), el("td", number.format(s.tokens_today), "num"));
+    return row;
+  }
+
+  async function loadSessions(more) {
+    const tbody = $("sessions").tBodies[0];
+    const limit = more ? PAGE : Math.min(200, Math.max(PAGE, shownSessions));
+    let query = "sessions?limit=" + limit;
+    if (more && nextSessions) {
+      query += "&before_at=" + encodeURIComponent(nextSessions.before_at) +
+               "&before_key=" + encodeURIComponent(nextSessions.before_key);
+    }
+    const data = await api(query);
+    if (!more) {
+      tbody.replaceChildren();
+      shownSessions = 0;
+    }
+    for (const s of data.sessions) tbody.append(sessionRow(s));
+    shownSessions += data.sessions.length;
+    if (!shownSessions) emptyRow(tbody, 5, "No sessions yet.");
+    nextSessions = data.next;
+    moreButton.hidden = !data.next;
+    $("sessions-total").textContent = "(" + number.format(data.total) + ")";
+  }
+
+  async function loadUsage() {
+    const data = await api("usage");
+    $("usage-zone").textContent = data.timezone ? "(" + data.timezone + ")" : "";
+    const tbody = $("usage").tBodies[0];
+    if (!data.people.length) return emptyRow(tbody, 4, "No usage in the last 14 days.");
+    tbody.replaceChildren();
+    const peak = Math.max(1, ...data.people.flatMap((p) => p.tokens));
+    for (const p of data.people) {
+      const row = el("tr");
+      const bars = el("td");
+      const chart = el("div", null, "bars");
+      p.tokens.forEach((tokens, i) => {
+        const bar = el("span", null, "bar");
+        bar.style.height = Math.max(tokens ? 8 : 0, Math.round(100 * tokens / peak)) + "%"; // CSSOM: allowed by the CSP
+        bar.title = data.days[i] + ": " + number.format(tokens) + " tokens, " + p.turns[i] + " turns";
+        chart.append(bar);
+      });
+      bars.append(chart);
+      row.append(el("td", p.identity, "mono"), el("td", number.format(p.total_turns), "num"),
+                 el("td", number.format(p.total_tokens), "num"), bars);
+      tbody.append(row);
+    }
+    if (data.more_people) {
+      const row = el("tr", null, "empty");
+      const cell = el("td", "… and " + data.more_people + " more", "muted");
+      cell.colSpan = 4;
+      row.append(cell);
+      tbody.append(row);
+    }
+  }
+
+  function outcomeCell(outcome, detail) {
+    const cell = el("td", null, "outcome " + (outcome === "ok" ? "good" : outcome === "running" ? "" : "bad"));
+    cell.append(el("span", outcome));
+    if (detail) cell.append(el("div", detail, "detail"));
+    return cell;
+  }
+
+  async function loadJobs() {
+    const data = await api("jobs");
+    const tbody = $("jobs").tBodies[0];
+    if (!data.jobs.length) emptyRow(tbody, 4, "The scheduler is not running.");
+    else tbody.replaceChildren();
+    for (const job of data.jobs) {
+      const row = el("tr");
+      const last = job.last_run;
+      row.append(el("td", job.name, "mono"), when(job.next_run), when(last && last.started_at),
+                 last ? outcomeCell(last.outcome, last.detail) : el("td", "never run", "muted"));
+      tbody.append(row);
+    }
+    const runs = $("runs").tBodies[0];
+    if (!data.runs.length) return emptyRow(runs, 6, "No runs recorded yet.");
+    runs.replaceChildren();
+    for (const run of data.runs) {
+      const row = el("tr");
+      row.append(el("td", run.job, "mono"), el("td", run.slot, "mono"), when(run.started_at),
+                 el("td", run.ended_at ? duration(run.ended_at - run.started_at) : "—"), outcomeCell(run.outcome),
+                 el("td", run.detail || "", "detail"));
+      runs.append(row);
+    }
+  }
+
+  async function loadErrors() {
+    const data = await api("errors");
+    const list = $("errors");
+    list.replaceChildren();
+    if (!data.errors.length) list.append(el("li", "Nothing since the gateway started.", "muted"));
+    for (const e of data.errors) {
+      const item = el("li", null, e.level === "WARNING" ? "warning" : "failure");
+      const head = el("div", null, "head");
+      const time = el("time", ago(e.at));
+      time.title = dateTime.format(new Date(e.at * 1000));
+      head.append(el("span", e.level, "level"), el("span", e.logger, "mono"), time);
+      item.append(head, el("div", e.message, "message"));
+      const extras = Object.entries(e.extra || {});
+      if (extras.length) item.append(el("div", extras.map(([k, v]) => k + "=" + v).join("  "), "extra mono"));
+      list.append(item);
+    }
+  }
+
+  // -- flow --------------------------------------------------------------------------
+
+  const views = { status: loadStatus, pairings: loadPairings, sessions: () => loadSessions(false),
+                  usage: loadUsage, jobs: loadJobs, errors: loadErrors };
+
+  function handleAuth(err) {
+    if (err.status === 401) {
+      signOut("The gateway did not accept that token. Check http.admin_token in its config.");
+      return true;
+    }
+    if (err.status === 404) {
+      signOut(err.message);
+      return true;
+    }
+    return false;
+  }
+
+  async function guarded(load, name) {
+    try {
+      await load();
+      return true;
+    } catch (err) {
+      if (!handleAuth(err)) showNotice("The " + name + " view could not be loaded: " + err.message, true);
+      return false;
+    }
+  }
+
+  async function loadAll() {
+    const results = await Promise.all(Object.entries(views).map(([name, load]) => guarded(load, name)));
+    if (!token) return;
+    if (results.every(Boolean) && notice.classList.contains("error")) notice.hidden = true; // recovered
+    updated.textContent = "updated " + new Date().toLocaleTimeString();
+  }
+
+  function showDashboard() {
+    login.hidden = true;
+    dashboard.hidden = false;
+    refreshButton.hidden = signoutButton.hidden = false;
+    clearInterval(timer);
+    timer = setInterval(() => { if (!document.hidden && token) loadAll(); }, REFRESH_MS);
+  }
+
+  function signOut(message) {
+    token = "";
+    sessionStorage.removeItem(TOKEN_KEY);
+    clearInterval(timer);
+    dashboard.hidden = true;
+    refreshButton.hidden = signoutButton.hidden = true;
+    updated.textContent = "";
+    login.hidden = false;
+    loginError.textContent = message || "";
+    loginError.hidden = !message;
+    tokenInput.value = "";
+    tokenInput.focus();
+  }
+
+  loginForm.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    token = tokenInput.value.trim();
+    if (!token) return;
+    loginError.hidden = true;
+    try {
+      await api("status"); // one request first: a wrong token is told at the prompt
+    } catch (err) {
+      if (!handleAuth(err)) {
+        loginError.textContent = err.message;
+        loginError.hidden = false;
+      }
+      return;
+    }
+    sessionStorage.setItem(TOKEN_KEY, token);
+    showDashboard();
+    await loadAll();
+  });
+
+  refreshButton.addEventListener("click", () => { notice.hidden = true; loadAll(); });
+  signoutButton.addEventListener("click", () => signOut(""));
+  moreButton.addEventListener("click", () => guarded(() => loadSessions(true), "sessions"));
+
+  if (token) {
+    showDashboard();
+    loadAll();
+  } else {
+    signOut("");
+  }
+})();

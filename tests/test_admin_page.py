@@ -1,0 +1,121 @@
+"""The admin page in a real headless browser (Debian's Chromium, driven by Playwright):
+the token prompt, a wrong token, the sessions after a chat, and a Telegram stranger
+approved with a click who can then chat."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from playwright.async_api import Browser, expect
+
+from gateway.reload import ConfigWatcher
+from tests.admin_screenshot import NAME, take
+from tests.conftest import GatewayFactory, chat
+from tests.fakes import telegram_server
+from tests.fakes.openai_server import FakeModel
+from tests.fakes.telegram_server import FakeTelegram
+from tests.test_web_page import browser, chromium_path, open_page  # noqa: F401  (fixtures)
+
+fake_telegram = telegram_server.fake_telegram  # the fixture
+ADMIN = "admin-token-0123456789abcdef"
+ROTATED = "admin-token-rotated-0123456789"
+
+
+async def test_the_token_prompt_then_sessions(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                              browser: Browser, tmp_path: Path) -> None:  # noqa: F811
+    gw = await make_gateway(http={"admin_token": ADMIN})
+    config_path = tmp_path / "config.json"
+    assert gw.http is not None
+    fake_model.reply("hello there")
+    await chat(gw, "alice", "hi")
+    context = await browser.new_context()
+    page, errors = await open_page(context, f"http://127.0.0.1:{gw.http.port}/admin")
+    await expect(page.locator("#login")).to_be_visible()
+    assert await page.is_hidden("#dashboard")
+    assert await page.evaluate("document.activeElement.id") == "token"
+
+    await page.fill("#token", "not-the-token-0123456789")
+    await page.press("#token", "Enter")
+    await expect(page.locator("#login-error")).to_contain_text("did not accept that token", timeout=5000)
+    assert await page.is_hidden("#dashboard")
+    assert await page.evaluate("sessionStorage.getItem('gw.admin_token')") is None
+
+    await page.fill("#token", ADMIN)
+    await page.press("#token", "Enter")
+    row = page.locator("#sessions tbody tr", has_text="web:alice")
+    await row.wait_for(timeout=5000)
+    cells = await row.locator("td").all_text_contents()
+    assert cells[1] == "web" and cells[3] == "1" and int(cells[4]) > 0
+    assert await page.locator("#sessions-total").text_content() == "(1)"
+    await expect(page.locator("#channels")).to_contain_text("web")
+    await expect(page.locator("#jobs tbody")).to_contain_text("purge")
+    await expect(page.locator("#usage tbody")).to_contain_text("web:alice")
+    assert await page.evaluate("sessionStorage.getItem('gw.admin_token')") == ADMIN
+
+    # A new chat shows on refresh; a reload keeps the tab signed in.
+    await chat(gw, "bob", "hello")
+    await page.click("#refresh")
+    await expect(page.locator("#sessions tbody tr").first).to_contain_text("web:bob", timeout=5000)
+    await page.reload()
+    await expect(page.locator("#sessions tbody tr")).to_have_count(2, timeout=5000)
+    # The token is rotated under the page: the next request says so at the prompt.
+    raw = json.loads(config_path.read_text())
+    raw["http"]["admin_token"] = ROTATED
+    config_path.write_text(json.dumps(raw))
+    assert await ConfigWatcher(gw).reload() is True
+    await page.click("#refresh")
+    await expect(page.locator("#login-error")).to_contain_text("did not accept that token", timeout=5000)
+    assert await page.evaluate("sessionStorage.getItem('gw.admin_token')") is None
+    await page.fill("#token", ROTATED)
+    await page.press("#token", "Enter")
+    await expect(page.locator("#sessions tbody tr")).to_have_count(2, timeout=5000)
+    await page.click("#signout")
+    await expect(page.locator("#login")).to_be_visible()
+    assert await page.evaluate("sessionStorage.getItem('gw.admin_token')") is None
+    assert errors == []
+
+
+async def test_approving_a_stranger_by_click(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                             fake_telegram: FakeTelegram, browser: Browser) -> None:  # noqa: F811
+    gw = await make_gateway(http={"admin_token": ADMIN}, channels={"telegram": {
+        "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+        "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
+    assert gw.http is not None
+    fake_telegram.push_message(chat_id=77, user_id=77, text="hello?")
+    (refusal,) = await fake_telegram.wait_sent(1)
+    code = re.search(r"pairing code is ([A-Z0-9]{8})", refusal["text"])
+    assert code is not None and fake_model.requests == []
+
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/admin")
+    await page.fill("#token", ADMIN)
+    await page.press("#token", "Enter")
+    row = page.locator("#pairings tbody tr", has_text="telegram:77")
+    await row.wait_for(timeout=5000)
+    assert await row.locator("td").nth(1).text_content() == code.group(1)
+    await row.locator("button.approve").click()
+    await expect(page.locator("#notice")).to_contain_text("Approved telegram:77", timeout=5000)
+    await expect(page.locator("#pairings tbody")).to_contain_text("No one is waiting", timeout=5000)
+
+    fake_model.reply("Welcome aboard!")
+    fake_telegram.push_message(chat_id=77, user_id=77, text="hello again")
+    sent = await fake_telegram.wait_sent(2, timeout=10)
+    assert sent[1]["chat_id"] == 77 and "Welcome aboard" in sent[1]["text"]
+    assert fake_model.requests[-1]["messages"][-1]["content"] == "hello again"
+    await page.click("#refresh")
+    await expect(page.locator("#sessions tbody")).to_contain_text("telegram:dm:77", timeout=5000)
+    await expect(page.locator("#channels")).to_contain_text("telegram")
+    assert errors == []
+
+
+async def test_the_page_is_off_without_a_token(make_gateway: GatewayFactory, browser: Browser) -> None:  # noqa: F811
+    gw = await make_gateway()
+    assert gw.http is not None
+    page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/admin")
+    assert "set http.admin_token" in (await page.text_content("body") or "")
+
+
+async def test_the_screenshot_script_still_works(chromium_path: str, tmp_path: Path) -> None:  # noqa: F811
+    shot = await take(tmp_path, chromium_path)
+    assert shot.name == NAME and shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 30_000
