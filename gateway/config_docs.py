@@ -120,6 +120,8 @@ MEANINGS: dict[str, str] = {
                           "address.",
     "channels.terminal.enabled": "Allow `python -m gateway chat`.",
     "http.host": "Address the HTTP server listens on (web chat, health, metrics, webhooks).",
+    "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
+                        "not the web chat's token.",
     "http.port": "Port of the HTTP server.",
     "http.header_timeout_s": "Seconds from connecting (or a request's first byte) to the request's complete "
                              "head; slower connections are closed.",
