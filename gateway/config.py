@@ -158,7 +158,7 @@ class LimitsConfig(_Strict):
 
 class WebFetchConfig(_Strict):
     enabled: bool = True
-    max_bytes: int = Field(default=5_000_000, ge=1000)  # of the (decoded) body; reading stops there
+    max_bytes: int = Field(default=5_000_000, ge=1000, le=50_000_000)  # of the decoded body; reading stops there
     # The whole fetch, redirects included; tools get 60 s at most (gateway.agent.TOOL_TIMEOUT_S).
     timeout_s: float = Field(default=20, gt=0, le=60)
     allow_private_networks: bool = False
