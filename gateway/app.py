@@ -37,6 +37,7 @@ from gateway.slots import ModelSlots
 from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
 from gateway.tools.registry import ToolRegistry
+from gateway.tools.web import WebTools
 from gateway.types import Inbound
 from gateway.usage import Usage
 from gateway.workspace import restrict_mode
@@ -72,7 +73,7 @@ def secret_values(cfg: Config) -> list[str]:
             values.append(model.key_value())
     t, s, w = cfg.channels.telegram, cfg.channels.slack, cfg.channels.web
     for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token,
-                   cfg.http.admin_token):
+                   cfg.http.admin_token, cfg.tools.web_search.api_key):
         if secret is not None:
             values.append(secret.get_secret_value())
     return [v for v in values if v]
@@ -149,6 +150,7 @@ class Gateway:
             tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
             model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls),
         )
+        services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
         services.memory = self._memory(services)
         services.usage = Usage(store)
         self.services = services

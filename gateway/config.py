@@ -160,6 +160,42 @@ class LimitsConfig(_Strict):
     turn_timeout_s: float = Field(default=600, gt=0)
 
 
+class WebFetchConfig(_Strict):
+    enabled: bool = True
+    max_bytes: int = Field(default=5_000_000, ge=1000, le=50_000_000)  # of the decoded body; reading stops there
+    # The whole fetch, redirects included; tools get 60 s at most (gateway.agent.TOOL_TIMEOUT_S).
+    timeout_s: float = Field(default=20, gt=0, le=60)
+    allow_private_networks: bool = False
+
+
+class WebSearchConfig(_Strict):
+    provider: Literal["searxng", "brave", "tavily"] | None = None
+    base_url: str | None = Field(default=None, validate_default=True)  # None: the provider's own
+    api_key: SecretStr | None = Field(default=None, validate_default=True)
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("provider") == "searxng" and not (value or "").strip():
+            raise ValueError("required when provider is 'searxng': your SearXNG server, e.g. http://localhost:8888")
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        provider = info.data.get("provider")
+        if provider in ("brave", "tavily") and (value is None or not value.get_secret_value().strip()):
+            raise ValueError(f"required when provider is {provider!r} (e.g. \"${{{provider.upper()}_API_KEY}}\")")
+        return value
+
+
+class ToolsConfig(_Strict):
+    web_fetch: WebFetchConfig = WebFetchConfig()
+    web_search: WebSearchConfig = WebSearchConfig()
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -187,6 +223,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     # Least time between two updates of one streamed message (SPEC §5.1).
     stream_interval_s: float = Field(default=1.0, gt=0)
+    tools: ToolsConfig = ToolsConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
     _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())
@@ -395,6 +432,7 @@ SECRET_KEYS = {
     "channels.slack.signing_secret",
     "channels.web.token",
     "http.admin_token",
+    "tools.web_search.api_key",
 }
 
 
@@ -495,6 +533,9 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
                 need("channels.slack.app_token", sl.app_token, "in socket mode")
             else:
                 need("channels.slack.signing_secret", sl.signing_secret, "in http mode")
+    search = cfg.tools.web_search
+    if search.provider in ("brave", "tavily"):
+        need("tools.web_search.api_key", search.api_key, f"while tools.web_search.provider is {search.provider!r}")
     web = cfg.channels.web
     if http and web.enabled:
         if "channels.web.token" in unset:

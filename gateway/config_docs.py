@@ -120,6 +120,15 @@ MEANINGS: dict[str, str] = {
                           "address.",
     "channels.terminal.enabled": "Allow `python -m gateway chat`.",
     "http.host": "Address the HTTP server listens on (web chat, health, metrics, webhooks).",
+    "tools.web_fetch.enabled": "Offer the `web_fetch` tool (a page as readable text; private addresses refused).",
+    "tools.web_fetch.max_bytes": "Most bytes of one page that `web_fetch` reads.",
+    "tools.web_fetch.timeout_s": "Seconds one `web_fetch` may take, redirects included.",
+    "tools.web_fetch.allow_private_networks": "Let `web_fetch` reach loopback, private, link-local and reserved "
+                                              "addresses (off: every address of every redirect hop is checked).",
+    "tools.web_search.provider": "The search provider of the `web_search` tool; the tool exists only when set.",
+    "tools.web_search.base_url": "The provider's address (required for `searxng`; overrides the others' "
+                                 "default).",
+    "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
     "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
                         "not the web chat's token.",
     "http.port": "Port of the HTTP server.",

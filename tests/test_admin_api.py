@@ -164,7 +164,9 @@ async def test_usage_jobs_and_status(make_gateway: GatewayFactory, fake_model: F
     status, state = await call(gw, "/admin/api/status")
     assert {"name": "web", "ok": True, "detail": None} in state["channels"]
     assert {"name": "database", "ok": True, "detail": None} in state["checks"]
-    assert state["tool_sources"] == [] == gw.tool_sources_state()
+    # web_fetch is on by default (the web tools' source); no other source is configured.
+    web = {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None}
+    assert state["tool_sources"] == [web] == gw.tool_sources_state()
 
 
 class _Source:
@@ -185,6 +187,7 @@ async def test_tool_sources_show_their_state(make_gateway: GatewayFactory) -> No
     gw.services.tools.add_source(_Source("slow", [], state="connecting", detail="starting npx"))
     status, state = await call(gw, "/admin/api/status")
     assert status == 200 and state["tool_sources"] == [
+        {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None},
         {"name": "clock", "state": "connected", "tools": ["current_time"], "detail": None},
         {"name": "slow", "state": "connecting", "tools": [], "detail": "starting npx"},
     ]

@@ -29,13 +29,17 @@ from gateway.reload import ConfigWatcher
 from gateway.sessions import TIMEOUT_REPLY
 from gateway.types import Inbound, Message
 from tests.conftest import GatewayFactory
-from tests.fakes import slack_server, telegram_server
+from tests.fakes import search_server, slack_server, telegram_server, web_server
 from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall
+from tests.fakes.search_server import FakeSearch
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
+from tests.fakes.web_server import FakeWeb
 
 fake_telegram = telegram_server.fake_telegram  # the fixtures
 fake_slack = slack_server.fake_slack
+fake_web = web_server.fake_web
+fake_search = search_server.fake_search
 
 Effect = Literal["live", "channel", "restart"]
 WEB_TOKEN = "web-token-before-0123"
@@ -54,6 +58,8 @@ class Rig:
     path: Path
     base_text: str
     watcher: ConfigWatcher
+    web: FakeWeb
+    search: FakeSearch
 
     @property
     def port(self) -> int:
@@ -86,6 +92,13 @@ class Rig:
     def services(self) -> Any:
         assert self.gw.services is not None
         return self.gw.services
+
+    async def tool_result(self, session: str, name: str, args: dict[str, Any]) -> str:
+        """What the model saw after asking for one tool call."""
+        self.model.tool_call(name, args)
+        self.model.reply("used it")
+        await self.say(session, f"use {name}")
+        return str([m for m in self.model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
 
     def system(self) -> str:
         return str(self.model.requests[-1]["messages"][0]["content"])
@@ -377,6 +390,44 @@ async def p_admin_token(r: Rig) -> None:
             assert resp.status == 401
 
 
+async def p_no_web_fetch(r: Rig) -> None:
+    await r.say("web", "hi")
+    names = [t["function"]["name"] for t in r.model.requests[-1]["tools"]]
+    assert "web_fetch" not in names and "web_search" in names
+
+
+async def p_fetch_max_bytes(r: Rig) -> None:
+    result = await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/big.txt"})
+    assert "only the first 2,000 bytes were read" in result and len(result) < 2500
+
+
+async def p_fetch_timeout(r: Rig) -> None:
+    result = await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/slow"})
+    assert result.endswith("did not answer within 0.3 s (tools.web_fetch.timeout_s)"), result
+
+
+async def p_fetch_private(r: Rig) -> None:
+    result = await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/big.txt"})
+    assert result.startswith("error: refused: 127.0.0.1 is a loopback address"), result
+
+
+async def p_search_provider(r: Rig) -> None:
+    result = await r.tool_result("web", "web_search", {"query": "otters", "count": 2})
+    assert r.search.requests[-1]["provider"] == "tavily" and result.startswith("1. Result 1"), result
+
+
+async def p_search_base_url(r: Rig) -> None:
+    result = await r.tool_result("web", "web_search", {"query": "otters"})
+    assert r.search.requests[-1]["headers"]["Host"] == r.search.base_url.replace("http://127.0.0.1", "localhost")
+    assert result.startswith("1. Result 1"), result
+
+
+async def p_search_key(r: Rig) -> None:
+    result = await r.tool_result("web", "web_search", {"query": "otters"})
+    assert r.search.requests[-1]["headers"]["X-Subscription-Token"] == "rotated-search-key"
+    assert result.startswith("1. Result 1"), result
+
+
 # Restart-only keys: the running gateway keeps the value it started with.
 
 async def p_data_dir(r: Rig) -> None:
@@ -517,6 +568,14 @@ ROWS = [
     Row("limits.turns_per_user_per_day", 1, "live", p_turns_per_day),
     Row("limits.turn_timeout_s", 0.5, "live", p_turn_timeout),
     Row("log_level", "DEBUG", "live", p_log_level),
+    Row("tools.web_fetch.enabled", False, "live", p_no_web_fetch),
+    Row("tools.web_fetch.max_bytes", 2000, "live", p_fetch_max_bytes),
+    Row("tools.web_fetch.timeout_s", 0.3, "live", p_fetch_timeout),
+    Row("tools.web_fetch.allow_private_networks", False, "live", p_fetch_private),
+    Row("tools.web_search.provider", "tavily", "live", p_search_provider),
+    Row("tools.web_search.base_url", lambda r: localhost(r.search.base_url), "live", p_search_base_url),
+    Row("tools.web_search.api_key", "rotated-search-key", "live", p_search_key,
+        rotate("search", "brave_token", "rotated-search-key")),
 ]
 
 
@@ -549,6 +608,11 @@ async def _setup(r: Rig) -> None:
     (r.workspace("mem") / "MEMORY.md").write_text(MEMORY)
     await r.say("mem", "hi")
     assert "MEMORY-MARKER-END" in r.system()
+    r.web.page("/big.txt", "x" * 10_000, content_type="text/plain")
+    r.web.page("/slow", "late", content_type="text/plain", delay=3)
+    assert len(await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/big.txt"})) > 10_000
+    assert (await r.tool_result("web", "web_search", {"query": "otters"})).startswith("1. Result 1")
+    assert r.search.requests[-1]["provider"] == "brave"
     await r.say("quota", "first")  # a turn and some tokens for the daily budgets
     await r.say("queue", "warm")  # live before its queue size changes
     assert "Only admins" in await r.say("eve", "/config agent_max_steps 14")
@@ -578,7 +642,8 @@ async def _ready(r: Rig, polls_before: int = -1, channels: tuple[str, ...] = ("t
 
 
 async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fake_model: FakeModel,
-                                               fake_telegram: FakeTelegram, fake_slack: FakeSlack, tmp_path: Path,
+                                               fake_telegram: FakeTelegram, fake_slack: FakeSlack, fake_web: FakeWeb,
+                                               fake_search: FakeSearch, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                                restore_logging: Any) -> None:
     leaves = set(flatten(Config().model_dump(mode="json")))
@@ -596,10 +661,14 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
             "web": {"token": WEB_TOKEN},
         },
         limits={"max_concurrent_model_calls": 1},
+        tools={"web_fetch": {"allow_private_networks": True},
+               "web_search": {"provider": "brave", "base_url": fake_search.base_url,
+                              "api_key": fake_search.brave_token}},
     )
+    fake_search.tavily_key = fake_search.brave_token  # the same key works for the provider row
     path = tmp_path / "config.json"
     watcher = ConfigWatcher(gw)  # its reload path, called directly: no file-event race with the test
-    rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher)
+    rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher, fake_web, fake_search)
     failures: list[str] = []
     await _ready(rig)
     await _setup(rig)

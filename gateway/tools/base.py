@@ -85,11 +85,27 @@ def check_arguments(parameters: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 class Tool(Protocol):
+    """A tool may also have `status(args) -> str`: the short line a person sees while it
+    runs ("fetching example.com…"); `status_line` falls back to a generic one."""
+
     name: str
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolOutput: ...
+
+
+def status_line(tool: Tool, args: dict[str, Any]) -> str:
+    """What is happening while `tool` runs, in a few words (SPEC §5.1)."""
+    status = getattr(tool, "status", None)
+    if callable(status):
+        try:
+            line = status(args)
+        except Exception:  # the arguments are the model's: a bad one must not break the turn
+            line = None
+        if isinstance(line, str) and line.strip():
+            return line.strip()
+    return f"running {tool.name}…"
 
 
 def schema(tool: Tool) -> dict[str, Any]:
