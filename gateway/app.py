@@ -33,6 +33,7 @@ from gateway.sessions import SessionManager
 from gateway.slots import ModelSlots
 from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
+from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
 from gateway.types import Inbound
 from gateway.usage import Usage
@@ -98,6 +99,7 @@ class Gateway:
         self.services: Services | None = None
         self.scheduler: Any = None
         self.watcher: Any = None
+        self.mcp: McpManager | None = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
 
@@ -159,13 +161,18 @@ class Gateway:
         if self.serve_http:
             extra = self.channels["web"].routes() if "web" in self.channels else []
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
-                            channel=self.channels.get, extra_routes=extra)
+                            channel=self.channels.get, extra_routes=extra, ready_details=self.ready_details)
             self.http = HttpServer(app, cfg.http)
             try:
                 await self.http.start()
             except OSError as err:
                 await store.close()
                 raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
+        # MCP servers connect in the background (readiness never waits for them); their
+        # tools join the registry as each one is ready.
+        self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp", metrics=metrics)
+        services.tools.add_source(self.mcp)
+        await self.mcp.apply(cfg.mcp)
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
         pending_commands = await self.router.resume_pending()
@@ -295,6 +302,8 @@ class Gateway:
                 s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")
         if self.scheduler is not None:
             self.scheduler.update_config(cfg)
+        if self.mcp is not None:
+            await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in ("telegram", "slack"):
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)
@@ -325,6 +334,13 @@ class Gateway:
         if channel is None:
             return nullcontext()
         return channel.typing(inbound)  # type: ignore[no-any-return]
+
+    def ready_details(self) -> dict[str, Any]:
+        """What /readyz shows besides its checks: MCP servers' states, which never make the
+        gateway unready (a server that is down only removes its tools)."""
+        if self.mcp is None:
+            return {}
+        return {"mcp": {status.name: status.as_json() for status in self.mcp.statuses()}}
 
     async def ready(self) -> dict[str, str | None]:
         """Each check's problem (None when fine), for /readyz."""
@@ -359,6 +375,8 @@ class Gateway:
                 log.warning("channel did not stop cleanly", extra={"channel": name, "error": str(err)[:200]})
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if self.mcp is not None:
+            await self.mcp.stop()  # calls still running are cancelled; server processes end
         if self.http is not None:
             await self.http.stop()
         await s.background.close(timeout=5)

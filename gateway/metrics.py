@@ -39,6 +39,10 @@ class Metrics:
         self.busy = Counter("gateway_busy_replies_total", "Busy replies (queue full)", registry=r)
         self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
         self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
+        self.mcp_server_up = Gauge("gateway_mcp_server_up", "MCP server connected (1) or not (0)", ["server"],
+                                   registry=r)
+        self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
+                                    "(each is retried with backoff)", ["server"], registry=r)
 
     def watch_store(self, stats: Callable[[], StoreStats]) -> None:
         """The store's write counters, read at each scrape."""
