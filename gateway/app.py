@@ -71,6 +71,10 @@ def secret_values(cfg: Config) -> list[str]:
     for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token):
         if secret is not None:
             values.append(secret.get_secret_value())
+    for server in cfg.mcp.servers.values():  # what MCP servers are given to authenticate
+        for secret in (*server.env.values(), *server.headers.values()):
+            if secret is not None:
+                values.append(secret.get_secret_value())
     return [v for v in values if v]
 
 

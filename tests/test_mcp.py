@@ -441,6 +441,28 @@ def test_an_unset_reference_stops_run_only_for_an_enabled_server() -> None:
                         "(needed while the MCP server on is enabled)"]
 
 
+def test_server_secrets_are_redacted_from_logs() -> None:
+    from gateway.app import secret_values
+
+    cfg = parse_config({"mcp": {"servers": {
+        "s": {"command": "a", "env": {"T": "${TOKEN}"}},
+        "h": {"url": "https://example.invalid/mcp", "headers": {"Authorization": "Bearer ${TOKEN}"}},
+    }}}, environ={"TOKEN": "sekret-value"})
+    assert {"sekret-value", "Bearer sekret-value"} <= set(secret_values(cfg))
+
+
+def test_the_readme_examples_are_valid_config() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### MCP servers", 1)[1].split("\n## ", 1)[0]
+    examples = re.findall(r"```json\n(.*?)```", section, re.S)
+    assert len(examples) == 2
+    transports = []
+    for example in examples:
+        cfg = parse_config(json.loads("{" + example + "}"), environ={"GITHUB_TOKEN": "t", "SEARCH_MCP_TOKEN": "t"})
+        transports += [("stdio" if s.command else "http") for s in cfg.mcp.servers.values()]
+    assert transports == ["stdio", "http"]
+
+
 # -- names and schemas ---------------------------------------------------------------------------
 
 

@@ -245,6 +245,12 @@ class _Server:
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._supervise(), name=f"mcp:{self.name}")
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.state, self.error = "failed", f"stopped after an unexpected error: {task.exception()!r}"[:300]
+            log.error("MCP server supervisor failed", extra={"server": self.name}, exc_info=task.exception())
 
     def request_stop(self) -> None:
         self._stopping.set()
