@@ -34,8 +34,8 @@ from tests.fakes.openai_server import FakeModel
 from tests.mcp_servers.echo_server import big_text
 
 ECHO = Path(__file__).resolve().parent / "mcp_servers" / "echo_server.py"
-ECHO_TOOLS = ["big", "crash", "document", "echo", "fail", "getenv", "header", "odd.name/with spaces", "picture",
-              "pid", "record", "slow"]
+ECHO_TOOLS = ["announce", "big", "crash", "document", "echo", "fail", "getenv", "header", "odd.name/with spaces",
+              "picture", "pid", "record", "slow"]
 
 
 def stdio(**extra: Any) -> dict[str, Any]:
@@ -222,7 +222,7 @@ async def test_stdio_and_http_tools_end_to_end(make_gateway: GatewayFactory, fak
 
     tools = await chat(gw, "eve", "/tools")
     assert "built-in: read_file, current_time" in tools
-    assert "- echo: ready, 12 tools" in tools and "- web: ready, 2 tools" in tools
+    assert "- echo: ready, 13 tools" in tools and "- web: ready, 2 tools" in tools
     assert "web__echo, web__header" in tools
     assert metric(gw, "gateway_tool_calls_total", outcome="ok", tool="echo__echo") == 1
     assert metric(gw, "gateway_tool_calls_total", outcome="error", tool="echo__fail") == 1
@@ -279,6 +279,23 @@ async def test_a_server_that_dies_comes_back_with_the_same_tools(make_gateway: G
     assert tool_results(fake_model.requests[-1])[-1] == "echo: again"
 
 
+async def test_a_changed_tool_list_is_taken_only_when_it_differs(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(mcp={"servers": {"echo": stdio()}})
+    assert gw.services is not None and gw.mcp is not None
+    await ready(gw, "echo")
+    registry = gw.services.tools
+    schemas, version = registry.schemas(), gw.mcp.version
+    # notifications/tools/list_changed with the same tools: listed again, nothing changes.
+    assert await call(gw, "echo__announce", add=False) == "announced"
+    await asyncio.sleep(0.5)  # the re-list has long finished (a few ms)
+    assert gw.mcp.version == version and registry.schemas() is schemas
+    # With a new tool: it appears, in its place in the order.
+    assert await call(gw, "echo__announce", add=True) == "announced"
+    await until(lambda: "echo__added" in registry.names, what="the new tool")
+    assert [n for n in registry.names if "__" in n][:3] == ["echo__added", "echo__announce", "echo__big"]
+    assert await call(gw, "echo__added") == "added"
+
+
 async def test_http_server_that_dies_is_reconnected(make_gateway: GatewayFactory, http_server: HttpServer) -> None:
     gw = await make_gateway(mcp={"servers": {"web": {"url": http_server.url, "tools": ["echo"]}}})
     assert gw.mcp is not None
@@ -288,7 +305,7 @@ async def test_http_server_that_dies_is_reconnected(make_gateway: GatewayFactory
     await until(lambda: state(gw, "web") == "failed", what="web failed")  # noticed by a ping
     status = gw.mcp.statuses()[0]
     assert status.error is not None and "cannot reach" in status.error and not gw.mcp.tools()
-    with pytest.raises(ToolError, match="web is failed: cannot reach"):
+    with pytest.raises(ToolError, match=r"web is not connected \(failed: cannot reach .*web__echo is unavailable"):
         await gw.mcp.call("web", "echo", "web__echo", {"text": "x"})
     await http_server.start()
     await ready(gw, "web")

@@ -264,8 +264,10 @@ class _Server:
     # -- calls (from any task) --
 
     async def call(self, remote: str, shown: str, args: dict[str, Any]) -> ToolOutput:
+        if self._stopping.is_set():
+            raise ToolError(f"the MCP server {self.name} is stopping (removed, changed or the gateway stops)")
         if self.state != "ready":
-            raise ToolError(f"the MCP server {self.name} is {self.status().describe()}; "
+            raise ToolError(f"the MCP server {self.name} is not connected ({self.status().describe()}); "
                             f"{shown} is unavailable until it is back")
         call = _Call(remote, shown, args, asyncio.get_running_loop().create_future())
         self._inbox.put_nowait(call)

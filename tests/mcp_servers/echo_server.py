@@ -98,11 +98,20 @@ def build(name: str, *, extra: bool, port: int = 8000) -> FastMCP:
         """A tool whose name providers would refuse."""
         return "odd"
 
+    def added() -> str:
+        """Only offered with --extra, or after announce(add=True)."""
+        return "added"
+
     if extra:
-        @server.tool()
-        def added() -> str:
-            """Only offered with --extra."""
-            return "added"
+        server.add_tool(added)
+
+    @server.tool()
+    async def announce(add: bool, ctx: Context[Any, Any, Any]) -> str:
+        """Tell the client the tool list changed (adding `added` first when `add`)."""
+        if add:
+            server.add_tool(added)
+        await ctx.session.send_tool_list_changed()
+        return "announced"
 
     return server
 
