@@ -187,6 +187,8 @@ async def test_stdio_and_http_tools_end_to_end(make_gateway: GatewayFactory, fak
         "web__echo", "web__header"]
     assert all(TOOL_NAME.fullmatch(n) for n in names)
     odd = fitted_name("echo", "odd.name/with spaces")
+    # The line a streamed reply shows while the tool runs names the server and its own tool name.
+    assert gw.services.tools.get(odd).status({}) == "running echo odd.name/with spaces…"  # type: ignore[union-attr]
 
     fake_model.tool_calls([
         ("echo__echo", {"text": "hi"}),
