@@ -77,6 +77,14 @@ def describe_tool_sources(sources: Sequence[Any]) -> list[ToolSourceState]:
             out.append({"name": str(source.name), "state": "failed", "tools": [],
                         "detail": f"{type(err).__name__}: {err}"[:300]})
             continue
+        statuses = getattr(source, "statuses", None)
+        if callable(statuses):  # a source of several servers (MCP): one row per server
+            for server in statuses():
+                prefix = f"{server.name}__"
+                out.append({"name": f"{source.name}:{server.name}", "state": str(server.state),
+                            "tools": [t for t in tools if t.startswith(prefix)],
+                            "detail": server.describe() if server.state != "ready" else None})
+            continue
         detail = getattr(source, "detail", None)
         out.append({"name": str(source.name), "state": str(getattr(source, "state", "ready")), "tools": tools,
                     "detail": str(detail)[:300] if detail is not None else None})

@@ -36,6 +36,7 @@ from gateway.sessions import SessionManager
 from gateway.slots import ModelSlots
 from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
+from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
 from gateway.tools.web import WebTools
 from gateway.types import Inbound
@@ -76,6 +77,10 @@ def secret_values(cfg: Config) -> list[str]:
                    cfg.http.admin_token, cfg.tools.web_search.api_key):
         if secret is not None:
             values.append(secret.get_secret_value())
+    for server in cfg.mcp.servers.values():  # what MCP servers are given to authenticate
+        for secret in (*server.env.values(), *server.headers.values()):
+            if secret is not None:
+                values.append(secret.get_secret_value())
     return [v for v in values if v]
 
 
@@ -104,6 +109,7 @@ class Gateway:
         self.services: Services | None = None
         self.scheduler: Any = None
         self.watcher: Any = None
+        self.mcp: McpManager | None = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
@@ -169,7 +175,7 @@ class Gateway:
             extra = self.channels["web"].routes() if "web" in self.channels else []
             extra += self._admin(services).routes()
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
-                            channel=self.channels.get, extra_routes=extra)
+                            channel=self.channels.get, extra_routes=extra, ready_details=self.ready_details)
             self.http = HttpServer(app, cfg.http)
             try:
                 await self.http.start()
@@ -177,6 +183,11 @@ class Gateway:
                 await store.close()
                 self.recent_errors.uninstall()
                 raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
+        # MCP servers connect in the background (readiness never waits for them); their
+        # tools join the registry as each one is ready.
+        self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp", metrics=metrics)
+        services.tools.add_source(self.mcp)
+        await self.mcp.apply(cfg.mcp)
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
         pending_commands = await self.router.resume_pending()
@@ -344,6 +355,8 @@ class Gateway:
                 s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")
         if self.scheduler is not None:
             self.scheduler.update_config(cfg)
+        if self.mcp is not None:
+            await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in ("telegram", "slack"):
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)
@@ -391,6 +404,13 @@ class Gateway:
             return nullcontext()
         return channel.typing(inbound)  # type: ignore[no-any-return]
 
+    def ready_details(self) -> dict[str, Any]:
+        """What /readyz shows besides its checks: MCP servers' states, which never make the
+        gateway unready (a server that is down only removes its tools)."""
+        if self.mcp is None:
+            return {}
+        return {"mcp": {status.name: status.as_json() for status in self.mcp.statuses()}}
+
     async def ready(self) -> dict[str, str | None]:
         """Each check's problem (None when fine), for /readyz."""
         checks: dict[str, str | None] = {}
@@ -424,6 +444,8 @@ class Gateway:
                 log.warning("channel did not stop cleanly", extra={"channel": name, "error": str(err)[:200]})
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if self.mcp is not None:
+            await self.mcp.stop()  # calls still running are cancelled; server processes end
         if self.http is not None:
             await self.http.stop()
         self.recent_errors.uninstall()

@@ -19,6 +19,7 @@ from gateway.config import (
     atomic_write_text,
     change_effect,
     is_credential_destination,
+    is_operator_only,
     is_secret_key,
     parse_config,
 )
@@ -34,6 +35,7 @@ HELP = """Commands:
 /context clear (or /new): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
 /config: show the settings; /config KEY shows one; /config KEY VALUE changes one (admins)
+/tools: the tools I can use here, and the state of each MCP server
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
@@ -42,6 +44,7 @@ BOT_COMMANDS: list[tuple[str, str]] = [
     ("new", "Start a fresh context"),
     ("compact", "Summarize now, keeping the last 2 turns"),
     ("config", "Show or change settings"),
+    ("tools", "List the tools and MCP servers"),
     ("help", "List commands"),
 ]
 
@@ -62,13 +65,13 @@ def parse_command(text: str) -> tuple[str, list[str]] | None:
         return None
     head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
     name = head[1:].split("@", 1)[0].lower()
-    if name not in {"context", "new", "compact", "config", "help", "approve", "start"}:
+    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools"}:
         return None
     return name, rest
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
+    if isinstance(data, dict) and (data or not prefix):  # an empty section (mcp.servers) is a setting too
         out: dict[str, Any] = {}
         for k, v in data.items():
             out.update(flatten(v, f"{prefix}{k}."))
@@ -110,6 +113,9 @@ def chat_refusal(key: str, value: Any) -> str | None:
         if is_credential_destination(path):
             return (f"{path} decides where credentials are sent: it can only be changed in config.json, "
                     "not in chat.")
+        if is_operator_only(path):
+            return (f"{path}: MCP servers are programs the gateway runs and addresses it sends credentials "
+                    "to; add or change them in config.json, not in chat.")
     return None
 
 
@@ -137,6 +143,8 @@ class Commands:
             await self._answer(inbound, await self.config(inbound, args))
         elif name == "approve":
             await self._answer(inbound, await self.approve(inbound, args))
+        elif name == "tools":
+            await self._answer(inbound, self.tools())
         elif name == "new" or (name == "context" and args[:1] == ["clear"]):
             await self._queue(inbound, key, scope, self._clear)
         elif name == "context":
@@ -203,6 +211,8 @@ class Commands:
             lines = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in sorted(settings.items())]
             return "Settings (secrets shown as ***):\n```\n" + "\n".join(lines) + "\n```"
         key = args[0]
+        if len(args) > 1 and is_operator_only(key):  # also for servers that do not exist yet
+            return chat_refusal(key, parse_value(args[1])) or ""
         if key not in settings:
             return f"There is no setting {key!r}. Send /config to list them."
         if len(args) == 1:
@@ -241,6 +251,30 @@ class Commands:
             await self.on_config_change()
         shown = masked_settings(self.s).get(key)
         return f"{key} = {json.dumps(shown, ensure_ascii=False)} ({EFFECT_NOTE[change_effect(key)]})"
+
+    def tools(self) -> str:
+        """/tools: every tool a turn here may call, and each MCP server's state."""
+        registry = self.s.tools
+        mcp = self.s.mcp
+        by_server: dict[str, list[str]] = {}
+        builtin: list[str] = []
+        for name in registry.names:
+            server = getattr(registry.get(name), "server", None)
+            if mcp is not None and server is not None:
+                by_server.setdefault(server, []).append(name)
+            else:
+                builtin.append(name)
+        lines = [f"Tools ({len(registry.names)}):", "built-in: " + ", ".join(builtin)]
+        statuses = mcp.statuses() if mcp is not None else []
+        if not statuses:
+            lines.append("MCP servers: none configured (mcp.servers in config.json)")
+            return "\n".join(lines)
+        lines.append("MCP servers:")
+        for status in statuses:
+            lines.append(f"- {status.name}: {status.describe()}")
+            if by_server.get(status.name):
+                lines.append("  " + ", ".join(by_server[status.name]))
+        return "\n".join(lines)
 
     async def approve(self, inbound: Inbound, args: list[str]) -> str:
         if not is_admin(self.s.cfg, inbound.identity):

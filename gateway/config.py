@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import tempfile
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -27,6 +28,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from context.budget import Budget
@@ -196,6 +198,59 @@ class ToolsConfig(_Strict):
     web_search: WebSearchConfig = WebSearchConfig()
 
 
+# An MCP server's name starts its tools' names (`<name>__<tool>`) and is a key path part:
+# letters, digits, "-" and single inner "_" (no "__", no trailing "_"), so `<name>__` marks
+# where the server's name ends and two servers' tool names never collide.
+MCP_SERVER_NAME = re.compile(r"[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*")
+MCP_SERVER_NAME_MAX = 32
+
+
+class McpServerConfig(_Strict):
+    """One MCP server (SPEC §5.2): a program spoken to over stdio (`command`) or a
+    streamable-HTTP endpoint (`url`). Values of `env` and `headers` are secrets: they may
+    be `${ENV}` references, are shown as *** and cannot be set from chat."""
+
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, SecretStr] = {}
+    cwd: str | None = None  # relative to the config file's directory
+    url: str | None = None
+    headers: dict[str, SecretStr] = {}
+    tools: tuple[str, ...] | None = None  # the server's tool names to offer; None: all
+    timeout_s: float = Field(default=60, gt=0)
+    enabled: bool = True
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of command (a program spoken to over stdio) "
+                             "or url (a streamable-HTTP endpoint)")
+        if self.command is not None and not self.command.strip():
+            raise ValueError("command is empty")
+        if self.url is not None:
+            if not re.fullmatch(r"https?://[^/\s?#]+(?:[/?#]\S*)?", self.url):
+                raise ValueError(f"url must be an http:// or https:// address, not {self.url!r}")
+            stdio_only = [k for k in ("args", "env", "cwd") if getattr(self, k)]
+            if stdio_only:
+                raise ValueError(f"{', '.join(stdio_only)}: only for a command (stdio) server, not with url")
+        elif self.headers:
+            raise ValueError("headers: only for a url (streamable-HTTP) server, not with command")
+        return self
+
+
+class McpConfig(_Strict):
+    servers: dict[str, McpServerConfig] = {}
+
+    @field_validator("servers")
+    @classmethod
+    def _names(cls, value: dict[str, McpServerConfig]) -> dict[str, McpServerConfig]:
+        for name in value:
+            if len(name) > MCP_SERVER_NAME_MAX or not MCP_SERVER_NAME.fullmatch(name):
+                raise ValueError(f"server name {name!r}: use 1-{MCP_SERVER_NAME_MAX} letters, digits, '-' "
+                                 "and single '_' inside (its tools are named <name>__<tool>)")
+        return value
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -224,6 +279,7 @@ class Config(_Strict):
     # Least time between two updates of one streamed message (SPEC §5.1).
     stream_interval_s: float = Field(default=1.0, gt=0)
     tools: ToolsConfig = ToolsConfig()
+    mcp: McpConfig = McpConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
     _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())
@@ -302,18 +358,27 @@ def _resolve_secrets(model: _M, prefix: str, env: Mapping[str, str], unset: list
     for name in type(model).model_fields:
         value = getattr(model, name)
         path = f"{prefix}{name}"
-        if isinstance(value, SecretStr):
-            text, missing = _expand(value.get_secret_value(), env)
-            if missing:
-                unset.extend((path, var) for var in missing)
-                updates[name] = None
-            elif text != value.get_secret_value():
-                updates[name] = SecretStr(text)
-        elif isinstance(value, BaseModel):
-            resolved = _resolve_secrets(value, f"{path}.", env, unset)
-            if resolved is not value:
-                updates[name] = resolved
+        if isinstance(value, dict):  # named entries (mcp.servers) or secret values (env, headers)
+            entries = {key: _resolved_value(item, f"{path}.{key}", env, unset) for key, item in value.items()}
+            if any(entries[key] is not item for key, item in value.items()):
+                updates[name] = entries
+            continue
+        resolved = _resolved_value(value, path, env, unset)
+        if resolved is not value:
+            updates[name] = resolved
     return model.model_copy(update=updates) if updates else model
+
+
+def _resolved_value(value: Any, path: str, env: Mapping[str, str], unset: list[tuple[str, str]]) -> Any:
+    if isinstance(value, SecretStr):
+        text, missing = _expand(value.get_secret_value(), env)
+        if missing:
+            unset.extend((path, var) for var in missing)
+            return None
+        return SecretStr(text) if text != value.get_secret_value() else value
+    if isinstance(value, BaseModel):
+        return _resolve_secrets(value, f"{path}.", env, unset)
+    return value
 
 
 def _known_keys(model: type[BaseModel]) -> list[str]:
@@ -322,7 +387,11 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
 
 def _model_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
+    named = False  # the next part is an entry's name (mcp.servers.<name>), not a field
     for part in path:
+        if named:
+            named = False
+            continue
         field = model.model_fields.get(str(part))
         if field is None:
             return None
@@ -331,6 +400,7 @@ def _model_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
         nxt = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
         if nxt is None:
             return None
+        named = typing.get_origin(ann) is dict
         model = nxt
     return model
 
@@ -437,9 +507,18 @@ SECRET_KEYS = {
 
 
 def is_secret_key(path: str) -> bool:
-    return path in SECRET_KEYS or path.rsplit(".", 1)[-1] in {
+    parts = path.split(".")
+    if parts[:2] == ["mcp", "servers"] and len(parts) > 3 and parts[3] in ("env", "headers"):
+        return True  # mcp.servers.<name>.env.<VAR>: what a server is given to authenticate
+    return path in SECRET_KEYS or parts[-1] in {
         "api_key", "token", "bot_token", "app_token", "signing_secret", "webhook_secret",
     }
+
+
+def is_operator_only(path: str) -> bool:
+    """MCP servers are programs the gateway starts (command, args, env) and addresses it
+    sends credentials to (url, headers): config.json only, never from chat."""
+    return path == "mcp" or path.startswith("mcp.")
 
 
 def is_credential_destination(path: str) -> bool:
@@ -546,9 +625,14 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
         problem = admin_token_problem(cfg, unset.get("http.admin_token"))
         if problem is not None:
             problems.append(problem)
-    # A secret this function does not know yet: its reference must resolve.
     for path in unset:
-        if path not in SECRET_KEYS:
+        if path.startswith("mcp.servers."):
+            name = path.split(".")[2]
+            server = cfg.mcp.servers.get(name)
+            if server is not None and server.enabled:
+                problems.append(not_set(path, f"while the MCP server {name} is enabled"))
+        elif path not in SECRET_KEYS:
+            # A secret this function does not know yet: its reference must resolve.
             problems.append(not_set(path, "every secret reference must resolve"))
     return problems
 
@@ -601,6 +685,8 @@ def _plain(model: BaseModel) -> dict[str, Any]:
             return ("secret", value.get_secret_value())
         if isinstance(value, BaseModel):
             return {name: unwrap(getattr(value, name)) for name in type(value).model_fields}
+        if isinstance(value, dict):
+            return {key: unwrap(item) for key, item in value.items()}
         return value
 
     out = unwrap(model)

@@ -129,6 +129,17 @@ MEANINGS: dict[str, str] = {
     "tools.web_search.base_url": "The provider's address (required for `searxng`; overrides the others' "
                                  "default).",
     "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
+    "mcp.servers": "MCP tool servers by name; their tools are offered as `<name>__<tool>`.",
+    "mcp.servers.<name>.command": "The program of a stdio server (give this or `url`).",
+    "mcp.servers.<name>.args": "Its arguments.",
+    "mcp.servers.<name>.env": "Extra environment of a stdio server (values may be `${ENV}` references); the "
+                              "gateway's own environment is not passed on.",
+    "mcp.servers.<name>.cwd": "Working directory of a stdio server (relative to the config file).",
+    "mcp.servers.<name>.url": "The endpoint of a streamable-HTTP server (give this or `command`).",
+    "mcp.servers.<name>.headers": "HTTP headers sent to it (values may be `${ENV}` references).",
+    "mcp.servers.<name>.tools": "Only these of the server's tools are offered; `null`: all.",
+    "mcp.servers.<name>.timeout_s": "Seconds one call may take.",
+    "mcp.servers.<name>.enabled": "Connect this server.",
     "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
                         "not the web chat's token.",
     "http.port": "Port of the HTTP server.",

@@ -80,7 +80,9 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 def build_app(*, ready: ReadyCheck, metrics: Callable[[], tuple[bytes, str]],
               channel: ChannelLookup, extra_routes: list[web.RouteDef] | None = None,
-              client_max_size: int = 4 * 1024 * 1024) -> web.Application:
+              client_max_size: int = 4 * 1024 * 1024,
+              ready_details: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    """`ready_details` adds informative entries to /readyz (MCP servers) that never make it fail."""
     app = web.Application(client_max_size=client_max_size)
 
     async def healthz(_request: web.Request) -> web.Response:
@@ -96,8 +98,14 @@ def build_app(*, ready: ReadyCheck, metrics: Callable[[], tuple[bytes, str]],
                                       "reasons": [f"readiness check failed: {type(err).__name__}: {err}"[:300]]},
                                      status=503)
         reasons = [reason for reason in checks.values() if reason is not None]
-        body = {"ready": not reasons, "checks": {name: reason is None for name, reason in checks.items()},
-                "reasons": reasons}
+        body: dict[str, Any] = {"ready": not reasons,
+                                "checks": {name: reason is None for name, reason in checks.items()},
+                                "reasons": reasons}
+        if ready_details is not None:
+            try:
+                body |= {k: v for k, v in ready_details().items() if k not in body}
+            except Exception as err:
+                log.warning("readiness details failed", extra={"error": f"{type(err).__name__}: {err}"[:300]})
         return web.json_response(body, status=503 if reasons else 200)
 
     async def metrics_view(_request: web.Request) -> web.Response:

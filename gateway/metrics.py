@@ -43,6 +43,10 @@ class Metrics:
             "gateway_stream_events_total", "What streamed replies did (channels/base.py StreamObserver)",
             ["channel", "event"], registry=r,
         )
+        self.mcp_server_up = Gauge("gateway_mcp_server_up", "MCP server connected (1) or not (0)", ["server"],
+                                   registry=r)
+        self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
+                                    "(each is retried with backoff)", ["server"], registry=r)
 
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""

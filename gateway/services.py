@@ -46,6 +46,7 @@ class Services:
     models: dict[str, ModelClient] = field(default_factory=dict)  # "main", "summary"
     memory: Any = None  # gateway.memory.Memory when available
     usage: Any = None  # gateway.usage.Usage
+    mcp: Any = None  # gateway.tools.mcp.McpManager
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
 

@@ -262,3 +262,20 @@ async def test_the_token_never_shows_in_config(make_gateway: GatewayFactory) -> 
     reply = await chat(gw, "boss", "/config http.admin_token another-token-0123456789")
     assert "secret" in reply and gw.cfg.http.admin_token is not None
     assert gw.cfg.http.admin_token.get_secret_value() == ADMIN
+
+
+def test_a_source_of_several_servers_gets_a_row_per_server() -> None:
+    from gateway.tools.mcp import ServerStatus
+
+    class Servers(_Source):
+        def statuses(self) -> list[ServerStatus]:
+            return [ServerStatus("docs", "ready", tools=1),
+                    ServerStatus("files", "failed", error="exited with code 1", retry_in_s=8)]
+
+    tool = CurrentTime()
+    tool.name = "docs__search"
+    rows = describe_tool_sources([Servers("mcp", [tool])])
+    assert rows == [
+        {"name": "mcp:docs", "state": "ready", "tools": ["docs__search"], "detail": None},
+        {"name": "mcp:files", "state": "failed", "tools": [], "detail": "failed: exited with code 1; retry in 8 s"},
+    ]

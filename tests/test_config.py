@@ -8,6 +8,7 @@ import re
 import stat
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -300,13 +301,16 @@ def test_every_secret_field_is_a_secret_key() -> None:
         for name, field in model.model_fields.items():
             args = getattr(field.annotation, "__args__", (field.annotation,))
             nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            # A dict's entries sit one level down, under their names (mcp.servers.<name>, env.<VAR>).
+            path = f"{prefix}{name}.*" if typing.get_origin(field.annotation) is dict else f"{prefix}{name}"
             if nested:
-                out += walk(nested[0], f"{prefix}{name}.")
+                out += walk(nested[0], f"{path}.")
             else:
-                out.append((f"{prefix}{name}", SecretStr in args))
+                out.append((path, SecretStr in args))
         return out
 
     fields = walk(Config, "")
     assert len(fields) > 40
+    assert ("mcp.servers.*.env.*", True) in fields and ("mcp.servers.*.headers.*", True) in fields
     for path, secret in fields:
         assert is_secret_key(path) is secret, path  # expanded iff masked iff refused in chat

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ HOOK_SECRET = "hook-secret-0123456789abcdef"
 BIG = "".join(f"line {i:04d} of a long file\n" for i in range(200))  # 5,200 characters
 MEMORY = "MEMORY-MARKER-START\n" + "".join(f"remembered fact number {i}\n" for i in range(150)) + "MEMORY-MARKER-END\n"
 DAY = 86_400.0
+ECHO_SERVER = Path(__file__).resolve().parent / "mcp_servers" / "echo_server.py"
 
 
 @dataclass
@@ -372,6 +374,16 @@ async def p_turn_timeout(r: Rig) -> None:
     assert time.monotonic() - started < 3
 
 
+async def p_mcp_servers(r: Rig) -> None:
+    # The new server starts in the background; once it is ready the model can call it.
+    await until(lambda: "live__echo" in r.services.tools.names, timeout=15)
+    r.model.tool_call("live__echo", {"text": "from a live change"})
+    r.model.reply("called")
+    await r.say("mcp", "use it")
+    tool = [m for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-1]
+    assert tool["content"] == "echo: from a live change"
+
+
 async def p_log_level(r: Rig) -> None:
     assert logging.getLogger().level == logging.DEBUG
 
@@ -567,6 +579,7 @@ ROWS = [
     Row("limits.tokens_per_user_per_day", 1, "live", p_tokens_per_day),
     Row("limits.turns_per_user_per_day", 1, "live", p_turns_per_day),
     Row("limits.turn_timeout_s", 0.5, "live", p_turn_timeout),
+    Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
     Row("tools.web_fetch.enabled", False, "live", p_no_web_fetch),
     Row("tools.web_fetch.max_bytes", 2000, "live", p_fetch_max_bytes),
