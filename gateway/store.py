@@ -256,10 +256,13 @@ class Store:
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             await checkpointer.close()
+        done: list[str] = []
         for name, batched in self._grouped():
             await batched.close()
             if batched.flushes:
-                log.info("group commits", extra={"table": name, "rows": batched.rows, "flushes": batched.flushes})
+                done.append(f"{name} {batched.rows} rows in {batched.flushes} commits")
+        if done:  # the numbers in the text: readable whatever prints the record
+            log.info("group commits since start: %s", ", ".join(done))
         with contextlib.suppress(aiosqlite.Error):
             await self.checkpoint()
         await self._db.close()
