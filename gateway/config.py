@@ -332,8 +332,8 @@ def json_problem(text: str, err: json.JSONDecodeError) -> str:
         return (f"invalid JSON at line {err.lineno} column {err.colno}: {at!r} closes the wrong bracket "
                 "(a ']' or '}' missing before it?)")
     if before.endswith(",") and at in ("}", "]") and err.msg.startswith("Expecting"):
-        return (f"invalid JSON: a comma before the closing {at!r} at line {prev_line} "
-                f"({last[-60:]}); JSON allows none there")
+        return (f"invalid JSON: a trailing comma at the end of line {prev_line} ({last[-60:]}); "
+                f"JSON allows no comma before {at!r}")
     if err.msg == "Expecting ',' delimiter":
         return f"invalid JSON at line {err.lineno} column {err.colno}: missing comma"
     return f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"

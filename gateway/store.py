@@ -79,6 +79,10 @@ class JobRun:
     detail: str | None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _truncation_to_json(t: Truncation | None) -> str | None:
     if t is None:
         return None
@@ -260,7 +264,7 @@ class Store:
         for name, batched in self._grouped():
             await batched.close()
             if batched.flushes:
-                done.append(f"{name} {batched.rows} rows in {batched.flushes} commits")
+                done.append(f"{name} {_count(batched.rows, 'row')} in {_count(batched.flushes, 'commit')}")
         if done:  # the numbers in the text: readable whatever prints the record
             log.info("group commits since start: %s", ", ".join(done))
         with contextlib.suppress(aiosqlite.Error):
