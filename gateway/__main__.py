@@ -67,8 +67,10 @@ def _dump_tasks() -> None:
 def say(text: str, stream: TextIO | None = None) -> None:
     """A status line for the operator. A stream that went away (`gateway run | tee log`,
     and Ctrl+C ended tee too) must never cut the shutdown short."""
+    out = stream or sys.stderr
     try:
-        print(text, file=stream or sys.stderr, flush=True)
+        out.write(text + "\n")  # one write: a log line from elsewhere cannot land in between
+        out.flush()
     except (OSError, ValueError):  # BrokenPipeError, EIO; ValueError: the stream is closed
         pass
 

@@ -375,11 +375,17 @@ class Gateway:
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # Turns still running are cancelled with the background tasks below; what they
-            # stored so far stays, and the next start resumes them.
             for waiting in waits:
                 waiting.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        # Turns still running are cut now, before the channels go: none of them delivers
+        # into a channel half stopped. What they stored stays; the next start resumes them.
+        cut = [live.worker for live in self.sessions.live.values() if live.worker is not None]
+        for worker in cut:
+            worker.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=5)
+            log.warning("turns cut by the shutdown; they resume at the next start", extra={"count": len(cut)})
         for name, channel in list(self.channels.items()):
             try:
                 await asyncio.wait_for(channel.stop(), timeout=10)
