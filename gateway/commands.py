@@ -34,7 +34,7 @@ HELP = """Commands:
 /context: what the live context holds (messages, tokens vs budget, turns, last trim)
 /context clear (or /new): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
-/config: show the settings; /config KEY shows one; /config KEY VALUE changes one (admins)
+/config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
