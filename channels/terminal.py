@@ -162,7 +162,7 @@ async def _spinner(out: TextIO) -> None:
 async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
     from gateway.app import Gateway, StartupError
 
-    gateway = Gateway(cfg, config_path=cfg_path, serve_http=False, enable_channels=False)
+    gateway = Gateway(cfg, config_path=cfg_path, serve_http=False, enable_channels=False, watch_config=True)
     try:
         await gateway.start()
     except StartupError as err:

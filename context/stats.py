@@ -43,8 +43,9 @@ def _n(value: int) -> str:
     return f"{value:,}"
 
 
-def format_context_stats(stats: ContextStats) -> str:
-    """The /context reply (Markdown)."""
+def format_context_stats(stats: ContextStats, *, details: bool = True) -> str:
+    """The /context reply (Markdown). `details`: the strategy's name and the token
+    calibration, for the operator."""
     share = f" ({stats.estimated_tokens * 100 // stats.budget_tokens}%)" if stats.budget_tokens > 0 else ""
     tokens = "unknown" if stats.estimated_tokens < 0 else _n(stats.estimated_tokens)
     lines = [
@@ -67,10 +68,11 @@ def format_context_stats(stats: ContextStats) -> str:
         lines.append("- Last trim: none")
     else:
         words = _STRATEGY_WORDS.get(event.strategy, event.strategy)
+        name = f" (`{event.strategy}`)" if details else ""
         lines.append(
-            f"- Last trim: {words} (`{event.strategy}`): tokens {_n(event.tokens_before)} → "
+            f"- Last trim: {words}{name}: tokens {_n(event.tokens_before)} → "
             f"{_n(event.tokens_after)}, turns {event.turns_before} → {event.turns_after}"
         )
-    if abs(stats.calibration - 1.0) >= 0.01:
+    if details and abs(stats.calibration - 1.0) >= 0.01:
         lines.append(f"- Token estimates calibrated ×{stats.calibration:.2f} from the provider's counts")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""CLI: `python -m gateway run | chat | check-config | pairing approve CODE`."""
+"""CLI: `python -m gateway run | chat | check-config | pairing list|approve | sessions |
+usage | memory`."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from gateway.config import Config, ConfigError, config_warnings, load_config, parse_config, startup_problems
 from gateway.logs import setup_logging
@@ -60,24 +64,67 @@ def _dump_tasks() -> None:
     print("--- end of tasks ---", file=sys.stderr, flush=True)
 
 
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A status line for the operator. A stream that went away (`gateway run | tee log`,
+    and Ctrl+C ended tee too) must never cut the shutdown short."""
+    out = stream or sys.stderr
+    try:
+        out.write(text + "\n")  # one write: a log line from elsewhere cannot land in between
+        out.flush()
+    except (OSError, ValueError):  # BrokenPipeError, EIO; ValueError: the stream is closed
+        pass
+
+
+class Shutdown:
+    """SIGINT/SIGTERM: the first stops gracefully, the second stops now, a third exits
+    at once (the database is crash-safe and cut turns resume at the next start)."""
+
+    def __init__(self, in_flight: Callable[[], int], timeout: float) -> None:
+        self.requested = asyncio.Event()
+        self.now = asyncio.Event()
+        self.in_flight = in_flight
+        self.timeout = timeout
+        self.signals = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, self.signal)
+
+    def signal(self) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            n = self.in_flight()
+            if n:
+                replies = "1 reply" if n == 1 else f"{n} replies"
+                say(f"stopping: waiting up to {self.timeout:g} s for {replies} in flight; "
+                    "Ctrl+C again to stop now")
+            else:
+                say("stopping…")
+            self.requested.set()
+        elif self.signals == 2:
+            say("stopping now: replies in flight are saved as far as they got and resumed at the next start")
+            self.now.set()
+        else:
+            say("exiting at once")
+            os._exit(130)
+
+
 async def _run(path: Path | None) -> int:
-    from gateway.app import Gateway, StartupError
-    from gateway.reload import ConfigWatcher
+    from gateway.app import SHUTDOWN_TIMEOUT_S, Gateway, StartupError
 
     cfg, cfg_path = _load(path)
     setup_logging(cfg.log_level)
-    gateway = Gateway(cfg, config_path=cfg_path)
-    stop = asyncio.Event()
+    gateway = Gateway(cfg, config_path=cfg_path, watch_config=True)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    shutdown = Shutdown(gateway.replies_in_flight, SHUTDOWN_TIMEOUT_S)
+    shutdown.install(loop)
     with contextlib.suppress(NotImplementedError, AttributeError):
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 <pid>`: what is everything waiting on?
     try:
         await gateway.start()
     except StartupError as err:
-        print(f"cannot start: {err}", file=sys.stderr)
+        say(f"cannot start: {err}")
         await gateway.stop()
         return 2
     except BaseException:
@@ -85,20 +132,17 @@ async def _run(path: Path | None) -> int:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(gateway.stop(timeout=5), timeout=30)
         raise
-    if cfg_path is not None:
-        gateway.watcher = ConfigWatcher(gateway)
-        await gateway.watcher.start()
     # What exists now (imported modules, the config, the app) lives as long as the process.
     # Frozen, it is left out of the collector's full scans, which otherwise stop the event
     # loop for 40-100 ms now and then under load (measured with gc.callbacks).
     gc.collect()
     gc.freeze()
     host, port = cfg.http.host, gateway.http.port if gateway.http else cfg.http.port
-    print(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", flush=True)
-    await stop.wait()
-    print("stopping…", file=sys.stderr, flush=True)
-    await gateway.stop()
-    return 0
+    say(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", sys.stdout)
+    await shutdown.requested.wait()
+    await gateway.stop(SHUTDOWN_TIMEOUT_S, now=shutdown.now)
+    say("stopped")
+    return 130 if shutdown.now.is_set() else 0
 
 
 async def _chat(path: Path | None) -> int:
@@ -112,50 +156,112 @@ async def _chat(path: Path | None) -> int:
     return await run_terminal(cfg, cfg_path)
 
 
-async def _approve(path: Path | None, code: str) -> int:
-    from gateway.access import Pairing
-    from gateway.store import Store
+def _base(cfg_path: Path | None) -> Path:
+    return cfg_path.parent if cfg_path else Path.cwd()
 
-    cfg, cfg_path = _load(path)
-    base = cfg_path.parent if cfg_path else Path.cwd()
-    store = await Store.open(cfg.data_path(base) / "gateway.sqlite3")
+
+async def _operator(args: argparse.Namespace) -> int:
+    """The commands that read the database and data dir (gateway/cli_ops.py)."""
+    from gateway import cli_ops
+
+    cfg, cfg_path = _load(args.config)
+    setup_logging("WARNING")
+    base = _base(cfg_path)
     try:
-        identity = await Pairing(store).approve(code, approved_by="cli")
-    finally:
-        await store.close()
-    if identity is None:
-        print("That code is unknown or expired.", file=sys.stderr)
+        if args.command == "pairing" and args.action == "approve":
+            result = await cli_ops.pairing_approve(cfg, base, args.code)
+            say(result.text, sys.stdout if result.ok else sys.stderr)
+            return 0 if result.ok else 1
+        if args.command == "pairing":
+            text = await cli_ops.pairing_list(cfg, base)
+        elif args.command == "sessions":
+            text = await cli_ops.sessions(cfg, base, args.limit)
+        elif args.command == "usage":
+            text = await cli_ops.usage(cfg, base, args.days)
+        else:
+            text = await cli_ops.memory(cfg, base, args.scope)
+    except cli_ops.CliError as err:
+        say(str(err))
         return 1
-    print(f"Approved {identity}.")
+    say(text, sys.stdout)
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("chat-gateway")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown (not installed)"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def _quiet_broken_streams() -> None:
+    """At exit Python flushes stdout and stderr; one whose reader went away would print
+    "Exception ignored … BrokenPipeError" and turn the exit code into 120."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        _quiet_broken_streams()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="gateway", description="A chatbot gateway with a real context engine.")
+    parser.add_argument("--version", action="version", version=f"gateway {_version()}")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("run", help="run every enabled channel and the web chat")
-    run.add_argument("--config", type=Path, default=None, help="config file (default: ./config.json)")
-    chat = sub.add_parser("chat", help="chat in this terminal on the same engine")
-    chat.add_argument("--config", type=Path, default=None)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        found = sub.add_parser(name, help=help_text, description=help_text)
+        found.add_argument("--config", type=Path, default=None, help="config file (default: ./config.json)")
+        return found
+
+    command("run", "run every enabled channel and the web chat")
+    command("chat", "chat in this terminal on the same engine (session terminal:local, an admin)")
     check = sub.add_parser("check-config", help="validate a config file and list every problem")
     check.add_argument("path", type=Path, nargs="?", default=DEFAULT_CONFIG)
-    pairing = sub.add_parser("pairing", help="approve a pairing code")
+    pairing = sub.add_parser("pairing", help="pairing codes: list the waiting ones, approve one")
     pairing_sub = pairing.add_subparsers(dest="action", required=True)
-    approve = pairing_sub.add_parser("approve")
+    pairing_list = pairing_sub.add_parser("list", help="codes waiting for approval: channel, user, code, age")
+    pairing_list.add_argument("--config", type=Path, default=None)
+    approve = pairing_sub.add_parser("approve", help="approve a code (the person can chat from their next message)")
     approve.add_argument("code")
     approve.add_argument("--config", type=Path, default=None)
+    sessions = command("sessions", "recent sessions: key, last activity, turns, tokens today")
+    sessions.add_argument("--limit", type=_positive, default=20, help="how many (default 20)")
+    usage = command("usage", "tokens per day and identity")
+    usage.add_argument("--days", type=_positive, default=7, help="how many days back (default 7)")
+    memory = command("memory", "where a scope's memory files are (MEMORY.md, memory/, dialog/), with sizes")
+    memory.add_argument("scope", nargs="?", default=None, help="e.g. telegram:user:123 (none: list the scopes)")
     args = parser.parse_args(argv)
 
-    command = args.command or "run"
+    command_name = args.command or "run"
     try:
-        if command == "check-config":
+        if command_name == "check-config":
             return _check(args.path)
-        if command == "run":
+        if command_name == "run":
             return asyncio.run(_run(getattr(args, "config", None)))
-        if command == "chat":
+        if command_name == "chat":
             return asyncio.run(_chat(args.config))
-        if command == "pairing":
-            return asyncio.run(_approve(args.config, args.code))
+        if command_name in ("pairing", "sessions", "usage", "memory"):
+            return asyncio.run(_operator(args))
     except ConfigError as err:
         _print_problems(getattr(args, "config", None) or getattr(args, "path", None), err)
         return 2

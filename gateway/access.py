@@ -3,6 +3,7 @@ group allowlist and trigger. Decisions are pure; pairing state lives in the stor
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -13,10 +14,30 @@ from gateway.config import Config
 from gateway.store import Store
 from gateway.types import Inbound
 
+log = logging.getLogger("gateway.access")
+
 PAIRING_TTL_S = 3600
 PAIRING_MIN_INTERVAL_S = 60  # one new code per person per minute at most
 LOCAL_CHANNELS = ("web", "terminal")  # loopback or token-protected: the operator's own
+LOCAL_OPERATOR = "terminal:local"  # whoever runs `gateway chat` on the machine: its owner (SPEC §2 admins)
 _CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no look-alikes
+
+
+@dataclass(frozen=True, slots=True)
+class PairingCode:
+    code: str
+    identity: str
+    created_at: float
+    expires_at: float
+    approved_at: float | None
+
+    @property
+    def channel(self) -> str:
+        return self.identity.partition(":")[0]
+
+    @property
+    def user_id(self) -> str:
+        return self.identity.partition(":")[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +47,7 @@ class Decision:
 
 
 def is_admin(cfg: Config, identity: str) -> bool:
-    return identity in cfg.admins
+    return identity == LOCAL_OPERATOR or identity in cfg.admins
 
 
 def group_triggered(cfg: Config, inbound: Inbound) -> bool:
@@ -86,6 +107,8 @@ class Pairing:
             (code, identity, now, now + PAIRING_TTL_S, identity, now, now - PAIRING_MIN_INTERVAL_S),
         )
         if made:
+            channel, _, user_id = identity.partition(":")
+            log.info("pairing requested: code sent", extra={"channel": channel, "user": user_id})
             return code, True
         live = await self.store.run(
             "SELECT code FROM pairing_codes WHERE identity=? AND approved_at IS NULL "
@@ -110,3 +133,34 @@ class Pairing:
             (identity, approved_by, now),
         )
         return identity
+
+    async def find(self, code: str) -> PairingCode | None:
+        """A code as stored (pending, approved or expired), for telling why approving failed."""
+        rows = await self.store.run(
+            "SELECT code, identity, created_at, expires_at, approved_at FROM pairing_codes WHERE code=?",
+            (code.strip().upper(),),
+        )
+        return PairingCode(*rows[0]) if rows else None
+
+    async def pending(self, now: float | None = None) -> list[PairingCode]:
+        """Codes waiting for an admin, newest first."""
+        now = self.clock() if now is None else now
+        rows = await self.store.run(
+            "SELECT code, identity, created_at, expires_at, approved_at FROM pairing_codes "
+            "WHERE approved_at IS NULL AND expires_at>? ORDER BY created_at DESC", (now,),
+        )
+        return [PairingCode(*row) for row in rows]
+
+    async def explain_failure(self, code: str, now: float | None = None) -> str:
+        """Why `approve(code)` approved nobody, in words for the admin."""
+        now = self.clock() if now is None else now
+        found = await self.find(code)
+        if found is not None and found.approved_at is not None:
+            return f"That code was already approved: {found.identity} can chat."
+        if found is not None and found.expires_at <= now:
+            return (f"That code expired; {found.identity} gets a new one with their next message "
+                    "(a code lasts 1 hour).")
+        return "That code is unknown or expired."
+
+
+APPROVED_NOTICE = "You're approved: you can chat with me now. Send /help to see the commands."

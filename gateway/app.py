@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import os
@@ -99,11 +100,13 @@ def check_data_dir(path: Path) -> None:
 
 class Gateway:
     def __init__(self, config: Config, *, config_path: Path | None, base_dir: Path | None = None,
-                 serve_http: bool = True, enable_channels: bool = True) -> None:
+                 serve_http: bool = True, enable_channels: bool = True, watch_config: bool = False) -> None:
         base = base_dir or (config_path.parent if config_path else Path.cwd())
         self.holder = ConfigHolder(config, config_path, base)
         self.serve_http = serve_http
         self.enable_channels = enable_channels
+        # `run` and `chat` follow edits of config.json (SPEC §2 hot reload); tests opt in.
+        self.watch_config = watch_config and config_path is not None
         self.channels: dict[str, Any] = {}
         self.http: HttpServer | None = None
         self.services: Services | None = None
@@ -180,9 +183,11 @@ class Gateway:
             try:
                 await self.http.start()
             except OSError as err:
+                self.http = None
+                self.services = None  # nothing else started yet: stop() has nothing left to do
                 await store.close()
                 self.recent_errors.uninstall()
-                raise StartupError(f"cannot listen on {cfg.http.host}:{cfg.http.port}: {err.strerror or err}") from None
+                raise StartupError(listen_problem(cfg.http.host, cfg.http.port, err)) from None
         # MCP servers connect in the background (readiness never waits for them); their
         # tools join the registry as each one is ready.
         self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp", metrics=metrics)
@@ -203,6 +208,11 @@ class Gateway:
         if not services.model.configured:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")
+        if self.watch_config:
+            from gateway.reload import ConfigWatcher
+
+            self.watcher = ConfigWatcher(self)
+            await self.watcher.start()
 
     def _admin(self, services: Services) -> AdminApi:
         self.recent_errors.install()
@@ -428,15 +438,39 @@ class Gateway:
 
     # -- shutdown -----------------------------------------------------------------------
 
-    async def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+    def replies_in_flight(self) -> int:
+        """Turns and commands running or queued: the replies a graceful stop waits for."""
+        if self.services is None:
+            return 0
+        running = sum(1 for live in self.sessions.live.values() if live.worker is not None)
+        return running + self.sessions.queued()
+
+    async def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S, *, now: asyncio.Event | None = None) -> None:
         """Stop intake, let in-flight turns finish (they are persisted step by step and
-        resumed after a restart otherwise), close channels, flush the database."""
+        resumed after a restart otherwise), close channels, flush the database. Setting
+        `now` ends the wait for in-flight turns early (a second Ctrl+C)."""
         if self.services is None:
             return
         s = self.services
         if self.watcher is not None:
             await self.watcher.stop()
-        await self.sessions.stop(timeout)
+        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.sessions.stop(timeout))}
+        if now is not None:
+            waits.add(asyncio.ensure_future(now.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        # Turns still running are cut now, before the channels go: none of them delivers
+        # into a channel half stopped. What they stored stays; the next start resumes them.
+        cut = [live.worker for live in self.sessions.live.values() if live.worker is not None]
+        for worker in cut:
+            worker.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=5)
+            log.warning("turns cut by the shutdown; they resume at the next start", extra={"count": len(cut)})
         for name, channel in list(self.channels.items()):
             try:
                 await asyncio.wait_for(channel.stop(), timeout=10)
@@ -454,6 +488,18 @@ class Gateway:
             await client.close()
         await s.store.close()
         self.services = None
+
+
+def listen_problem(host: str, port: int, err: OSError) -> str:
+    """One line for a port that cannot be bound (aiohttp's own message repeats the address)."""
+    if err.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {host}:{port}: the port is already in use (another gateway running?); "
+                "stop it or set http.port in config.json")
+    if err.errno == errno.EACCES:
+        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges); set http.port"
+    if err.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}:{port}: {host} is not an address of this machine; check http.host"
+    return f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
 def _web_settings(cfg: Config) -> dict[str, Any]:

@@ -6,13 +6,14 @@ queue, so they never interleave with a turn."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from context.engine import compact, context_stats, format_context_stats
-from gateway.access import Pairing, is_admin
+from gateway.access import APPROVED_NOTICE, Pairing, is_admin
 from gateway.config import (
     Config,
     ConfigError,
@@ -34,7 +35,7 @@ HELP = """Commands:
 /context: what the live context holds (messages, tokens vs budget, turns, last trim)
 /context clear (or /new): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
-/config: show the settings; /config KEY shows one; /config KEY VALUE changes one (admins)
+/config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /tools: the tools I can use here, and the state of each MCP server
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
@@ -82,6 +83,30 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def masked_settings(services: Services) -> dict[str, Any]:
     flat = flatten(services.cfg.model_dump(mode="json"))
     return {k: ("***" if is_secret_key(k) and v else v) for k, v in flat.items()}
+
+
+# What everyone may read with /config: the budgets and limits that shape their answers.
+# The rest (admins, addresses, the system prompt, channels) is for admins.
+EVERYONE_KEYS = frozenset({"agent_max_context_tokens", "agent_max_context_turns", "agent_max_steps",
+                           "tool_result_max_chars", "history_tool_result_max_chars", "session_retention_days",
+                           "memory_max_tokens"})
+
+
+def shown_to_everyone(key: str) -> bool:
+    return key in EVERYONE_KEYS or key.startswith("limits.")
+
+
+def suggest_key(key: str, known: list[str]) -> str | None:
+    """The setting a mistyped KEY most likely meant: a close spelling, or the one key whose
+    last part it is (`port` → `http.port`)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    tails = [k for k in known if k.rsplit(".", 1)[-1] == key]
+    if len(tails) == 1:
+        return tails[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -171,13 +196,17 @@ class Commands:
 
     async def _stats(self, live: LiveSession, identity: str) -> str:
         cfg = self.s.cfg
+        admin = is_admin(cfg, identity)
         system = await self.sessions.agent.system_prompt(live, cfg)
         stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
                               budget=cfg.context_budget(), counter=self.s.counter)
-        text = format_context_stats(stats)
-        runs = await self.s.store.job_runs(limit=3)
+        # Strategy names, the token calibration and the job runs are the operator's view.
+        text = format_context_stats(stats, details=admin)
+        runs = await self.s.store.job_runs(limit=3) if admin else []
         if runs:
-            text += "\nLast jobs: " + ", ".join(f"{r.job} {r.slot} {r.outcome}" for r in runs)
+            from gateway.scheduler import slot_words  # APScheduler loads with the scheduler, not here
+
+            text += "\nLast jobs: " + ", ".join(f"{r.job} {slot_words(r.slot)}: {r.outcome}" for r in runs)
         if self.s.usage is not None:
             text += "\n" + await self.s.usage.describe(cfg, identity)
         return text
@@ -207,17 +236,26 @@ class Commands:
 
     async def config(self, inbound: Inbound, args: list[str]) -> str:
         settings = masked_settings(self.s)
+        admin = is_admin(self.s.cfg, inbound.identity)
+        visible = settings if admin else {k: v for k, v in settings.items() if shown_to_everyone(k)}
         if not args:
-            lines = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in sorted(settings.items())]
-            return "Settings (secrets shown as ***):\n```\n" + "\n".join(lines) + "\n```"
+            title = "Settings (secrets shown as ***)" if admin else "Budgets and limits (admins see every setting)"
+            return f"{title}:\n" + _settings_block(visible)
         key = args[0]
         if len(args) > 1 and is_operator_only(key):  # also for servers that do not exist yet
             return chat_refusal(key, parse_value(args[1])) or ""
         if key not in settings:
-            return f"There is no setting {key!r}. Send /config to list them."
+            section = {k: v for k, v in visible.items() if k.startswith(f"{key}.")}
+            if section and len(args) == 1:
+                return _settings_block(section)
+            hint = suggest_key(key, list(settings))
+            did_you_mean = f" Did you mean {hint}?" if hint else ""
+            return f"There is no setting {key!r}.{did_you_mean} Send /config to list them."
+        if key not in visible:
+            return f"{key} is shown to admins only."
         if len(args) == 1:
             return f"{key} = {json.dumps(settings[key], ensure_ascii=False)}"
-        if not is_admin(self.s.cfg, inbound.identity):
+        if not admin:
             return f"Only admins can change settings (you are {inbound.identity}; see the `admins` setting)."
         value = parse_value(args[1])
         refusal = chat_refusal(key, value)
@@ -283,5 +321,24 @@ class Commands:
             return "Usage: /approve CODE"
         identity = await self.pairing.approve(args[0], approved_by=inbound.identity)
         if identity is None:
-            return "That code is unknown or expired."
-        return f"Approved {identity}."
+            return await self.pairing.explain_failure(args[0])
+        log.info("pairing approved", extra={"identity": identity, "by": inbound.identity})
+        told = await self._tell_approved(identity)
+        return f"Approved {identity}." + ("" if told else " They can chat from their next message.")
+
+    async def _tell_approved(self, identity: str) -> bool:
+        """Tell the person in their DM (the chat id of a DM is the user id in Telegram; Slack
+        opens the app's DM for a user id). Best effort: approval stands either way."""
+        channel, _, user_id = identity.partition(":")
+        person = Inbound(channel=channel, chat_id=user_id, user_id=user_id, text="", event_id=f"approved:{user_id}")
+        try:
+            await asyncio.wait_for(self.reply(person, APPROVED_NOTICE), timeout=15)
+        except Exception as err:
+            log.warning("could not tell an approved person", extra={"identity": identity, "error": str(err)[:200]})
+            return False
+        return True
+
+
+def _settings_block(settings: dict[str, Any]) -> str:
+    lines = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in sorted(settings.items())]
+    return "```\n" + "\n".join(lines) + "\n```"

@@ -418,10 +418,38 @@ def _format_errors(err: ValidationError) -> list[str]:
                 if close:
                     hint = f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?)"
             problems.append(f"{key}: unknown key{hint}")
+        elif e["type"] == "tuple_type":
+            # The schema's tuples are JSON arrays in the file: say so, not "a valid tuple".
+            example = LIST_EXAMPLES.get(key, '["a", "b"]')
+            problems.append(f"{key}: should be a list (a JSON array), e.g. {example}")
         else:
-            msg = e["msg"].removeprefix("Value error, ")
+            msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "should be")
             problems.append(f"{key}: {msg}")
     return problems
+
+
+LIST_EXAMPLES = {"admins": '["telegram:123456789", "slack:U0123ABCD"]',
+                 "access.allow_from": '["telegram:123456789", "telegram:-1001234567890"]'}
+
+
+def json_problem(text: str, err: json.JSONDecodeError) -> str:
+    """Where a JSON error really is. The decoder notices a missing comma only at the next
+    value, which is often on the next line: name the line the comma belongs after."""
+    before = text[: err.pos].rstrip()
+    prev_line = before.count("\n") + 1
+    last = before.splitlines()[-1].strip() if before else ""
+    if err.msg == "Expecting ',' delimiter" and before and prev_line < err.lineno and text[err.pos] not in "}]":
+        return f"invalid JSON: missing comma after line {prev_line} ({last[-60:]})"
+    at = text[err.pos: err.pos + 1]
+    if err.msg == "Expecting ',' delimiter" and at in ("}", "]"):
+        return (f"invalid JSON at line {err.lineno} column {err.colno}: {at!r} closes the wrong bracket "
+                "(a ']' or '}' missing before it?)")
+    if before.endswith(",") and at in ("}", "]") and err.msg.startswith("Expecting"):
+        return (f"invalid JSON: a trailing comma at the end of line {prev_line} ({last[-60:]}); "
+                f"JSON allows no comma before {at!r}")
+    if err.msg == "Expecting ',' delimiter":
+        return f"invalid JSON at line {err.lineno} column {err.colno}: missing comma"
+    return f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
 
 
 def parse_config(raw: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
@@ -441,7 +469,7 @@ def parse_config_text(text: str, environ: dict[str, str] | None = None) -> Confi
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError([f"(file): invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"]) from None
+        raise ConfigError([f"(file): {json_problem(text, err)}"]) from None
     return parse_config(raw, environ)
 
 

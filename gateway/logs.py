@@ -52,15 +52,37 @@ class LineFormatter(logging.Formatter):
 REDACTOR = Redactor()
 
 
+class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, one line per record. A stderr that went away (`gateway run 2>&1 | tee log`,
+    then Ctrl+C ends tee too) silences the log; it never raises into the shutdown."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # BrokenPipeError, EIO: nobody reads any more
+            self.broken = True
+            return
+        super().handleError(record)
+
+
 def setup_logging(level: str = "INFO") -> Redactor:
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_gateway", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LineHandler()
     handler.setFormatter(LineFormatter(REDACTOR))
     handler._gateway = True  # type: ignore[attr-defined]
     root.addHandler(handler)
+    # Python warnings (a library's DeprecationWarning, an unclosed socket) print two lines of
+    # their own to stderr; through logging each is one record on one line like the rest.
+    logging.captureWarnings(True)
     set_log_level(level)
     return REDACTOR
 
@@ -68,7 +90,9 @@ def setup_logging(level: str = "INFO") -> Redactor:
 def set_log_level(level: str) -> None:
     """The gateway's level; chatty libraries stay at WARNING or above. A reload calls it too."""
     logging.getLogger().setLevel(level)
+    # watchfiles says "1 change detected" at INFO for every save of config.json; the
+    # reload logs what changed.
     noisy_libraries = ("httpx", "httpcore", "httpx2", "httpcore2", "openai", "telegram", "slack_sdk",
-                       "slack_bolt", "apscheduler", "aiosqlite")
+                       "slack_bolt", "apscheduler", "aiosqlite", "watchfiles")
     for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))

@@ -695,8 +695,9 @@ class ModelClient:
                 delay = retry_delay(retries, err.retry_after, self._random.random())
                 if delay is None:
                     raise
-                log.warning("model call failed (%s, HTTP %s); retry %d/%d in %.1fs", err.kind,
-                            err.status, retries + 1, self._cfg.max_retries, delay)
+                got = f"HTTP {err.status}" if err.status else "no HTTP response"  # a connection error has no status
+                log.warning("model call failed (%s, %s); retry %d/%d in %.1fs", err.kind,
+                            got, retries + 1, self._cfg.max_retries, delay)
                 retries += 1
                 if attempt.streamed_text and on_retry is not None:
                     await on_retry()  # before the wait: the person sees why nothing moves

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import watchfiles
 
-from gateway.config import ConfigError, atomic_write_text, parse_config_text
+from gateway.config import ConfigError, atomic_write_text, changed_keys, parse_config_text
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -92,9 +92,11 @@ class ConfigWatcher:
             return False
         if cfg == self.gateway.cfg:
             return False
+        changed = changed_keys(self.gateway.cfg, cfg)  # names only: values may be secrets
         self.gateway.holder.swap(cfg)
         await self.gateway.apply_config()
-        log.info("config reloaded", extra={"version": self.gateway.holder.version})
+        log.info("config reloaded: %s", ", ".join(changed) or "no setting changed",
+                 extra={"version": self.gateway.holder.version})
         return True
 
     async def _tell_admins(self, text: str) -> None:

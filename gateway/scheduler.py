@@ -57,6 +57,30 @@ def last_fire_time(trigger: CronTrigger, now: datetime) -> datetime | None:
     return None
 
 
+def slot_time(slot: str) -> datetime | None:
+    """When a run's slot was: `start:<iso>:<id>` (a start), `manual:<iso>`, or the fire time."""
+    text = slot
+    if slot.startswith("start:"):
+        text = slot.removeprefix("start:").rsplit(":", 1)[0]
+    elif slot.startswith("manual:"):
+        text = slot.removeprefix("manual:")
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def slot_words(slot: str) -> str:
+    """A slot as people read it: "at start 2026-11-30 20:09", "2026-11-30 00:00"."""
+    at = slot_time(slot)
+    when = at.strftime("%Y-%m-%d %H:%M") if at is not None else slot
+    if slot.startswith("start:"):
+        return f"at start {when}"
+    if slot.startswith("manual:"):
+        return f"run by hand {when}"
+    return when
+
+
 class Scheduler:
     def __init__(
         self, cfg: Config, *, store: Store, memory: Memory, model: CompletionModel,
@@ -146,12 +170,21 @@ class Scheduler:
         slot = fire.isoformat()
         run = await self._store.job_run(JOB_CONSOLIDATION, slot)
         if run is not None and run.ended_at is None and slot not in self._claimed:
-            log.info("consolidation slot %s never finished (restart during the run); running it again", slot)
+            log.info("consolidation of %s never finished (restart during the run); running it again",
+                     slot_words(slot))
             await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
-            run = None
-        if run is None:
-            log.info("catching up the missed consolidation of %s", slot)
             await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
+        elif run is None and await self._ran_before(fire):
+            log.info("catching up the missed consolidation of %s", slot_words(slot))
+            await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
+
+    async def _ran_before(self, fire: datetime) -> bool:
+        """Whether this data dir had a gateway running before `fire`: only then was that
+        slot missed (a fresh install has nothing to catch up). Every start records a
+        purge, so the oldest purge run tells when the gateway first ran."""
+        rows = await self._store.run("SELECT slot FROM job_runs WHERE job=? ORDER BY id LIMIT 1", (JOB_PURGE,))
+        first = slot_time(str(rows[0][0])) if rows else None
+        return first is not None and first < fire
 
     async def _scheduled_consolidation(self) -> None:
         fire = last_fire_time(self._trigger, self._now())
@@ -182,7 +215,7 @@ class Scheduler:
         slot = slot or f"manual:{self._now().isoformat()}"
         async with self._consolidating:
             if not await self._store.start_job_run(JOB_CONSOLIDATION, slot):
-                log.info("consolidation slot %s already ran; skipped", slot)
+                log.info("consolidation of %s already ran; skipped", slot_words(slot))
                 return {}
             self._claimed.add(slot)
             try:
@@ -200,8 +233,8 @@ class Scheduler:
             detail = json.dumps(outcomes, ensure_ascii=False)[:4000]
             await self._store.finish_job_run(JOB_CONSOLIDATION, slot, outcome, detail)
             self._metric(JOB_CONSOLIDATION, outcome)
-            log.info("consolidation %s: %s (%d scopes, %d to retry)",
-                     slot, outcome, len(outcomes), len(failed))
+            log.info("consolidation of %s: %s (%d scopes, %d to retry)",
+                     slot_words(slot), outcome, len(outcomes), len(failed))
             return outcomes
 
     async def run_purge(self, slot: str | None = None) -> PurgeReport:
@@ -226,5 +259,5 @@ class Scheduler:
                 raise
             await self._store.finish_job_run(JOB_PURGE, slot, "ok", report.line())
             self._metric(JOB_PURGE, "ok")
-            log.info("purge %s: %s", slot, report.line())
+            log.info("purge %s: %s", slot_words(slot), report.line())
             return report

@@ -105,6 +105,10 @@ class UsageDay:
     tokens: int
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _truncation_to_json(t: Truncation | None) -> str | None:
     if t is None:
         return None
@@ -282,10 +286,13 @@ class Store:
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             await checkpointer.close()
+        done: list[str] = []
         for name, batched in self._grouped():
             await batched.close()
             if batched.flushes:
-                log.info("group commits", extra={"table": name, "rows": batched.rows, "flushes": batched.flushes})
+                done.append(f"{name} {_count(batched.rows, 'row')} in {_count(batched.flushes, 'commit')}")
+        if done:  # the numbers in the text: readable whatever prints the record
+            log.info("group commits since start: %s", ", ".join(done))
         with contextlib.suppress(aiosqlite.Error):
             await self.checkpoint()
         await self._db.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.access import is_admin
 from gateway.clock import local_day
 from gateway.config import Config
 from gateway.store import Store
@@ -28,7 +29,7 @@ class Usage:
         limits = cfg.limits
         if limits.turns_per_user_per_day is None and limits.tokens_per_user_per_day is None:
             return None
-        if identity in cfg.admins:
+        if is_admin(cfg, identity):
             return None
         turns, tokens = await self.get(cfg, identity)
         if limits.turns_per_user_per_day is not None and turns >= limits.turns_per_user_per_day:

@@ -45,19 +45,23 @@ async def test_config_read_refused_and_written(make_gateway: GatewayFactory, fak
     fake_telegram.push_message(chat_id=2, user_id=2, text="/config")
     listing = (await fake_telegram.wait_sent(2))[1]["text"]
     assert "agent_max_context_tokens" in listing and fake_telegram.token not in listing
-    assert "test-key" not in listing and "***" in listing
+    # A person's /config is the budgets and limits: no secrets, masked or not.
+    assert "test-key" not in listing and "api_key" not in listing
+    fake_telegram.push_message(chat_id=1, user_id=1, text="/config")
+    listing = (await fake_telegram.wait_sent(3))[2]["text"]
+    assert 'model.api_key = "***"' in listing and "test-key" not in listing
 
     fake_telegram.push_message(chat_id=1, user_id=1, text="/config model.api_key sk-stolen")
-    assert "secret" in (await fake_telegram.wait_sent(3))[2]["text"]
+    assert "secret" in (await fake_telegram.wait_sent(4))[3]["text"]
     fake_telegram.push_message(chat_id=1, user_id=1, text="/config agent_max_context_turns zero")
-    assert "Not changed" in (await fake_telegram.wait_sent(4))[3]["text"]
+    assert "Not changed" in (await fake_telegram.wait_sent(5))[4]["text"]
     assert path.read_text() == before
 
     fake_model.reply("first")
     fake_telegram.push_message(chat_id=3, user_id=3, text="hello")
-    await fake_telegram.wait_sent(5)
+    await fake_telegram.wait_sent(6)
     fake_telegram.push_message(chat_id=1, user_id=1, text="/config agent_max_steps 1")
-    assert "saved" in (await fake_telegram.wait_sent(6))[5]["text"]
+    assert "saved" in (await fake_telegram.wait_sent(7))[6]["text"]
     written = json.loads(path.read_text())
     assert written["agent_max_steps"] == 1 and written["model"]["api_key"] == "test-key"
     assert gw.cfg.agent_max_steps == 1
@@ -66,7 +70,7 @@ async def test_config_read_refused_and_written(make_gateway: GatewayFactory, fak
     fake_model.tool_call("current_time", {})
     fake_model.reply("second")
     fake_telegram.push_message(chat_id=3, user_id=3, text="again")
-    await fake_telegram.wait_sent(7)
+    await fake_telegram.wait_sent(8)
     assert fake_model.requests[-2].get("tools") and not fake_model.requests[-1].get("tools")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".config.json")] == []
 

@@ -84,7 +84,7 @@ def test_rules_across_keys() -> None:
 def test_bad_json_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text('{\n  "agent_max_steps": 3,\n}')
-    with pytest.raises(ConfigError, match="line 3"):
+    with pytest.raises(ConfigError, match="trailing comma at the end of line 2"):  # where the comma is
         load_config(path)
 
 

@@ -42,14 +42,14 @@ async def test_pairing_then_served(make_gateway: GatewayFactory, fake_model: Fak
 
     fake_telegram.push_message(chat_id=ADMIN, user_id=ADMIN, text="/approve WRONG000")
     fake_telegram.push_message(chat_id=ADMIN, user_id=ADMIN, text=f"/approve {code.group(1)}")
-    sent = await fake_telegram.wait_sent(3)
+    sent = await fake_telegram.wait_sent(4)  # the admin's answers, and the approved person told
     assert "unknown or expired" in sent[1]["text"]
-    assert "Approved telegram:7" in sent[2]["text"]
+    assert {m["chat_id"]: m["text"][:19] for m in sent[2:]} == {1: "Approved telegram:7", 7: "You're approved: yo"}
 
     fake_model.reply("Welcome aboard!")
     fake_telegram.push_message(chat_id=7, user_id=7, text="hello again")
-    sent = await fake_telegram.wait_sent(4)
-    assert sent[3]["chat_id"] == 7 and "Welcome aboard" in sent[3]["text"]
+    sent = await fake_telegram.wait_sent(5)
+    assert sent[4]["chat_id"] == 7 and "Welcome aboard" in sent[4]["text"]
     assert fake_model.requests[-1]["messages"][-1]["content"] == "hello again"
 
 
