@@ -101,7 +101,8 @@ class Pairing:
         # One statement decides and inserts, so messages handled at the same time (Slack
         # delivers events concurrently) make one code and one reply, not one each.
         made = await self.store.run(
-            "INSERT INTO pairing_codes(code, identity, created_at, expires_at) SELECT ?,?,?,? "
+            "INSERT INTO pairing_codes(code, identity, created_at, expires_at) "
+            "SELECT ?, ?, CAST(? AS DOUBLE PRECISION), CAST(? AS DOUBLE PRECISION) "
             "WHERE NOT EXISTS (SELECT 1 FROM pairing_codes WHERE identity=? "
             "AND ((approved_at IS NULL AND expires_at>?) OR created_at>?)) RETURNING code",
             (code, identity, now, now + PAIRING_TTL_S, identity, now, now - PAIRING_MIN_INTERVAL_S),
@@ -129,7 +130,8 @@ class Pairing:
             return None
         identity = str(rows[0][0])
         await self.store.run(
-            "INSERT OR REPLACE INTO approved_users(identity, approved_by, approved_at) VALUES (?,?,?)",
+            "INSERT INTO approved_users(identity, approved_by, approved_at) VALUES (?,?,?) ON CONFLICT(identity) "
+            "DO UPDATE SET approved_by=excluded.approved_by, approved_at=excluded.approved_at",
             (identity, approved_by, now),
         )
         return identity

@@ -251,6 +251,24 @@ class McpConfig(_Strict):
         return value
 
 
+class StoreConfig(_Strict):
+    # null: SQLite in data_dir; postgresql://user:${PGPASSWORD}@host/db: one database that
+    # several gateways can share (a secret: the whole URL, password included).
+    url: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        text = value.get_secret_value().strip()
+        if not text:
+            return None
+        if not text.startswith(("sqlite:///", "postgresql://", "postgres://")):
+            raise ValueError("must start with sqlite:/// or postgresql://")
+        return value
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -260,6 +278,7 @@ class Config(_Strict):
         "earlier conversation can be searched with memory_search."
     )
     data_dir: str = "data"
+    store: StoreConfig = StoreConfig()
     timezone: str | None = None
     session_retention_days: int = Field(default=30, ge=1)
     tool_result_max_chars: int = Field(default=50_000, ge=1000)
@@ -531,6 +550,7 @@ SECRET_KEYS = {
     "channels.web.token",
     "http.admin_token",
     "tools.web_search.api_key",
+    "store.url",
 }
 
 
@@ -617,6 +637,8 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
         elif secret_text(value) is None:
             problems.append(f"{path}: required {why}")
 
+    if "store.url" in unset:
+        problems.append(not_set("store.url", "to open the database"))
     if cfg.summary_model is not None and "summary_model.api_key" in unset:
         problems.append(not_set("summary_model.api_key", "while summary_model is set"))
     if channels:
@@ -674,8 +696,8 @@ def config_warnings(cfg: Config) -> list[str]:
 # -- how a change applies to a running gateway (README, "Live changes") ----------------------
 
 # Read once at start: a change is saved but takes effect after a restart.
-RESTART_KEYS = frozenset({"data_dir", "http.host", "http.port", "http.header_timeout_s", "http.body_timeout_s",
-                          "http.keepalive_timeout_s", "http.max_connections_per_client",
+RESTART_KEYS = frozenset({"data_dir", "store.url", "http.host", "http.port", "http.header_timeout_s",
+                          "http.body_timeout_s", "http.keepalive_timeout_s", "http.max_connections_per_client",
                           "channels.web.enabled", "channels.terminal.enabled"})
 # A change restarts that channel alone (it reconnects with its new settings).
 CHANNEL_SECTIONS = ("channels.telegram", "channels.slack")

@@ -47,6 +47,9 @@ MEANINGS: dict[str, str] = {
     "agent_max_steps": "Most tool-calling model calls in one turn; then one call without tools gives the answer.",
     "system_prompt": "The agent's instructions, at the start of every request.",
     "data_dir": "Where the database, the workspaces and the memory live; relative to the config file's directory.",
+    "store.url": "The database: null is SQLite in `data_dir`; `postgresql://user:${PGPASSWORD}@host:5432/db` "
+                 "selects PostgreSQL (a secret: a `${ENV}` reference keeps the password out of the file). "
+                 "Read at start.",
     "timezone": "Zone of the daily note and archive file names and of `memory_consolidation_cron`.",
     "session_retention_days": "Sessions and messages older than this are purged (memory files stay).",
     "tool_result_max_chars": "A tool result longer than this is cut when it is produced; the full text is saved "

@@ -131,7 +131,6 @@ class Consolidator:
     ) -> None:
         self._memory = memory
         self._store = store
-        self._db = store.connection
         self._model = model
         self._slots = asyncio.Semaphore(max(1, concurrency))
         self.target_tokens = target_tokens  # a reload may change it between runs
@@ -197,10 +196,9 @@ class Consolidator:
         return pending
 
     async def _watermarks(self, scope: str) -> dict[str, Watermark]:
-        async with self._db.execute(
-            "SELECT note, chars, digest, size, mtime_ns FROM memory_watermarks WHERE scope=?", (scope,)
-        ) as cur:
-            return {r[0]: Watermark(r[0], r[1], r[2], r[3], r[4]) for r in await cur.fetchall()}
+        rows = await self._store.run(
+            "SELECT note, chars, digest, size, mtime_ns FROM memory_watermarks WHERE scope=?", (scope,))
+        return {r[0]: Watermark(r[0], r[1], r[2], r[3], r[4]) for r in rows}
 
     async def _save_watermarks(self, scope: str, marks: Sequence[Watermark]) -> None:
         now = time.time()

@@ -7,7 +7,7 @@ through `resolve_in_workspace`, so a planted symlink or a `../` never leads outs
 
 Writes to one scope are serialized by an asyncio.Lock; Markdown files are rewritten
 atomically (temp + fsync + rename), the dialog archive is appended with O_APPEND + fsync.
-File I/O runs in threads; SQL runs on the store's single connection.
+File I/O runs in threads; SQL goes through the store (either backend).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class SearchQuery:
     """Model-supplied query text turned into safe FTS5 syntax (never passed through raw)."""
 
     match: str | None  # FTS5 expression of quoted phrases, OR-ed
+    phrases: tuple[str, ...]  # those phrases as text (PostgreSQL matches them itself)
     short_terms: tuple[str, ...]  # used with LIKE when no term is long enough for trigrams
     terms: tuple[str, ...]  # everything, to place snippets
 
@@ -100,12 +101,8 @@ def parse_query(text: str) -> SearchQuery:
     unique = list(dict.fromkeys(p.lower() for p in phrases))[:MAX_PHRASES]
     shorts = tuple(dict.fromkeys(short))[:MAX_SHORT_TERMS]
     match = " OR ".join(_quote(p) for p in unique) if unique else None
-    return SearchQuery(match=match, short_terms=() if match else shorts, terms=(*unique, *shorts))
-
-
-def _like(term: str) -> str:
-    escaped = term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return f"%{escaped}%"
+    return SearchQuery(match=match, phrases=tuple(unique), short_terms=() if match else shorts,
+                       terms=(*unique, *shorts))
 
 
 def make_snippet(content: str, terms: Sequence[str]) -> str:
@@ -324,13 +321,13 @@ class Memory:
         if scope in self._registered:
             return
         await self._store.run(
-            "INSERT OR IGNORE INTO memory_scopes(scope, dirname) VALUES (?, ?)", (scope, scope_dirname(scope))
+            "INSERT INTO memory_scopes(scope, dirname) VALUES (?, ?) ON CONFLICT(scope) DO NOTHING",
+            (scope, scope_dirname(scope)),
         )
         self._registered.add(scope)
 
     async def scopes(self) -> list[str]:
-        async with self._store.connection.execute("SELECT scope FROM memory_scopes ORDER BY scope") as cur:
-            return [row[0] for row in await cur.fetchall()]
+        return [row[0] for row in await self._store.run("SELECT scope FROM memory_scopes ORDER BY scope")]
 
     # -- MEMORY.md for the system prompt -------------------------------------------------
 
@@ -505,12 +502,10 @@ class Memory:
     async def _refresh_index(self, scope: str) -> None:
         """Re-index the scope's memory files that changed on disk (e.g. edited by a person)."""
         root = self.workspace(scope)
-        db = self._store.connection
         async with self.lock(scope):
             on_disk = await asyncio.to_thread(_scan_memory_files, root)
             sql = "SELECT path, mtime_ns, size FROM memory_files WHERE scope=?"
-            async with db.execute(sql, (scope,)) as cur:
-                indexed = {row[0]: (row[1], row[2]) for row in await cur.fetchall()}
+            indexed = {row[0]: (row[1], row[2]) for row in await self._store.run(sql, (scope,))}
             for rel in indexed.keys() - on_disk.keys():
                 self._indexed.pop((scope, rel), None)
                 await self._store.run("DELETE FROM memory_chunks WHERE scope=? AND path=?", (scope, rel))
@@ -545,48 +540,14 @@ class Memory:
     async def _search_chunks(
         self, scope: str, q: SearchQuery, limit: int
     ) -> list[tuple[float, str, str, str]]:
-        if q.match is not None:
-            sql = (
-                "SELECT bm25(memory_fts), c.path, c.date, c.content FROM memory_fts "
-                "JOIN memory_chunks c ON c.id = memory_fts.rowid "
-                "WHERE memory_fts MATCH ? AND c.scope = ? ORDER BY 1 LIMIT ?"
-            )
-            args: tuple[Any, ...] = (q.match, scope, limit)
-        else:
-            likes = " AND ".join("c.content LIKE ? ESCAPE '\\'" for _ in q.short_terms)
-            sql = (
-                f"SELECT 0.0, c.path, c.date, c.content FROM memory_chunks c "
-                f"WHERE c.scope = ? AND {likes} ORDER BY c.date DESC, c.id DESC LIMIT ?"
-            )
-            args = (scope, *map(_like, q.short_terms), limit)
-        async with self._store.connection.execute(sql, args) as cur:
-            return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+        return await self._store.search_memory_chunks(
+            scope, match=q.match, phrases=q.phrases, short_terms=q.short_terms, limit=limit)
 
     async def _search_messages(
         self, session_key: str, q: SearchQuery, limit: int
     ) -> list[tuple[float, int, str, str, float]]:
-        # Earlier turns only (the current one is in the context already), no gateway
-        # notices, and no earlier search results (they would echo back).
-        where = (
-            "m.session_key = ? AND m.injected = 0 AND coalesce(m.tool_name, '') != 'memory_search' "
-            "AND m.turn < (SELECT coalesce(max(turn), 0) FROM messages WHERE session_key = ?)"
-        )
-        if q.match is not None:
-            sql = (
-                "SELECT bm25(messages_fts), m.turn, m.role, m.content, m.created_at FROM messages_fts "
-                f"JOIN messages m ON m.id = messages_fts.rowid WHERE messages_fts MATCH ? AND {where} "
-                "ORDER BY 1 LIMIT ?"
-            )
-            args: tuple[Any, ...] = (q.match, session_key, session_key, limit)
-        else:
-            likes = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in q.short_terms)
-            sql = (
-                f"SELECT 0.0, m.turn, m.role, m.content, m.created_at FROM messages m "
-                f"WHERE {where} AND {likes} ORDER BY m.id DESC LIMIT ?"
-            )
-            args = (session_key, session_key, *map(_like, q.short_terms), limit)
-        async with self._store.connection.execute(sql, args) as cur:
-            return [(r[0], r[1], r[2], r[3], r[4]) for r in await cur.fetchall()]
+        return await self._store.search_session_messages(
+            session_key, match=q.match, phrases=q.phrases, short_terms=q.short_terms, limit=limit)
 
 
 def _is_note(relative: str) -> bool:

@@ -17,7 +17,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,12 @@ class UsageDay:
 
 def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def like_pattern(term: str) -> str:
+    """`term` anywhere in the text, for LIKE ... ESCAPE '\\' (its own % and _ literal)."""
+    escaped = term.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
 
 
 def _truncation_to_json(t: Truncation | None) -> str | None:
@@ -701,6 +707,58 @@ class Store:
             "(SELECT channel, event_id FROM events WHERE created_at < ? LIMIT ?)",
             (before, limit),
         )
+
+    # -- full-text search (memory_search): the SQL behind Store so each backend uses its own
+    # -- index (FTS5 trigram here, pg_trgm on PostgreSQL) ------------------------------
+
+    async def search_memory_chunks(self, scope: str, *, match: str | None, phrases: Sequence[str],
+                                   short_terms: Sequence[str], limit: int) -> list[tuple[float, str, str, str]]:
+        """(rank, path, date, content) of the scope's memory chunks that match, best (lowest
+        rank) first: `match` is the FTS5 expression of `phrases` (OR-ed); without it every
+        one of `short_terms` must occur (LIKE), newest first."""
+        if match is not None:
+            sql = (
+                "SELECT bm25(memory_fts), c.path, c.date, c.content FROM memory_fts "
+                "JOIN memory_chunks c ON c.id = memory_fts.rowid "
+                "WHERE memory_fts MATCH ? AND c.scope = ? ORDER BY 1 LIMIT ?"
+            )
+            args: tuple[Any, ...] = (match, scope, limit)
+        else:
+            likes = " AND ".join("c.content LIKE ? ESCAPE '\\'" for _ in short_terms)
+            sql = (
+                f"SELECT 0.0, c.path, c.date, c.content FROM memory_chunks c "
+                f"WHERE c.scope = ? AND {likes} ORDER BY c.date DESC, c.id DESC LIMIT ?"
+            )
+            args = (scope, *map(like_pattern, short_terms), limit)
+        return [(r[0], r[1], r[2], r[3]) for r in await self._rows(sql, args)]
+
+    async def search_session_messages(
+        self, session_key: str, *, match: str | None, phrases: Sequence[str], short_terms: Sequence[str],
+        limit: int,
+    ) -> list[tuple[float, int, str, str, float]]:
+        """(rank, turn, role, content, created_at) of the session's earlier messages that
+        match (as in `search_memory_chunks`)."""
+        # Earlier turns only (the current one is in the context already), no gateway
+        # notices, and no earlier search results (they would echo back).
+        where = (
+            "m.session_key = ? AND m.injected = 0 AND coalesce(m.tool_name, '') != 'memory_search' "
+            "AND m.turn < (SELECT coalesce(max(turn), 0) FROM messages WHERE session_key = ?)"
+        )
+        if match is not None:
+            sql = (
+                "SELECT bm25(messages_fts), m.turn, m.role, m.content, m.created_at FROM messages_fts "
+                f"JOIN messages m ON m.id = messages_fts.rowid WHERE messages_fts MATCH ? AND {where} "
+                "ORDER BY 1 LIMIT ?"
+            )
+            args: tuple[Any, ...] = (match, session_key, session_key, limit)
+        else:
+            likes = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in short_terms)
+            sql = (
+                f"SELECT 0.0, m.turn, m.role, m.content, m.created_at FROM messages m "
+                f"WHERE {where} AND {likes} ORDER BY m.id DESC LIMIT ?"
+            )
+            args = (session_key, session_key, *map(like_pattern, short_terms), limit)
+        return [(r[0], r[1], r[2], r[3], r[4]) for r in await self._rows(sql, args)]
 
     async def checkpoint(self) -> None:
         """Fold the WAL back into the database file and truncate it (after a purge).

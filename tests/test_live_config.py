@@ -449,6 +449,12 @@ async def p_data_dir(r: Rig) -> None:
     assert not (r.path.parent / "data-elsewhere").exists()
 
 
+async def p_store_url(r: Rig) -> None:
+    # The running gateway keeps its database (SQLite here) until it restarts.
+    assert await r.say("dburl", "hi")
+    assert r.services.store.path == r.path.parent / "data" / "gateway.sqlite3"
+
+
 async def p_still_serving(r: Rig) -> None:
     assert await r.say("serving", "hi")
 
@@ -520,6 +526,7 @@ ROWS = [
     Row("stream_interval_s", 0.25, "live", p_stream_interval),
     Row("system_prompt", "You are the table test bot.", "live", p_system_prompt),
     Row("data_dir", "data-elsewhere", "restart", p_data_dir),
+    Row("store.url", "postgresql://gateway:secret@127.0.0.1:1/gateway", "restart", p_store_url),
     Row("timezone", "Asia/Tokyo", "live", p_timezone),
     Row("session_retention_days", 5, "live", p_retention),
     Row("tool_result_max_chars", 1000, "live", p_tool_result_cap),
