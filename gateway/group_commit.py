@@ -40,7 +40,8 @@ class GroupInsert:
     """
 
     def __init__(self, run: RunSql, insert: str, *, returning: str | None = None,
-                 key_of: Callable[[Any], Hashable] | None = None, max_rows: int = 64) -> None:
+                 key_of: Callable[[Any], Hashable] | None = None, max_rows: int = 64,
+                 conflict: str = "") -> None:
         head, found, values = insert.rpartition("VALUES")
         if not found or not values.strip().startswith("("):
             raise ValueError("GroupInsert needs an INSERT ... VALUES (...) statement")
@@ -49,6 +50,8 @@ class GroupInsert:
         self._run = run
         self._head = f"{head}VALUES "
         self._values = values.strip()
+        # e.g. "ON CONFLICT DO NOTHING" (PostgreSQL's INSERT OR IGNORE), before RETURNING
+        self._conflict = f" {conflict}" if conflict else ""
         self._returning = f" RETURNING {returning}" if returning else ""
         self._key_of = key_of
         self._max_rows = max_rows
@@ -136,7 +139,7 @@ class GroupInsert:
             _answer(row, found.get(row.key))
 
     async def _insert(self, batch: list[_Row]) -> dict[Hashable, Any]:
-        sql = self._head + ", ".join([self._values] * len(batch)) + self._returning
+        sql = self._head + ", ".join([self._values] * len(batch)) + self._conflict + self._returning
         result = await self._run(sql, tuple(v for row in batch for v in row.values))
         if self._key_of is None:
             return {}

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 
 from gateway.app import Gateway
 from gateway.config import load_config
 from gateway.store import Store
+from gateway.store_pg import open_store
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)
+from tests.pg import PgServer, create_database
+from tests.pg import pg_server as start_pg_server
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
 
@@ -96,3 +101,46 @@ async def chat(gw: Gateway, session: str, text: str) -> str:
     status, body = await post_chat(gw, {"session": session, "text": text})
     assert status == 200, body
     return str(body["reply"])
+
+
+# -- the store on each backend (SQLite, PostgreSQL: tests/pg.py) --------------------------
+
+StoreFactory = Callable[[], Awaitable[Any]]
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A throw-away PostgreSQL server for the session (skips locally, fails in CI, without one)."""
+    with start_pg_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest_asyncio.fixture
+async def store_url(store_backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str | None:
+    """`store.url` for this test's own, empty database: None (SQLite in the data dir) or a
+    new database on the test PostgreSQL server."""
+    if store_backend == "sqlite":
+        return None
+    server: PgServer = request.getfixturevalue("pg_server")
+    return await create_database(server)
+
+
+@pytest_asyncio.fixture
+async def make_store(store_url: str | None, tmp_path: Path) -> AsyncIterator[StoreFactory]:
+    """Open the test's store (again: every call opens the same database); all closed at the end."""
+    opened: list[Any] = []
+
+    async def make() -> Any:
+        s = await open_store(store_url, tmp_path)
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        with contextlib.suppress(Exception):  # a test may have closed it already
+            await s.close()

@@ -1,4 +1,5 @@
-"""The store's one-statement turn bookkeeping (migration 3's triggers) on a real database."""
+"""The store's one-statement turn bookkeeping (migration 3's triggers) on a real database:
+SQLite and PostgreSQL alike (the `make_store` fixture runs each test on both)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,18 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from gateway.config import Config
 from gateway.store import Store
 from gateway.types import Message
 from gateway.usage import Usage, today
+from tests.conftest import StoreFactory
 
 
-async def test_a_stored_user_message_marks_its_event_running_with_the_turn(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_a_stored_user_message_marks_its_event_running_with_the_turn(make_store: StoreFactory) -> None:
+    store = await make_store()
     await store.ensure_session("web:ann", "web:ann", "web")
     assert await store.record_event("web", "e1", session_key="web:ann", inbound={"text": "hi"})
 
@@ -27,9 +30,9 @@ async def test_a_stored_user_message_marks_its_event_running_with_the_turn(tmp_p
     assert [(e.event_id, e.status, e.turn) for e in pending] == [("e1", "running", 7)]
 
 
-async def test_end_turn_sets_the_status_and_counts_usage_once_per_turn(tmp_path: Path) -> None:
+async def test_end_turn_sets_the_status_and_counts_usage_once_per_turn(make_store: StoreFactory) -> None:
     cfg = Config()
-    store = await Store.open(tmp_path / "gateway.db")
+    store = await make_store()
     for event in ("e1", "e2", "e3"):
         await store.record_event("web", event, session_key="web:ann", inbound={"text": event})
 
@@ -47,8 +50,8 @@ async def test_end_turn_sets_the_status_and_counts_usage_once_per_turn(tmp_path:
 # -- group commit (gateway/group_commit.py) ---------------------------------------------
 
 
-async def test_concurrent_messages_share_commits_and_each_caller_gets_its_own_row(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_concurrent_messages_share_commits_and_each_caller_gets_its_own_row(make_store: StoreFactory) -> None:
+    store = await make_store()
     keys = [f"web:u{i}" for i in range(40)]
     for key in keys:
         await store.ensure_session(key, key, "web")
@@ -66,8 +69,8 @@ async def test_concurrent_messages_share_commits_and_each_caller_gets_its_own_ro
         assert msg.id is not None and by_id[msg.id] == f"hello from {key}"
 
 
-async def test_rows_of_one_session_keep_their_order_across_commits(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_rows_of_one_session_keep_their_order_across_commits(make_store: StoreFactory) -> None:
+    store = await make_store()
     await store.ensure_session("web:ann", "web:ann", "web")
     await store.ensure_session("web:bob", "web:bob", "web")
 
@@ -84,8 +87,8 @@ async def test_rows_of_one_session_keep_their_order_across_commits(tmp_path: Pat
     assert ann_ids == sorted(set(ann_ids))  # distinct rows, in order
 
 
-async def test_one_bad_row_fails_alone_and_its_neighbours_are_stored(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_one_bad_row_fails_alone_and_its_neighbours_are_stored(make_store: StoreFactory) -> None:
+    store = await make_store()
     good = [store.add_message(f"web:u{i}", Message(role="user", content=f"fine {i}", turn=1), seq=0)
             for i in range(5)]
     # NOT NULL on messages.content: the database refuses this row.
@@ -95,12 +98,12 @@ async def test_one_bad_row_fails_alone_and_its_neighbours_are_stored(tmp_path: P
     await store.close()
 
     assert all(isinstance(r, Message) for r in results[:5])
-    assert isinstance(results[5], sqlite3.IntegrityError)
+    assert isinstance(results[5], (sqlite3.IntegrityError, asyncpg.NotNullViolationError))
     assert counted == 5
 
 
-async def test_a_redelivered_event_in_the_same_batch_is_fresh_only_once(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_a_redelivered_event_in_the_same_batch_is_fresh_only_once(make_store: StoreFactory) -> None:
+    store = await make_store()
     answers = await asyncio.gather(*(
         store.record_event("slack", event, session_key=None, inbound=None)
         for event in ("e1", "e2", "e1", "e3", "e1")
@@ -110,8 +113,8 @@ async def test_a_redelivered_event_in_the_same_batch_is_fresh_only_once(tmp_path
     assert answers == [True, True, False, True, False]
 
 
-async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_it(tmp_path: Path) -> None:
-    store = await Store.open(tmp_path / "gateway.db")
+async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_it(make_store: StoreFactory) -> None:
+    store = await make_store()
     others = [asyncio.ensure_future(store.add_message(f"web:u{i}", Message(role="user", content="x", turn=1),
                                                       seq=0)) for i in range(10)]
     cancelled = asyncio.ensure_future(
@@ -123,7 +126,7 @@ async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_
     await asyncio.gather(*others)
     await store.close()  # drains whatever is still queued
 
-    reopened = await Store.open(tmp_path / "gateway.db")
+    reopened = await make_store()
     kept = await reopened.messages("web:gone")
     await reopened.close()
     assert [m.content for m in kept] == ["kept"]
