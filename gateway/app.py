@@ -24,6 +24,7 @@ from gateway.config import (
     change_effect,
     changed_keys,
     config_warnings,
+    secret_text,
     startup_problems,
 )
 from gateway.http import HttpServer, build_app
@@ -35,7 +36,8 @@ from gateway.router import Router
 from gateway.services import ConfigHolder, Services
 from gateway.sessions import SessionManager
 from gateway.slots import ModelSlots
-from gateway.store import Store, StoreError
+from gateway.store import StoreError
+from gateway.store_pg import open_store
 from gateway.summarizer import Summarizer
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
@@ -148,7 +150,7 @@ class Gateway:
         data_dir = self.holder.data_dir
         await asyncio.to_thread(check_data_dir, data_dir)
         try:
-            store = await Store.open(data_dir / "gateway.sqlite3")
+            store = await open_store(secret_text(cfg.store.url), data_dir)
         except StoreError as err:
             raise StartupError(str(err)) from None
         metrics = Metrics()

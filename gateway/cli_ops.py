@@ -12,16 +12,19 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 
 from gateway.access import Pairing
-from gateway.config import Config
+from gateway.config import Config, secret_text
 from gateway.cron import zone
 from gateway.keys import workspace_dir
 from gateway.memory import DIALOG_DIR, MEMORY_FILE, NOTES_DIR
 from gateway.migrations import MIGRATIONS
-from gateway.store import Store
+from gateway.store import Store, StoreError
+from gateway.store_pg import MIGRATIONS as PG_MIGRATIONS
+from gateway.store_pg import PgStore, is_postgres_url, open_store, sqlite_path
 
 DB_NAME = "gateway.sqlite3"
 
@@ -76,13 +79,38 @@ def size_text(size: int) -> str:
 # -- the database ---------------------------------------------------------------------------
 
 
+def configured_url(cfg: Config) -> str | None:
+    """`store.url` as usable text (None: SQLite in the data dir)."""
+    return secret_text(cfg.store.url)
+
+
 def database_path(cfg: Config, base: Path) -> Path:
+    url = configured_url(cfg)
+    if url and url.startswith("sqlite:///"):
+        path = sqlite_path(url)
+        return (path if path.is_absolute() else cfg.data_path(base) / path).absolute()
     return (cfg.data_path(base) / DB_NAME).absolute()
 
 
 @asynccontextmanager
-async def read_store(path: Path) -> AsyncIterator[Store]:
+async def read_store(path: Path, url: str | None = None) -> AsyncIterator[Any]:
     """The store on a read-only connection: never creates, migrates or writes anything."""
+    if is_postgres_url(url):
+        assert url is not None
+        try:
+            pg = await PgStore.open(url, migrate=False, pool_max=2)
+        except StoreError as err:
+            raise CliError(str(err)) from None
+        try:
+            version = await pg.schema_version()
+            if version < len(PG_MIGRATIONS):
+                raise CliError("the database is from an older version: start the gateway once to upgrade it")
+            if version > len(PG_MIGRATIONS):
+                raise CliError("the database is from a newer version of the gateway than this one")
+            yield pg
+        finally:
+            await pg.close()
+        return
     if not await asyncio.to_thread(path.exists):
         raise CliError(f"no database at {path}: the gateway has not run with this config yet")
     try:
@@ -110,7 +138,7 @@ def _local(cfg: Config, at: float) -> datetime:
 
 
 async def pairing_list(cfg: Config, base: Path) -> str:
-    async with read_store(database_path(cfg, base)) as store:
+    async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
         codes = await Pairing(store).pending()
     if not codes:
         return "No pairing codes are waiting."
@@ -126,11 +154,15 @@ class Approval:
 
 
 async def pairing_approve(cfg: Config, base: Path, code: str) -> Approval:
-    path = database_path(cfg, base)
-    if not await asyncio.to_thread(path.exists):
+    path, url = database_path(cfg, base), configured_url(cfg)
+    if not is_postgres_url(url) and not await asyncio.to_thread(path.exists):
         raise CliError(f"no database at {path}: the gateway has not run with this config yet")
     # Writes: the store proper (migrated, busy timeout), without a checkpoint connection.
-    store = await Store.open(path, checkpoint_interval_s=None)
+    try:
+        store = await open_store(url, path.parent, checkpoint_interval_s=None) if is_postgres_url(url) \
+            else await Store.open(path, checkpoint_interval_s=None)
+    except StoreError as err:
+        raise CliError(str(err)) from None
     try:
         pairing = Pairing(store)
         identity = await pairing.approve(code, approved_by="cli")
@@ -146,7 +178,7 @@ async def pairing_approve(cfg: Config, base: Path, code: str) -> Approval:
 async def sessions(cfg: Config, base: Path, limit: int) -> str:
     tz = zone(cfg.timezone)
     midnight = datetime.now(tz).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
-    async with read_store(database_path(cfg, base)) as store:
+    async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
         rows = await store.run(
             "SELECT s.key, s.updated_at, "
             " (SELECT MAX(turn) FROM messages m WHERE m.session_key = s.key) AS turns, "
@@ -168,7 +200,7 @@ async def sessions(cfg: Config, base: Path, limit: int) -> str:
 async def usage(cfg: Config, base: Path, days: int) -> str:
     today = datetime.now(zone(cfg.timezone)).date()
     first = (today - timedelta(days=days - 1)).isoformat()
-    async with read_store(database_path(cfg, base)) as store:
+    async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
         rows = await store.run(
             "SELECT day, identity, turns, tokens FROM usage WHERE day >= ? ORDER BY day DESC, tokens DESC, identity",
             (first,),
@@ -231,7 +263,7 @@ async def _known_scopes(cfg: Config, base: Path) -> dict[str, Path]:
     """Scope → workspace, from the database's register of scopes with memory."""
     data_dir = cfg.data_path(base)
     try:
-        async with read_store(database_path(cfg, base)) as store:
+        async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
             rows = await store.run("SELECT scope FROM memory_scopes ORDER BY scope")
             rows += await store.run("SELECT DISTINCT scope FROM sessions ORDER BY scope")
     except CliError:
@@ -244,7 +276,7 @@ async def _known_scopes(cfg: Config, base: Path) -> dict[str, Path]:
 async def _scope_of_session(cfg: Config, base: Path, key: str) -> str | None:
     """A session key given for a scope: the scope that session uses."""
     try:
-        async with read_store(database_path(cfg, base)) as store:
+        async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
             rows = await store.run("SELECT scope FROM sessions WHERE key=?", (key,))
     except CliError:
         return None

@@ -1,0 +1,114 @@
+"""`store.url`: the gateway on SQLite and on PostgreSQL alike (a throw-away server from
+tests/pg.py): web chats, a restart that restores the sessions, memory_search over stored
+messages and memory notes, the purge's statements, and the URL as a secret."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.app import Gateway
+from gateway.config import Config, ConfigError, load_config, parse_config, startup_problems
+from gateway.purge import purge
+from gateway.store import Store
+from gateway.store_pg import PgStore, to_postgres
+from gateway.types import Message
+from tests.conftest import StoreFactory, chat, write_config
+from tests.fakes.openai_server import FakeModel
+
+
+async def _start(tmp_path: Path, fake: FakeModel, store_url: str | None) -> Gateway:
+    path = write_config(tmp_path, fake, store={"url": store_url})
+    gw = Gateway(load_config(path), config_path=path)
+    await gw.start()
+    return gw
+
+
+async def test_a_gateway_chats_restarts_and_searches_on_its_configured_store(
+        tmp_path: Path, fake_model: FakeModel, store_url: str | None, store_backend: str) -> None:
+    gw = await _start(tmp_path, fake_model, store_url)
+    try:
+        assert gw.services is not None
+        assert isinstance(gw.services.store, PgStore if store_backend == "postgres" else Store)
+        fake_model.reply("Noted: the zebra is called Ziggy.")
+        assert await chat(gw, "ann", "remember: my zebra is called Ziggy") == "Noted: the zebra is called Ziggy."
+        fake_model.reply("Sure.")
+        await chat(gw, "ann", "and my cat is Tom")
+    finally:
+        await gw.stop(timeout=5)
+
+    gw = await _start(tmp_path, fake_model, store_url)  # a restart: the session comes back from the store
+    try:
+        assert gw.services is not None and gw.services.memory is not None
+        root = gw.services.memory.workspace("web:ann")
+        (root / "MEMORY.md").write_text("## Pets\n\nThe zebra lives in the garden.\n", encoding="utf-8")
+        fake_model.tool_call("memory_search", {"query": "zebra", "limit": 10})
+        fake_model.reply("Ziggy, in the garden.")
+        assert await chat(gw, "ann", "what is my zebra called?") == "Ziggy, in the garden."
+        stored = await gw.services.store.messages("web:ann")
+        history = [m["content"] for m in fake_model.requests[-2]["messages"] if m["role"] == "user"]
+    finally:
+        await gw.stop(timeout=5)
+
+    assert history[:2] == ["remember: my zebra is called Ziggy", "and my cat is Tom"]  # restored
+    assert [m.turn for m in stored if m.role == "user"] == [1, 2, 3]
+    (found,) = [m.content for m in stored if m.role == "tool"]
+    assert "dialog turn 1" in found and "Ziggy" in found  # the stored message
+    assert "MEMORY.md" in found and "garden" in found  # the memory note
+    assert "cat is Tom" not in found
+
+
+async def test_search_matches_substrings_case_insensitively_and_cjk(make_store: StoreFactory) -> None:
+    store = await make_store()
+    await store.ensure_session("web:ann", "web:ann", "web")
+    texts = ["We saw a ZEBRA crossing", "苹果香蕉很好吃", "nothing here", "zebra and giraffe together"]
+    for turn, text in enumerate(texts, start=1):
+        await store.add_message("web:ann", Message(role="user", content=text, turn=turn), seq=0)
+    await store.add_message("web:ann", Message(role="user", content="now", turn=9), seq=0)
+
+    zebra = await store.search_session_messages("web:ann", match='"zebra" OR "giraffe"', phrases=("zebra", "giraffe"),
+                                                short_terms=(), limit=10)
+    cjk = await store.search_session_messages("web:ann", match='"果香蕉"', phrases=("果香蕉",), short_terms=(),
+                                              limit=10)
+    short = await store.search_session_messages("web:ann", match=None, phrases=(), short_terms=("苹果",), limit=10)
+
+    assert zebra[0][1] == 4  # both phrases: ranked first
+    assert sorted(r[1] for r in zebra) == [1, 4]
+    assert [r[1] for r in cjk] == [2] and [r[1] for r in short] == [2]
+
+
+async def test_purge_deletes_expired_sessions_on_either_backend(make_store: StoreFactory, tmp_path: Path) -> None:
+    store = await make_store()
+    for key in ("web:old", "web:new"):
+        await store.ensure_session(key, key, "web")
+        await store.add_message(key, Message(role="user", content="hi", turn=1, created_at=time.time()), seq=0)
+    await store.run("UPDATE sessions SET updated_at=? WHERE key=?", (time.time() - 90 * 86400, "web:old"))
+    await store.run("UPDATE messages SET created_at=? WHERE session_key=?", (time.time() - 90 * 86400, "web:old"))
+
+    report = await purge(store, tmp_path, now=time.time(), session_retention_days=30, tool_result_ttl_days=7,
+                         live_references=set, batch=1)
+
+    assert report.sessions == 1 and report.messages == 1
+    assert await store.get_session("web:old") is None and await store.count_messages("web:old") == 0
+    assert await store.count_messages("web:new") == 1
+    assert await store.write_problem() is None
+
+
+def test_store_url_is_a_secret_with_env_expansion() -> None:
+    raw = json.dumps({"store": {"url": "postgresql://gw:${PG_TEST_PASSWORD_X}@db/gw"}})
+    unset = parse_config(json.loads(raw), environ={})
+    assert "store.url: the environment variable PG_TEST_PASSWORD_X is not set" in " ".join(
+        startup_problems(unset, channels=False, http=False))
+    cfg = parse_config(json.loads(raw), environ={"PG_TEST_PASSWORD_X": "s3cret"})
+    assert cfg.store.url is not None and cfg.store.url.get_secret_value() == "postgresql://gw:s3cret@db/gw"
+    assert "s3cret" not in repr(cfg.store)
+    assert Config().store.url is None
+    with pytest.raises(ConfigError, match="sqlite:///"):
+        parse_config({"store": {"url": "mysql://x"}}, environ={})
+
+
+def test_placeholders_are_numbered_for_postgres() -> None:
+    assert to_postgres("SELECT ?, ? WHERE a = ANY(?::text[])") == "SELECT $1, $2 WHERE a = ANY($3::text[])"
