@@ -36,8 +36,10 @@ from gateway.sessions import SessionManager
 from gateway.slots import ModelSlots
 from gateway.store import Store, StoreError
 from gateway.summarizer import Summarizer
+from gateway.tasks import TaskScheduler
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
+from gateway.tools.tasks import TaskTools
 from gateway.tools.web import WebTools
 from gateway.types import Inbound
 from gateway.usage import Usage
@@ -110,6 +112,7 @@ class Gateway:
         self.scheduler: Any = None
         self.watcher: Any = None
         self.mcp: McpManager | None = None
+        self.tasks: TaskScheduler | None = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
@@ -157,6 +160,7 @@ class Gateway:
             model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls),
         )
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
+        services.tools.add_source(TaskTools())
         services.memory = self._memory(services)
         services.usage = Usage(store)
         self.services = services
@@ -168,6 +172,10 @@ class Gateway:
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems)
         self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
+        # People's scheduled tasks: a run is a turn in its session, answered where the
+        # task was made; it runs only while that channel is up here.
+        self.tasks = services.tasks = TaskScheduler(services, self.sessions, admits=self.router.admits,
+                                                    can_deliver=lambda channel: channel in self.channels)
 
         if self.enable_channels:
             self._build_channels(cfg)
@@ -196,6 +204,7 @@ class Gateway:
         self.sessions.open.set()
         await self.router.answer_commands(pending_commands)
         await self._start_scheduler()
+        await self.tasks.start()
         for client in services.models.values():
             services.background.spawn(client.warm_up(), name="model-warm-up")
         for warning in config_warnings(cfg):
@@ -355,6 +364,8 @@ class Gateway:
                 s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")
         if self.scheduler is not None:
             self.scheduler.update_config(cfg)
+        if self.tasks is not None:
+            self.tasks.update_config(cfg)
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in ("telegram", "slack"):
@@ -436,6 +447,8 @@ class Gateway:
         s = self.services
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.tasks is not None:
+            await self.tasks.stop()  # first: a task firing now must not meet a closing queue
         await self.sessions.stop(timeout)
         for name, channel in list(self.channels.items()):
             try:
