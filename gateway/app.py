@@ -39,7 +39,6 @@ from gateway.summarizer import Summarizer
 from gateway.tasks import TaskScheduler
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
-from gateway.tools.tasks import TaskTools
 from gateway.tools.web import WebTools
 from gateway.types import Inbound
 from gateway.usage import Usage
@@ -160,7 +159,6 @@ class Gateway:
             model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls),
         )
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
-        services.tools.add_source(TaskTools())
         services.memory = self._memory(services)
         services.usage = Usage(store)
         self.services = services

@@ -544,8 +544,8 @@ class TaskScheduler:
     def _full(limit: int) -> str:
         if limit == 0:
             return "scheduling tasks is switched off (tasks.max_per_scope is 0)"
-        return (f"this chat has {limit} scheduled tasks already, the most allowed (tasks.max_per_scope); "
-                "cancel one first")
+        return (f"this chat has {limit} scheduled task{'s' if limit != 1 else ''} already, the most allowed "
+                "(tasks.max_per_scope); cancel one first")
 
     async def visible(self, scope: str, *, everything: bool = False) -> list[Task]:
         return await self.db.active(None if everything else scope)

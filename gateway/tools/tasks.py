@@ -2,18 +2,17 @@
 
 The tools only talk to the running `TaskScheduler` (gateway/tasks.py); a task belongs to
 the scope of the session it was made in, so a session sees and cancels its scope's tasks
-only (admins: any). Offered as a `ToolSource` whose list never changes."""
+only (admins: any). Built-in tools: without a running scheduler they say so."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from gateway.access import is_admin
 from gateway.cron import zone
 from gateway.tasks import TaskError, TaskScheduler, format_time
-from gateway.tools.base import Tool, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments
+from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments
 
 
 def _scheduler(ctx: ToolContext) -> TaskScheduler:
@@ -109,16 +108,3 @@ class CancelTask:
         except TaskError as err:
             raise ToolArgumentError(str(err)) from None
         return ToolOutput(f"Cancelled task {task.id} ({task.preview()}).")
-
-
-class TaskTools:
-    """The three task tools, always offered (their list never changes)."""
-
-    name = "tasks"
-    version = 1
-
-    def __init__(self) -> None:
-        self._tools: list[Tool] = [ScheduleTask(), ListTasks(), CancelTask()]
-
-    def tools(self) -> Sequence[Tool]:
-        return list(self._tools)
