@@ -46,10 +46,10 @@ class PurgeReport:
     task_records: int = 0  # task runs and ended tasks
 
     def line(self) -> str:
+        tasks = f"{self.task_records} task records, " if self.task_records else ""
         return (
             f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
-            f"{self.events} dedup records, {self.task_records} task records, "
-            f"{self.tool_results} tool outputs in {self.seconds:.2f}s"
+            f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs in {self.seconds:.2f}s"
         )
 
 

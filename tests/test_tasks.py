@@ -23,8 +23,9 @@ import pytest
 import gateway.tasks
 from channels.terminal import TerminalChannel
 from gateway.app import Gateway
+from gateway.purge import purge
 from gateway.store import Store
-from gateway.tasks import Schedule, TaskError, parse_duration, parse_schedule, task_text
+from gateway.tasks import Schedule, Task, TaskError, TaskStore, parse_duration, parse_schedule, task_text
 from gateway.types import Inbound
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import slack_server, telegram_server
@@ -170,6 +171,29 @@ def test_a_task_reply_in_the_terminal_is_printed_without_taking_the_prompt_s_pla
     assert "time to stretch" in out.getvalue() and "streamed task reply" in out.getvalue()
     # The chat loop waits for the reply to what was typed: only that one is queued for it.
     assert terminal.replies.qsize() == 1 and terminal.replies.get_nowait() == ("the answer to hi", False)
+
+
+async def test_the_purge_forgets_old_runs_and_ended_tasks_only(store: Store, tmp_path: Path) -> None:
+    db = TaskStore(store)
+    routing = {"channel": "web", "chat_id": "alice", "user_id": "alice"}
+    for task_id in ("old1", "old2", "new1"):
+        task = Task(id=task_id, scope="web:alice", session_key="web:alice", routing=routing, prompt="p",
+                    schedule=schedule(every="1h"), next_run=time.time() + 60, created_by="web:alice",
+                    created_at=time.time() - 90 * 86400)
+        assert await db.insert(task, limit=10) == "ok"
+        assert await db.claim_run(task_id, "slot-1")
+    await db.end("old1", "cancelled")
+    await db.end("new1", "done")
+    long_ago = time.time() - 40 * 86400
+    await store.run("UPDATE tasks SET ended_at=? WHERE id='old1'", (long_ago,))
+    await store.run("UPDATE task_runs SET started_at=? WHERE task_id IN ('old1', 'old2')", (long_ago,))
+    report = await purge(store, tmp_path, now=time.time(), session_retention_days=30, tool_result_ttl_days=7,
+                         live_references=set)
+    assert report.task_records == 3 and "3 task records" in report.line()
+    # Still active, however old: kept; ended recently: kept; their recent runs: kept.
+    assert [t.id for t in await db.active()] == ["old2"]
+    assert await db.get("new1") is not None and await db.get("old1") is None
+    assert [r.task_id for r in await db.runs("new1")] == ["new1"] and await db.runs("old2") == []
 
 
 # -- the whole gateway ---------------------------------------------------------------------------
