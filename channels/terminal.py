@@ -50,12 +50,17 @@ class TerminalChannel:
         return True
 
     async def send(self, inbound: Inbound, text: str) -> None:
+        if inbound.origin is not None:
+            # A scheduled task's reply: no prompt waits for it, so it is printed as it comes.
+            self.out.write(f"\n{BOT}{text}\n\n")
+            self.out.flush()
+            return
         await self.replies.put((text, False))
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> TerminalStream:
         # Nothing printed before a restart can be edited: `on_ref`/`resume_ref` go unused.
-        return TerminalStream(self)
+        return TerminalStream(self, awaited=inbound.origin is None)
 
     @contextlib.asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
@@ -75,9 +80,10 @@ class TerminalChannel:
 class TerminalStream:
     """One reply printed as it grows; a ReplyStream (channels/base.py)."""
 
-    def __init__(self, channel: TerminalChannel) -> None:
+    def __init__(self, channel: TerminalChannel, *, awaited: bool = True) -> None:
         self.channel = channel
         self.out = channel.out
+        self.awaited = awaited  # the chat loop waits for this reply (not so a scheduled task's)
         self.printed = ""  # answer text on screen since the last status
         self.status_shown = False
         self.started = False
@@ -135,7 +141,8 @@ class TerminalStream:
             self._write(BOT + text)
         self._write("\n\n")
         self.printed = ""
-        self.channel.replies.put_nowait((text, True))
+        if self.awaited:
+            self.channel.replies.put_nowait((text, True))
 
 
 def _rows(text: str, columns: int) -> int:
@@ -162,14 +169,17 @@ async def _spinner(out: TextIO) -> None:
 async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
     from gateway.app import Gateway, StartupError
 
-    gateway = Gateway(cfg, config_path=cfg_path, serve_http=False, enable_channels=False, watch_config=True)
+    gateway = Gateway(cfg, config_path=cfg_path, serve_http=False, enable_channels=False,
+                      watch_config=True)
+    # Attached before the start: a scheduled task due at start finds its channel up.
+    terminal = TerminalChannel()
+    gateway.channels["terminal"] = terminal
     try:
         await gateway.start()
     except StartupError as err:
         print(f"cannot start: {err}", file=sys.stderr)
         return 2
-    terminal = TerminalChannel(observe=gateway.stream_observer("terminal"))
-    gateway.channels["terminal"] = terminal
+    terminal.observe = gateway.stream_observer("terminal")
     print("Terminal chat (session terminal:local). /help for commands, Ctrl+D to quit.")
     try:
         while True:

@@ -875,4 +875,5 @@ def context_stats(
         calibration=ctx.calibration,
         encoding=counter.encoding_name,
         last_event=ctx.last_event,
+        task_messages=sum(1 for m in msgs if m.role == "user" and m.origin == "task"),
     )

@@ -37,6 +37,7 @@ class ContextStats:
     calibration: float
     encoding: str
     last_event: TrimEvent | None
+    task_messages: int = 0  # of the user messages: prompts of scheduled tasks (no person wrote them)
 
 
 def _n(value: int) -> str:
@@ -48,9 +49,10 @@ def format_context_stats(stats: ContextStats, *, details: bool = True) -> str:
     calibration, for the operator."""
     share = f" ({stats.estimated_tokens * 100 // stats.budget_tokens}%)" if stats.budget_tokens > 0 else ""
     tokens = "unknown" if stats.estimated_tokens < 0 else _n(stats.estimated_tokens)
+    tasks = f" ({_n(stats.task_messages)} from scheduled tasks)" if stats.task_messages else ""
     lines = [
         "**Context of this chat**",
-        f"- Messages: {_n(stats.messages)} (user {_n(stats.user_messages)}, "
+        f"- Messages: {_n(stats.messages)} (user {_n(stats.user_messages)}{tasks}, "
         f"assistant {_n(stats.assistant_messages)}, tool {_n(stats.tool_messages)})",
         f"- Characters: {_n(stats.total_chars)}",
         f"- Estimated tokens: {tokens} of {_n(stats.budget_tokens)}{share}",

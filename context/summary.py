@@ -74,7 +74,7 @@ def _render(messages: Sequence[Message], text_cap: int, tool_cap: int) -> str:
             turn = msg.turn
             lines.append(f"\n### Turn {turn}")
         if msg.role == "user":
-            who = "Gateway note" if msg.injected else "User"
+            who = "Gateway note" if msg.injected else "Scheduled task" if msg.origin == "task" else "User"
             lines.append(f"{who}: {_clip(msg.content, text_cap)}")
         elif msg.role == "assistant":
             if msg.content.strip():

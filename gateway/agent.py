@@ -247,7 +247,7 @@ class Agent:
             return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
                 "bad_arguments"
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s)
+                          services=self.s, inbound=live.inbound)
         try:
             out = await asyncio.wait_for(tool.run(args, ctx), timeout=TOOL_TIMEOUT_S)
             return out, "ok"

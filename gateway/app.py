@@ -39,6 +39,7 @@ from gateway.slots import ModelSlots
 from gateway.store import StoreError
 from gateway.store_pg import open_store
 from gateway.summarizer import Summarizer
+from gateway.tasks import TaskScheduler
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
 from gateway.tools.web import WebTools
@@ -115,6 +116,7 @@ class Gateway:
         self.scheduler: Any = None
         self.watcher: Any = None
         self.mcp: McpManager | None = None
+        self.tasks: TaskScheduler | None = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
@@ -173,6 +175,10 @@ class Gateway:
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems)
         self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
+        # People's scheduled tasks: a run is a turn in its session, answered where the
+        # task was made; it runs only while that channel is up here.
+        self.tasks = services.tasks = TaskScheduler(services, self.sessions, admits=self.router.admits,
+                                                    can_deliver=lambda channel: channel in self.channels)
 
         if self.enable_channels:
             self._build_channels(cfg)
@@ -203,6 +209,7 @@ class Gateway:
         self.sessions.open.set()
         await self.router.answer_commands(pending_commands)
         await self._start_scheduler()
+        await self.tasks.start()
         for client in services.models.values():
             services.background.spawn(client.warm_up(), name="model-warm-up")
         for warning in config_warnings(cfg):
@@ -367,6 +374,8 @@ class Gateway:
                 s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")
         if self.scheduler is not None:
             self.scheduler.update_config(cfg)
+        if self.tasks is not None:
+            self.tasks.update_config(cfg)
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in ("telegram", "slack"):
@@ -456,6 +465,8 @@ class Gateway:
         s = self.services
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.tasks is not None:
+            await self.tasks.stop()  # first: a task firing now must not meet a closing queue
         waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.sessions.stop(timeout))}
         if now is not None:
             waits.add(asyncio.ensure_future(now.wait()))

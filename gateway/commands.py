@@ -27,6 +27,7 @@ from gateway.config import (
 from gateway.live import LiveSession
 from gateway.services import Services
 from gateway.sessions import CommandJob, SessionManager
+from gateway.tasks import TaskError
 from gateway.types import Inbound
 
 log = logging.getLogger("gateway.commands")
@@ -37,6 +38,7 @@ HELP = """Commands:
 /compact: summarize the conversation now, keeping the last 2 turns
 /config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /tools: the tools I can use here, and the state of each MCP server
+/tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
@@ -46,6 +48,7 @@ BOT_COMMANDS: list[tuple[str, str]] = [
     ("compact", "Summarize now, keeping the last 2 turns"),
     ("config", "Show or change settings"),
     ("tools", "List the tools and MCP servers"),
+    ("tasks", "List scheduled tasks; /tasks cancel ID"),
     ("help", "List commands"),
 ]
 
@@ -66,7 +69,7 @@ def parse_command(text: str) -> tuple[str, list[str]] | None:
         return None
     head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
     name = head[1:].split("@", 1)[0].lower()
-    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools"}:
+    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks"}:
         return None
     return name, rest
 
@@ -170,6 +173,8 @@ class Commands:
             await self._answer(inbound, await self.approve(inbound, args))
         elif name == "tools":
             await self._answer(inbound, self.tools())
+        elif name == "tasks":
+            await self._answer(inbound, await self.tasks(inbound, scope, args))
         elif name == "new" or (name == "context" and args[:1] == ["clear"]):
             await self._queue(inbound, key, scope, self._clear)
         elif name == "context":
@@ -313,6 +318,36 @@ class Commands:
             if by_server.get(status.name):
                 lines.append("  " + ", ".join(by_server[status.name]))
         return "\n".join(lines)
+
+    async def tasks(self, inbound: Inbound, scope: str, args: list[str]) -> str:
+        """/tasks: the scope's scheduled tasks; /tasks cancel ID; /tasks all (admins)."""
+        tasks = self.s.tasks
+        if tasks is None:
+            return "Scheduled tasks are not available here."
+        cfg = self.s.cfg
+        sub = args[0].lower() if args else ""
+        if sub == "cancel":
+            if len(args) < 2:
+                return "Usage: /tasks cancel ID (the ids are in /tasks)"
+            try:
+                task = await tasks.cancel(args[1], scope=scope, identity=inbound.identity, cfg=cfg)
+            except TaskError as err:
+                return f"Not cancelled: {err}."
+            return f"Cancelled task {task.id} ({task.preview()})."
+        if sub not in ("", "all"):
+            return "Usage: /tasks lists this chat's scheduled tasks; /tasks cancel ID cancels one."
+        everything = sub == "all"
+        if everything and not is_admin(cfg, inbound.identity):
+            return "Only admins can list every chat's tasks."
+        found = await tasks.visible(scope, everything=everything)
+        if not found:
+            return ("No scheduled tasks." if everything else
+                    "No scheduled tasks in this chat. Ask me to schedule one, e.g. \"remind me in 20 minutes "
+                    "to stretch\".")
+        where = "in every chat" if everything else "in this chat"
+        return "\n".join([f"Scheduled tasks {where} ({len(found)}, next runs in local time):",
+                          *tasks.describe(found, cfg, with_scope=everything),
+                          "Cancel one with /tasks cancel ID."])
 
     async def approve(self, inbound: Inbound, args: list[str]) -> str:
         if not is_admin(self.s.cfg, inbound.identity):

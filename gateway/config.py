@@ -269,6 +269,14 @@ class StoreConfig(_Strict):
         return value
 
 
+class TasksConfig(_Strict):
+    """Tasks people schedule in chat (SPEC §5.3); read at each use, so changes apply live."""
+
+    max_per_scope: int = Field(default=20, ge=0)  # 0: nobody may schedule new tasks
+    min_interval_s: int = Field(default=300, ge=1)  # the shortest `every`, and the closest two cron runs
+    misfire_grace_s: int = Field(default=3600, ge=1)  # a run missed (gateway down) by more is skipped
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -299,6 +307,7 @@ class Config(_Strict):
     stream_interval_s: float = Field(default=1.0, gt=0)
     tools: ToolsConfig = ToolsConfig()
     mcp: McpConfig = McpConfig()
+    tasks: TasksConfig = TasksConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
     _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())

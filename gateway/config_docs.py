@@ -50,7 +50,8 @@ MEANINGS: dict[str, str] = {
     "store.url": "The database: null is SQLite in `data_dir`; `postgresql://user:${PGPASSWORD}@host:5432/db` "
                  "selects PostgreSQL (a secret: a `${ENV}` reference keeps the password out of the file). "
                  "Read at start.",
-    "timezone": "Zone of the daily note and archive file names and of `memory_consolidation_cron`.",
+    "timezone": "Zone of the daily note and archive file names, of `memory_consolidation_cron`, and of "
+                "scheduled tasks' times (a task keeps the zone it was created in).",
     "session_retention_days": "Sessions and messages older than this are purged (memory files stay).",
     "tool_result_max_chars": "A tool result longer than this is cut when it is produced; the full text is saved "
                              "to `tool_results/` and the excerpt says how to read on.",
@@ -143,6 +144,12 @@ MEANINGS: dict[str, str] = {
     "mcp.servers.<name>.tools": "Only these of the server's tools are offered; `null`: all.",
     "mcp.servers.<name>.timeout_s": "Seconds one call may take.",
     "mcp.servers.<name>.enabled": "Connect this server.",
+    "tasks.max_per_scope": "Most scheduled tasks one scope (a person's chats, or a group) may have at once; "
+                           "0 stops new ones.",
+    "tasks.min_interval_s": "Shortest period of a repeating task (`every`), and least time between two runs "
+                            "of a `cron` task.",
+    "tasks.misfire_grace_s": "A task run missed while the gateway was down runs once after the start if it is "
+                             "at most this many seconds late; later ones are skipped (and recorded as missed).",
     "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
                         "not the web chat's token.",
     "http.port": "Port of the HTTP server.",

@@ -3,7 +3,7 @@ scheduler, so an expression the config accepts is exactly one the scheduler can 
 
 from __future__ import annotations
 
-from datetime import datetime, tzinfo
+from datetime import datetime, timedelta, tzinfo
 from zoneinfo import ZoneInfo
 
 import tzlocal
@@ -73,3 +73,17 @@ def check_cron(expr: str, timezone: str | None) -> None:
         raise ValueError(f"{expr!r} is not a valid cron expression: {err}") from None
     if trigger.get_next_fire_time(None, datetime.now(tz)) is None:
         raise ValueError(f"{expr!r} never fires (no such date)")
+
+
+def last_fire_time(trigger: CronTrigger, now: datetime) -> datetime | None:
+    """The most recent fire time at or before `now` (looking back up to about two years)."""
+    for lookback in (timedelta(hours=2), timedelta(days=2), timedelta(days=40), timedelta(days=800)):
+        fire = trigger.get_next_fire_time(None, now - lookback)
+        if fire is None or fire > now:
+            continue
+        while True:
+            following = trigger.get_next_fire_time(fire, fire + timedelta(microseconds=1))
+            if following is None or following > now:
+                return fire
+            fire = following
+    return None

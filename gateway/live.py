@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from context.engine import SessionContext, TrimEvent
+    from gateway.types import Inbound
 
 
 @dataclass
@@ -25,3 +26,4 @@ class LiveSession:
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now
+    inbound: Inbound | None = None  # the message of the turn running now (tools reply where it came from)

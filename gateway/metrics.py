@@ -38,6 +38,8 @@ class Metrics:
                                registry=r)
         self.busy = Counter("gateway_busy_replies_total", "Busy replies (queue full)", registry=r)
         self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
+        self.task_runs = Counter("gateway_task_runs_total", "Runs of tasks people scheduled (queued as a turn, "
+                                 "busy, refused, missed …)", ["outcome"], registry=r)
         self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
         self.stream_events = Counter(
             "gateway_stream_events_total", "What streamed replies did (channels/base.py StreamObserver)",

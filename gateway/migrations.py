@@ -188,4 +188,44 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE events ADD COLUMN reply_ref TEXT;
     """,
+    # 5: tasks people schedule in chat (SPEC §5.3). A task keeps the routing data of the
+    # message that created it (to reply without anyone writing first) and its next run; a
+    # run is claimed under its slot (the scheduled fire time), so a slot runs once, also
+    # across restarts, and names the turn's event. A user message a task wrote is marked
+    # with its origin: it starts a turn, but no person wrote it.
+    """
+    CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        scope TEXT NOT NULL,
+        session_key TEXT NOT NULL,
+        routing TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        zone TEXT,
+        anchor REAL,
+        next_run REAL,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        ended_at REAL,
+        end_reason TEXT,
+        ended_by TEXT
+    );
+    CREATE INDEX tasks_active_scope ON tasks(scope) WHERE ended_at IS NULL;
+    CREATE INDEX tasks_ended ON tasks(ended_at);
+
+    CREATE TABLE task_runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        task_id TEXT NOT NULL,
+        slot TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        outcome TEXT NOT NULL DEFAULT 'running',
+        event_channel TEXT,
+        event_id TEXT,
+        UNIQUE (task_id, slot)
+    );
+    CREATE INDEX task_runs_started ON task_runs(started_at);
+
+    ALTER TABLE messages ADD COLUMN origin TEXT;
+    """,
 ]

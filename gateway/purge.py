@@ -2,7 +2,8 @@
 
 Sessions whose last activity is older than `session_retention_days` go with their
 messages and summaries, and so do the older messages of sessions still in use; dedup
-records of platform events older than 7 days go; saved tool outputs
+records of platform events older than 7 days go; so do scheduled tasks' run records, and
+tasks that ended, past the session retention; saved tool outputs
 (tool_results/*.txt) older than `tool_result_ttl_days` go unless a live context still
 points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import aiosqlite
 
 from gateway.store import Store
+from gateway.tasks import TaskStore
 
 log = logging.getLogger("gateway.purge")
 
@@ -41,11 +43,13 @@ class PurgeReport:
     events: int = 0
     tool_results: int = 0
     seconds: float = 0.0
+    task_records: int = 0  # task runs and ended tasks
 
     def line(self) -> str:
+        tasks = f"{self.task_records} task records, " if self.task_records else ""
         return (
             f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
-            f"{self.events} dedup records, {self.tool_results} tool outputs in {self.seconds:.2f}s"
+            f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs in {self.seconds:.2f}s"
         )
 
 
@@ -61,10 +65,15 @@ async def purge(
     while (n := await store.delete_events_before(now - DEDUP_DAYS * DAY, limit=batch)) > 0:
         events += n
         await asyncio.sleep(0)
+    task_records = 0
+    tasks = TaskStore(store)
+    while (n := await tasks.purge(before, limit=batch)) > 0:
+        task_records += n
+        await asyncio.sleep(0)
     files = await purge_tool_results(data_dir, before=now - tool_result_ttl_days * DAY,
                                      live_references=live_references)
     await _checkpoint(store)
-    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started)
+    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records)
 
 
 async def _checkpoint(store: Store, attempts: int = 5) -> None:

@@ -14,17 +14,16 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, tzinfo
+from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
-from apscheduler.triggers.cron import CronTrigger
 
 from gateway.background import Background
 from gateway.config import Config
 from gateway.consolidate import CompletionModel, Consolidator
-from gateway.cron import cron_trigger, zone
+from gateway.cron import cron_trigger, last_fire_time, zone
 from gateway.memory import Memory
 from gateway.purge import PurgeReport, purge
 from gateway.store import Store
@@ -41,20 +40,6 @@ CONSOLIDATION_CONCURRENCY = 2
 def config_timezone(cfg: Config) -> tzinfo:
     """The configured zone, else the system's."""
     return zone(cfg.timezone)
-
-
-def last_fire_time(trigger: CronTrigger, now: datetime) -> datetime | None:
-    """The most recent fire time at or before `now` (looking back up to about two years)."""
-    for lookback in (timedelta(hours=2), timedelta(days=2), timedelta(days=40), timedelta(days=800)):
-        fire = trigger.get_next_fire_time(None, now - lookback)
-        if fire is None or fire > now:
-            continue
-        while True:
-            following = trigger.get_next_fire_time(fire, fire + timedelta(microseconds=1))
-            if following is None or following > now:
-                return fire
-            fire = following
-    return None
 
 
 def slot_time(slot: str) -> datetime | None:

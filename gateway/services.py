@@ -47,6 +47,7 @@ class Services:
     memory: Any = None  # gateway.memory.Memory when available
     usage: Any = None  # gateway.usage.Usage
     mcp: Any = None  # gateway.tools.mcp.McpManager
+    tasks: Any = None  # gateway.tasks.TaskScheduler
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
 

@@ -247,6 +247,7 @@ class SessionManager:
         inbound = job.inbound
         store = self.s.store
         cfg = self.s.cfg
+        live.inbound = inbound
         if job.resume_turn is None and self._stored_unanswered(live, inbound.text):
             # A crash between storing this message and marking its event left the event
             # "accepted": continue the stored turn instead of storing the message twice.
@@ -258,7 +259,9 @@ class SessionManager:
             live.seq = 0
             # Stored before the model is called (SPEC §3 persistence order); the same
             # statement marks the event running with this turn.
-            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn),
+            # A scheduled task's prompt keeps its origin: it starts the turn, no person wrote it.
+            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn,
+                                                 origin=inbound.origin),
                                    event=(inbound.channel, inbound.event_id))
         resume_ref: str | None = None
         if job.resume_turn is not None:

@@ -151,6 +151,7 @@ def _row_to_message(row: aiosqlite.Row) -> Message:
         tool_name=row["tool_name"],
         truncation=_truncation_from_json(row["truncation"]),
         injected=bool(row["injected"]),
+        origin=row["origin"],
         id=row["id"],
         created_at=row["created_at"],
     )
@@ -214,8 +215,8 @@ class Store:
         self._messages = GroupInsert(
             self._rows,
             "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id, origin) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             returning="id, session_key", key_of=lambda r: r[1],
         )
         self._events = GroupInsert(
@@ -410,7 +411,7 @@ class Store:
         stored = await self._messages.submit(key, (
             key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
             _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
-            event_channel, event_id,
+            event_channel, event_id, msg.origin,
         ))
         if stored is None:
             raise StoreError(f"the message of session {key} was not stored")
@@ -418,7 +419,7 @@ class Store:
         return Message(
             role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
             tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
-            injected=msg.injected, id=row_id, created_at=msg.created_at,
+            injected=msg.injected, origin=msg.origin, id=row_id, created_at=msg.created_at,
         )
 
     async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:
@@ -450,11 +451,12 @@ class Store:
 
     async def chat_history(self, key: str, *, limit: int) -> list[Message]:
         """The last `limit` messages the person saw in the chat, oldest first: what they
-        wrote and the final replies (no tool traffic, no gateway notices). Walks the
-        (session_key, turn, seq) index backwards and stops at `limit`."""
+        wrote and the final replies (no tool traffic, no gateway notices, no scheduled
+        task's prompt: only its reply was shown). Walks the (session_key, turn, seq) index
+        backwards and stops at `limit`."""
         rows = await self._rows(
             "SELECT * FROM (SELECT * FROM messages WHERE session_key=? AND injected=0 "
-            "AND (role='user' OR (role='assistant' AND tool_calls IS NULL)) "
+            "AND ((role='user' AND origin IS NULL) OR (role='assistant' AND tool_calls IS NULL)) "
             "ORDER BY turn DESC, seq DESC LIMIT ?) ORDER BY turn, seq",
             (key, limit),
         )

@@ -49,6 +49,8 @@ def dialog_row(session_key: str, msg: Message, content: str, excerpt_of: str | N
     }
     if msg.tool_name:
         row["tool_name"] = msg.tool_name
+    if msg.origin:
+        row["origin"] = msg.origin  # e.g. "task": a scheduled task's prompt, not a person's words
     if excerpt_of:
         row["excerpt_of"] = excerpt_of  # content is an excerpt of this workspace file
     return row

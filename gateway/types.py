@@ -49,6 +49,9 @@ class Message:
     tool_name: str | None = None
     truncation: Truncation | None = None
     injected: bool = False  # text the gateway added: never a user turn
+    # Who wrote a user message when no person did: "task" for a scheduled task's prompt
+    # (SPEC §5.3). It starts a turn like a person's message; None for everything else.
+    origin: str | None = None
     id: int | None = None  # database row id; gives the order
     created_at: float = field(default_factory=time.time)
 
@@ -81,6 +84,7 @@ class Inbound:
     attachments: tuple[Attachment, ...] = ()
     received_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)  # adapter-private routing data
+    origin: str | None = None  # "task": made by the gateway for a scheduled task, not sent by a person
 
     @property
     def identity(self) -> str:
@@ -107,6 +111,7 @@ def inbound_to_dict(inbound: Inbound) -> dict[str, Any]:
         ],
         "received_at": inbound.received_at,
         "extra": inbound.extra,
+        "origin": inbound.origin,
     }
 
 
@@ -126,4 +131,5 @@ def inbound_from_dict(data: dict[str, Any]) -> Inbound:
         attachments=tuple(Attachment(**a) for a in data.get("attachments", [])),
         received_at=float(data.get("received_at", time.time())),
         extra=dict(data.get("extra", {})),
+        origin=data.get("origin"),
     )

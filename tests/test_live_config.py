@@ -62,6 +62,7 @@ class Rig:
     watcher: ConfigWatcher
     web: FakeWeb
     search: FakeSearch
+    base_task: str = ""  # a task scheduled at the base values
 
     @property
     def port(self) -> int:
@@ -384,6 +385,29 @@ async def p_mcp_servers(r: Rig) -> None:
     assert tool["content"] == "echo: from a live change"
 
 
+async def scheduled(r: Rig, session: str, *calls: dict[str, str]) -> list[str]:
+    """The results of these schedule_task calls, made in one turn of `session`."""
+    r.model.tool_calls([("schedule_task", args) for args in calls])
+    r.model.reply("scheduled")
+    await r.say(session, "schedule these")
+    return [m["content"] for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-len(calls):]
+
+
+async def p_tasks_per_scope(r: Rig) -> None:
+    first, second = await scheduled(r, "tasklimit", {"prompt": "one", "at": "in 5h"},
+                                    {"prompt": "two", "at": "in 6h"})
+    assert first.startswith("Scheduled task") and "has 1 scheduled task already" in second
+
+
+async def p_task_interval(r: Rig) -> None:
+    (result,) = await scheduled(r, "taskinterval", {"prompt": "often", "every": "2m"})
+    assert result.startswith("Scheduled task"), result  # refused at the base 300 s
+
+
+async def p_task_grace(r: Rig) -> None:
+    assert r.gw.tasks is not None and r.gw.tasks.job_grace(r.base_task) == 120  # the running job's grace
+
+
 async def p_log_level(r: Rig) -> None:
     assert logging.getLogger().level == logging.DEBUG
 
@@ -588,6 +612,9 @@ ROWS = [
     Row("limits.turn_timeout_s", 0.5, "live", p_turn_timeout),
     Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
+    Row("tasks.max_per_scope", 1, "live", p_tasks_per_scope),
+    Row("tasks.min_interval_s", 60, "live", p_task_interval),
+    Row("tasks.misfire_grace_s", 120, "live", p_task_grace),
     Row("tools.web_fetch.enabled", False, "live", p_no_web_fetch),
     Row("tools.web_fetch.max_bytes", 2000, "live", p_fetch_max_bytes),
     Row("tools.web_fetch.timeout_s", 0.3, "live", p_fetch_timeout),
@@ -633,6 +660,11 @@ async def _setup(r: Rig) -> None:
     assert len(await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/big.txt"})) > 10_000
     assert (await r.tool_result("web", "web_search", {"query": "otters"})).startswith("1. Result 1")
     assert r.search.requests[-1]["provider"] == "brave"
+    (made,) = await scheduled(r, "tasks", {"prompt": "daily", "every": "1d"})
+    r.base_task = made.split()[2].rstrip(":")
+    assert r.gw.tasks is not None and r.gw.tasks.job_grace(r.base_task) == 3600
+    (refused,) = await scheduled(r, "tasks", {"prompt": "often", "every": "2m"})
+    assert "too frequent" in refused
     await r.say("quota", "first")  # a turn and some tokens for the daily budgets
     await r.say("queue", "warm")  # live before its queue size changes
     assert "Only admins" in await r.say("eve", "/config agent_max_steps 14")

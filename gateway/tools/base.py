@@ -12,6 +12,7 @@ from context.truncate import FileRef
 
 if TYPE_CHECKING:
     from gateway.config import Config
+    from gateway.types import Inbound
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class ToolContext:
     workspace: Path
     config: Config
     services: Any = None  # gateway.app.Services: store, memory (set by the agent)
+    inbound: Inbound | None = None  # the message that started the turn (who asked, where to answer)
 
 
 @dataclass(frozen=True, slots=True)

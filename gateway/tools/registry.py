@@ -57,6 +57,9 @@ class ToolRegistry:
         for module, name in (
             ("gateway.tools.memory_search", "MemorySearch"),
             ("gateway.tools.memory_write", "MemoryWrite"),
+            ("gateway.tools.tasks", "ScheduleTask"),
+            ("gateway.tools.tasks", "ListTasks"),
+            ("gateway.tools.tasks", "CancelTask"),
         ):
             tool = _optional(module, name)
             if tool is not None:
