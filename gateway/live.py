@@ -25,3 +25,9 @@ class LiveSession:
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now
+    # The rest of the turn's tally, for its log line: tokens in and out, decision steps
+    # (model calls), and the context rules that fired.
+    turn_tokens_in: int = 0
+    turn_tokens_out: int = 0
+    turn_steps: int = 0
+    turn_trims: list[str] = field(default_factory=list)

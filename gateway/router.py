@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
 from gateway.commands import Commands, parse_command
@@ -148,11 +148,14 @@ class Router:
             f"Send it to the bot's admin, who can approve it with /approve {code}. It expires in 1 hour.",
         )
 
-    async def resume_pending(self) -> list[Inbound]:
-        """After a restart, before the channels start: queue every turn that was accepted
-        but not answered, ahead of anything new. Commands among them are returned, to be
-        answered with `answer_commands` once the channels can deliver."""
-        pending = await self.s.store.pending_events()
+    async def resume_pending(self, channels: Collection[str]) -> list[Inbound]:
+        """After a restart, before the channels start: queue every turn of `channels` (the
+        ones this process runs) that was accepted but not answered, ahead of anything new.
+        Other channels' events stay pending for the process that runs them (`gateway chat`
+        runs only the terminal; `run` has no terminal): a reply delivered to no channel
+        would count as answered and never be sent. Commands among them are returned, to
+        be answered with `answer_commands` once the channels can deliver."""
+        pending = [ev for ev in await self.s.store.pending_events() if ev.channel in channels]
         commands: list[Inbound] = []
         for ev in pending:
             try:
