@@ -25,7 +25,7 @@ import sys
 import threading
 import unicodedata
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -64,17 +64,17 @@ class TerminalChannel:
     Markdown; into a pipe or file every line stays, and the reply is printed whole at
     the end when it differs from what was streamed.
 
-    `asked` (the chat loop's) holds the event ids of the questions typed in this chat;
-    a reply to any other question is labelled with that question first."""
+    `earlier` tells which questions were asked before this chat started (resumed after
+    a Ctrl+C or a crash): their answers are labelled with the question first."""
 
     name = "terminal"
 
     def __init__(self, *, out: TextIO | None = None, tty: bool | None = None,
-                 observe: StreamObserver | None = None, asked: set[str] | None = None) -> None:
+                 observe: StreamObserver | None = None, earlier: Callable[[Inbound], bool] | None = None) -> None:
         self.out = out or sys.stdout
         self.tty = self.out.isatty() if tty is None else tty
         self.observe = observe
-        self.asked = asked
+        self.earlier = earlier
         self._introduced: set[str] = set()
         self._colors: Any = None
         # (reply, already printed): every reply is printed by the channel itself.
@@ -120,7 +120,7 @@ class TerminalChannel:
     def introduce(self, inbound: Inbound) -> None:
         """Before the first output for a question from before this chat started: which
         question it answers."""
-        if self.asked is None or inbound.event_id in self.asked or inbound.event_id in self._introduced:
+        if self.earlier is None or inbound.event_id in self._introduced or not self.earlier(inbound):
             return
         self._introduced.add(inbound.event_id)
         quote = " ".join(inbound.text.split())
@@ -412,8 +412,6 @@ class Chat:
             self.keyboard.echo(False)
             inbound = Inbound(channel="terminal", chat_id="local", user_id="local", text=line,
                               event_id=uuid.uuid4().hex)
-            assert self.terminal.asked is not None
-            self.terminal.asked.add(inbound.event_id)
             self.handling = asyncio.ensure_future(self.gateway.router.handle(inbound))
             bound = self.gateway.cfg.limits.turn_timeout_s
             if not await self._until_interrupted(self.handling, timeout=bound) or not await self.settle():
@@ -438,7 +436,8 @@ async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
 
     loop = asyncio.get_running_loop()
     gateway = Gateway(cfg, config_path=cfg_path, serve_http=False, enable_channels=False, watch_config=True)
-    terminal = TerminalChannel(asked=set())
+    # The router exists once the gateway has started, before any reply is printed.
+    terminal = TerminalChannel(earlier=lambda inbound: (inbound.channel, inbound.event_id) in gateway.router.resumed)
     # Registered before the start, so that the terminal's own pending turns are resumed
     # (and only they: no other channel runs here).
     gateway.channels["terminal"] = terminal

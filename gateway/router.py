@@ -46,6 +46,9 @@ class Router:
         self.pairing = pairing
         self.reply = reply
         self._refused: OrderedDict[str, float] = OrderedDict()  # identity → when last told
+        # (channel, event id) of the messages resume_pending picked up: accepted before this
+        # start (the terminal labels their answers with the question).
+        self.resumed: set[tuple[str, str]] = set()
 
     def keys(self, inbound: Inbound) -> tuple[str, str]:
         scope_mode = self.s.cfg.group_session_scope
@@ -165,6 +168,7 @@ class Router:
                 await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
                 continue
             key, scope = self.keys(inbound)
+            self.resumed.add((ev.channel, ev.event_id))
             resume = ev.turn if ev.status == "running" else None
             if resume is None and parse_command(inbound.text) is not None:
                 commands.append(inbound)

@@ -3,6 +3,7 @@ never what people wrote; a start banner that says what runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -18,8 +19,14 @@ SECRET = "hunter2-Zq81-PASSWORD"  # what a person might paste into a chat
 ECHO = Path(__file__).resolve().parent / "mcp_servers" / "echo_server.py"
 
 
-def _turn_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.getMessage() == "turn ended"]
+async def _turn_lines(caplog: pytest.LogCaptureFixture, n: int) -> list[logging.LogRecord]:
+    """The "turn ended" records, once there are n (a reply is sent before its turn is closed)."""
+    for _ in range(200):
+        lines = [r for r in caplog.records if r.getMessage() == "turn ended"]
+        if len(lines) >= n:
+            return lines
+        await asyncio.sleep(0.02)
+    return lines
 
 
 async def test_one_info_line_per_turn_with_its_cost_and_never_what_was_said(
@@ -35,7 +42,7 @@ async def test_one_info_line_per_turn_with_its_cost_and_never_what_was_said(
     fake_model.reply("Third.", usage=(1200, 2))
     await chat(gw, "alice", f"and a third time {SECRET}")
 
-    first, second, third = _turn_lines(caplog)
+    first, second, third = await _turn_lines(caplog, 3)
     assert {key: getattr(first, key) for key in ("session", "channel", "steps", "tokens_in", "tokens_out",
                                                   "outcome", "trims")} == {
         "session": "web:alice", "channel": "web", "steps": 2, "tokens_in": 1900, "tokens_out": 50,
@@ -60,7 +67,7 @@ async def test_a_failed_turn_has_its_line_too(make_gateway: GatewayFactory, fake
     caplog.set_level(logging.INFO)
     fake_model.error(400, {"error": {"message": "nope"}})
     await chat(gw, "bob", "hello")
-    (line,) = _turn_lines(caplog)
+    (line,) = await _turn_lines(caplog, 1)
     assert (line.session, line.outcome, line.steps, line.tokens_in) == ("web:bob", "model_error", 1, 0)
 
 

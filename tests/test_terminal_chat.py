@@ -15,9 +15,11 @@ import struct
 import sys
 import termios
 from pathlib import Path
+from typing import Any
 
 import pyte
 
+from channels.terminal import TerminalChannel
 from gateway.store import Store
 from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import GatewayFactory, write_config
@@ -263,3 +265,45 @@ async def test_run_leaves_the_terminals_pending_turn_to_the_chat(
     assert await gw.services.store.event_status("web", "web-1") in ("answered", "undelivered")
     assert await gw.services.store.event_status("terminal", "terminal-1") == "accepted"
     assert [request["messages"][-1]["content"] for request in fake_model.requests] == ["asked on the web"]
+
+
+class Tty:
+    """stdout of a terminal, as text (what the chat writes to it)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None: ...
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _window(text: str, columns: int, rows: int) -> list[str]:
+    screen = pyte.HistoryScreen(columns, rows, history=1000)
+    pyte.Stream(screen).feed(text.replace("\n", "\r\n"))  # the tty's ONLCR
+    scrolled = ["".join(line[x].data for x in range(columns)) for line in screen.history.top]
+    return [row.rstrip() for row in scrolled + screen.display if row.strip()]
+
+
+async def test_a_reply_taller_than_the_window_stays_plain_and_is_shown_once(monkeypatch: Any) -> None:
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((40, 10)))
+    reply = "\n".join(f"- item **{n}**" for n in range(15))  # 15 rows in a 10-row window
+    out = Tty()
+    terminal = TerminalChannel(out=out)  # type: ignore[arg-type]
+    stream = terminal.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="e"))
+    for line in reply.split("\n"):
+        await stream.append(line + "\n" if not line.endswith("14**") else line)
+    await stream.finish(reply)
+    shown = _window(out.text, 40, 10)
+    assert shown == ["bot> - item **0**", *(f"- item **{n}**" for n in range(1, 15))]
+
+    short = TerminalChannel(out=Tty())
+    stream = short.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="f"))
+    await stream.append("- item **1**\n- item **2**")
+    await stream.finish("- item **1**\n- item **2**")
+    assert _window(short.out.text, 40, 10) == ["bot>  • item 1", "      • item 2"]  # type: ignore[attr-defined]
