@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import math
 import shutil
 import signal
@@ -48,6 +49,8 @@ try:
     import termios
 except ImportError:  # pragma: no cover  (not on Windows)
     termios = None  # type: ignore[assignment]
+
+log = logging.getLogger("channels.terminal")
 
 PROMPT = "you> "
 BOT = "bot> "
@@ -130,7 +133,15 @@ class TerminalChannel:
         self.write(f"{label}\n{PROMPT}{quote}\n")
 
     def render(self, text: str) -> str:
-        """`text` as Markdown for this terminal, after "bot> " and indented under it."""
+        """`text` as Markdown for this terminal, after "bot> " and indented under it (as
+        written, should rendering fail)."""
+        try:
+            return self._render(text)
+        except Exception:
+            log.exception("could not render a reply as Markdown; showing it as written")
+            return f"{BOT}{text}\n"
+
+    def _render(self, text: str) -> str:
         from markdown_it import MarkdownIt
         from rich.console import Console
         from rich.markdown import Markdown
@@ -319,10 +330,10 @@ class Keyboard:
                 termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
 
 
-def _read_line(loop: asyncio.AbstractEventLoop) -> asyncio.Future[str | None]:
+def _read_line(loop: asyncio.AbstractEventLoop, keyboard: Keyboard) -> asyncio.Future[str | None]:
     """The next line typed after the prompt (None at end of input). input() blocks, so it
     runs in a daemon thread of its own: one still waiting when the chat ends does not
-    hold the process."""
+    hold the process. Echo goes off as soon as the line is in, before the answer starts."""
     future: asyncio.Future[str | None] = loop.create_future()
 
     def deliver(line: str | None) -> None:
@@ -334,6 +345,7 @@ def _read_line(loop: asyncio.AbstractEventLoop) -> asyncio.Future[str | None]:
             line: str | None = input(PROMPT)
         except (EOFError, OSError, ValueError):  # Ctrl+D, or stdin went away
             line = None
+        keyboard.echo(False)
         with contextlib.suppress(RuntimeError):  # the loop already closed
             loop.call_soon_threadsafe(deliver, line)
 
@@ -402,14 +414,13 @@ class Chat:
         while True:
             self.show_held_logs()
             self.keyboard.echo(True)
-            reading = _read_line(loop)
+            reading = _read_line(loop, self.keyboard)
             if not await self._until_interrupted(reading, timeout=None) or reading.result() is None:
                 self.terminal.write("\n")
                 return await self._stop(mid_turn=False)
             line = reading.result() or ""
             if not line.strip():
                 continue
-            self.keyboard.echo(False)
             inbound = Inbound(channel="terminal", chat_id="local", user_id="local", text=line,
                               event_id=uuid.uuid4().hex)
             self.handling = asyncio.ensure_future(self.gateway.router.handle(inbound))

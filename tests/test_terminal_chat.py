@@ -193,7 +193,7 @@ async def test_each_answer_follows_its_question_across_ctrl_c_and_a_restart(
 
         # Question four is typed while answer three is still coming in.
         second.type("question three\r")
-        await second.until(r"you> question three\n")
+        await second.until(r"you> question three\nbot> Answer")
         second.type("question four\r")
         await second.until(r"Answer four.*you>\Z")
         rows = second.lines
