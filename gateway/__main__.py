@@ -152,8 +152,7 @@ async def _chat(path: Path | None) -> int:
     if not cfg.channels.terminal.enabled:
         print("the terminal chat is disabled (channels.terminal.enabled is false)", file=sys.stderr)
         return 2
-    setup_logging("WARNING")
-    return await run_terminal(cfg, cfg_path)
+    return await run_terminal(cfg, cfg_path)  # it logs to a file in the data dir (chat.log)
 
 
 def _base(cfg_path: Path | None) -> Path:

@@ -103,8 +103,9 @@ class Agent:
     def _apply(self, live: LiveSession, prepared: Prepared) -> None:
         for event in prepared.events:
             live.last_event = event
+            live.turn_trims.append(event.strategy)
             self.s.metrics.trims.labels(event.strategy).inc()
-            log.info(
+            log.debug(  # the turn's INFO line lists the rules that fired (gateway/sessions.py)
                 "context rule fired",
                 extra={"session": live.key, "strategy": event.strategy,
                        "tokens_before": event.tokens_before, "tokens_after": event.tokens_after},
@@ -128,10 +129,12 @@ class Agent:
         feed = StepFeed(stream) if stream is not None else None
         recovered = False
         step = 0
-        live.turn_tokens = 0
+        live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.turn_trims = []
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
             step += 1
+            live.turn_steps = step
             # Steps 1..agent_max_steps may call tools; when the last of them still asked
             # for one, this extra step has no tools and must answer (SPEC §1, §5).
             final = step > cfg.agent_max_steps
@@ -163,6 +166,8 @@ class Agent:
                     return TurnResult(outcome.user_message(), "model_error")
                 reply, prepared = outcome
             live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
+            live.turn_tokens_in += reply.prompt_tokens or 0
+            live.turn_tokens_out += reply.completion_tokens or 0
             if reply.prompt_tokens:
                 live.ctx.calibrate(prepared.tokens, reply.prompt_tokens)
                 self.s.metrics.tokens.labels("in").inc(reply.prompt_tokens)

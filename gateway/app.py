@@ -203,7 +203,7 @@ class Gateway:
         await self.mcp.apply(cfg.mcp)
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
-        pending_commands = await self.router.resume_pending()
+        pending_commands = await self.router.resume_pending(set(self.channels))
         for name, channel in list(self.channels.items()):
             await self._start_channel(name, channel)
         self.sessions.open.set()
@@ -212,6 +212,8 @@ class Gateway:
         await self.tasks.start()
         for client in services.models.values():
             services.background.spawn(client.warm_up(), name="model-warm-up")
+        for line in self.startup_lines():
+            log.info(line)
         for warning in config_warnings(cfg):
             log.warning(warning)
         if not services.model.configured:
@@ -222,6 +224,35 @@ class Gateway:
 
             self.watcher = ConfigWatcher(self)
             await self.watcher.start()
+
+    def startup_lines(self) -> list[str]:
+        """The start banner: each channel and what it is doing, the MCP servers."""
+        cfg = self.cfg
+        lines = []
+        if "web" in self.channels and self.http is not None:
+            lines.append(f"web chat on http://{cfg.http.host}:{self.http.port}/")
+        else:
+            lines.append("web chat: off")
+        telegram = self.channels.get("telegram")
+        if telegram is None:
+            lines.append("telegram: off")
+        else:
+            me = getattr(telegram, "identity", None)
+            lines.append(f"telegram: {cfg.channels.telegram.mode} as @{me.username}" if me is not None
+                         else "telegram: not connected (see the error above; /readyz tells when it is)")
+        slack = self.channels.get("slack")
+        if slack is None:
+            lines.append("slack: off")
+        else:
+            who = getattr(slack, "bot_user_id", None)
+            mode = "socket mode" if cfg.channels.slack.mode == "socket" else "events over HTTP"
+            lines.append(f"slack: {mode} as {who}" if who
+                         else "slack: not connected (see the error above; /readyz tells when it is)")
+        if "terminal" in self.channels:
+            lines.append("terminal chat: this terminal (session terminal:local)")
+        servers = sum(1 for server in cfg.mcp.servers.values() if server.enabled)
+        lines.append(f"MCP servers: {servers} (connecting in the background)" if servers else "MCP servers: none")
+        return lines
 
     def _admin(self, services: Services) -> AdminApi:
         self.recent_errors.install()

@@ -27,3 +27,9 @@ class LiveSession:
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now
     inbound: Inbound | None = None  # the message of the turn running now (tools reply where it came from)
+    # The rest of the turn's tally, for its log line: tokens in and out, decision steps
+    # (model calls), and the context rules that fired.
+    turn_tokens_in: int = 0
+    turn_tokens_out: int = 0
+    turn_steps: int = 0
+    turn_trims: list[str] = field(default_factory=list)

@@ -3,10 +3,15 @@ every configured secret redacted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import logging.handlers
+import os
 import sys
+from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -29,22 +34,29 @@ class Redactor(logging.Filter):
 
 
 class LineFormatter(logging.Formatter):
-    def __init__(self, redactor: Redactor) -> None:
+    """`time LEVEL logger "message" key=value…`; `terse` (for a person at a terminal):
+    `level: message key=value…`, without the traceback."""
+
+    def __init__(self, redactor: Redactor, *, terse: bool = False) -> None:
         super().__init__()
         self.redactor = redactor
+        self.terse = terse
 
     def format(self, record: logging.LogRecord) -> str:
-        parts = [
-            self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            record.levelname,
-            record.name,
-            json.dumps(record.getMessage(), ensure_ascii=False),
-        ]
+        if self.terse:
+            parts = [f"{record.levelname.lower()}: {record.getMessage()}"]
+        else:
+            parts = [
+                self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+                record.levelname,
+                record.name,
+                json.dumps(record.getMessage(), ensure_ascii=False),
+            ]
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 parts.append(f"{key}={json.dumps(value, ensure_ascii=False, default=str)}")
         line = " ".join(parts)
-        if record.exc_info:
+        if record.exc_info and not self.terse:
             line += " exc=" + json.dumps(self.formatException(record.exc_info), ensure_ascii=False)
         return self.redactor.redact(line)
 
@@ -71,20 +83,82 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().handleError(record)
 
 
-def setup_logging(level: str = "INFO") -> Redactor:
+class QuietFileHandler(logging.handlers.RotatingFileHandler):
+    """The chat's log file (0600, at most 2 × 5 MB). A file that cannot be written
+    silences the log: it never prints tracebacks into the chat."""
+
+    def __init__(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        super().__init__(path, maxBytes=5_000_000, backupCount=1, encoding="utf-8", delay=True)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
+class HeldLines(logging.Handler):
+    """Warnings and errors for the person at the terminal chat, held while a prompt or an
+    answer is on screen, so that no line lands inside either; the chat prints them
+    (`take`) between an answer and the next prompt. Bounded: the oldest go first."""
+
+    def __init__(self, limit: int = 50) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: deque[str] = deque(maxlen=limit)
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        # emit() runs under the handler's lock (any thread may log); take() holds it too.
+        if len(self.lines) == self.lines.maxlen:
+            self.dropped += 1
+        self.lines.append(line)
+
+    def take(self) -> list[str]:
+        with self.lock:  # type: ignore[union-attr]
+            lines, dropped = list(self.lines), self.dropped
+            self.lines.clear()
+            self.dropped = 0
+        if dropped:
+            lines.insert(0, f"({dropped} earlier warnings not shown; all are in the log file)")
+        return lines
+
+
+def _install(*handlers: logging.Handler) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_gateway", False):
             root.removeHandler(handler)
-    handler = LineHandler()
-    handler.setFormatter(LineFormatter(REDACTOR))
-    handler._gateway = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
+            handler.close()
+    for handler in handlers:
+        handler._gateway = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
     # Python warnings (a library's DeprecationWarning, an unclosed socket) print two lines of
     # their own to stderr; through logging each is one record on one line like the rest.
     logging.captureWarnings(True)
+
+
+def setup_logging(level: str = "INFO") -> Redactor:
+    handler = LineHandler()
+    handler.setFormatter(LineFormatter(REDACTOR))
+    _install(handler)
     set_log_level(level)
     return REDACTOR
+
+
+def setup_chat_logging(level: str, path: Path) -> HeldLines:
+    """`gateway chat`: the whole log (at `level`) goes to `path`; warnings and errors are
+    also shown in the chat, between answers (HeldLines)."""
+    to_file = QuietFileHandler(path)
+    to_file.setFormatter(LineFormatter(REDACTOR))
+    held = HeldLines()
+    held.setFormatter(LineFormatter(REDACTOR, terse=True))
+    _install(to_file, held)
+    set_log_level(level)
+    return held
 
 
 def set_log_level(level: str) -> None:

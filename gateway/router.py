@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
 from gateway.commands import Commands, parse_command
@@ -46,6 +46,9 @@ class Router:
         self.pairing = pairing
         self.reply = reply
         self._refused: OrderedDict[str, float] = OrderedDict()  # identity → when last told
+        # (channel, event id) of the messages resume_pending picked up: accepted before this
+        # start (the terminal labels their answers with the question).
+        self.resumed: set[tuple[str, str]] = set()
 
     def keys(self, inbound: Inbound) -> tuple[str, str]:
         scope_mode = self.s.cfg.group_session_scope
@@ -148,11 +151,14 @@ class Router:
             f"Send it to the bot's admin, who can approve it with /approve {code}. It expires in 1 hour.",
         )
 
-    async def resume_pending(self) -> list[Inbound]:
-        """After a restart, before the channels start: queue every turn that was accepted
-        but not answered, ahead of anything new. Commands among them are returned, to be
-        answered with `answer_commands` once the channels can deliver."""
-        pending = await self.s.store.pending_events()
+    async def resume_pending(self, channels: Collection[str]) -> list[Inbound]:
+        """After a restart, before the channels start: queue every turn of `channels` (the
+        ones this process runs) that was accepted but not answered, ahead of anything new.
+        Other channels' events stay pending for the process that runs them (`gateway chat`
+        runs only the terminal; `run` has no terminal): a reply delivered to no channel
+        would count as answered and never be sent. Commands among them are returned, to
+        be answered with `answer_commands` once the channels can deliver."""
+        pending = [ev for ev in await self.s.store.pending_events() if ev.channel in channels]
         commands: list[Inbound] = []
         for ev in pending:
             try:
@@ -162,6 +168,7 @@ class Router:
                 await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
                 continue
             key, scope = self.keys(inbound)
+            self.resumed.add((ev.channel, ev.event_id))
             resume = ev.turn if ev.status == "running" else None
             if resume is None and parse_command(inbound.text) is not None:
                 commands.append(inbound)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -92,6 +93,15 @@ def _close_open_turn(messages: list[Message]) -> list[Message]:
                     out.append(Message(role="tool", content="error: interrupted by a restart; not run",
                                        turn=m.turn, tool_call_id=call.id, tool_name=call.name))
     return out
+
+
+def _log_turn(live: LiveSession, started: float, outcome: str) -> None:
+    """The one INFO line of a turn: what it cost and how it ended, never what was said."""
+    log.info("turn ended", extra={
+        "session": live.key, "channel": live.channel, "steps": live.turn_steps,
+        "tokens_in": live.turn_tokens_in, "tokens_out": live.turn_tokens_out,
+        "duration_s": round(time.monotonic() - started, 2), "outcome": outcome, "trims": list(live.turn_trims),
+    })
 
 
 class SessionManager:
@@ -210,18 +220,25 @@ class SessionManager:
             while not live.queue.empty():
                 job = live.queue.get_nowait()
                 self.s.metrics.queue_depth.dec()
+                started = time.monotonic()
+                outcome = "cut"  # a shutdown cancelled it; it resumes at the next start
                 try:
                     if isinstance(job, TurnJob):
-                        await self._turn(live, job)
+                        outcome = await self._turn(live, job)
                     else:
                         await self._command(live, job)
                 except (sqlite3.Error, OSError) as err:
                     # The database or disk refused a write: this job ends, the queue goes on.
+                    outcome = "storage_error"
                     log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
                     await self._send(job.inbound, STORAGE_REPLY)
                 except Exception:
+                    outcome = "crash"
                     log.exception("job failed", extra={"session": live.key})
                     await self._send(job.inbound, CRASH_REPLY)
+                finally:
+                    if isinstance(job, TurnJob):
+                        _log_turn(live, started, outcome)
         finally:
             live.worker = None
 
@@ -243,8 +260,11 @@ class SessionManager:
             log.exception("reply could not be delivered", extra={"channel": inbound.channel})
             return False
 
-    async def _turn(self, live: LiveSession, job: TurnJob) -> None:
+    async def _turn(self, live: LiveSession, job: TurnJob) -> str:
+        """Run a turn to its reply; its outcome for the log line."""
         inbound = job.inbound
+        live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.turn_trims = []
         store = self.s.store
         cfg = self.s.cfg
         live.inbound = inbound
@@ -274,13 +294,13 @@ class SessionManager:
                 # (into the message already shown, when a stream showed one).
                 await self._say(inbound, done[-1].content, resume_ref=resume_ref)
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
-                return
+                return "delivered_after_restart"
             if not done or turn != live.ctx.current_turn:
                 # The turn fell out of the restored window, or a newer turn was stored after
                 # it (the agent only ever continues the latest turn): ask for it again.
                 await self._say(inbound, RESEND_REPLY, resume_ref=resume_ref, failed=True)
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
-                return
+                return "asked_to_resend"
         stream = self._stream(inbound, resume_ref)
         result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s, stream)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
@@ -293,6 +313,7 @@ class SessionManager:
         usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
         await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
                              usage=usage)
+        return result.outcome if delivered else "undelivered"
 
     @staticmethod
     def _stored_unanswered(live: LiveSession, text: str) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pyte
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -502,5 +503,10 @@ async def test_the_terminal_erases_what_a_status_replaces(monkeypatch: pytest.Mo
     screen = out.text
     erase = "\r\033[2A\033[J"  # back to the first of the 3 rows, clear to the end of the screen
     assert screen.index(erase) < screen.index("reading notes.md…") < screen.index("Found it.")
-    assert screen.count("Found it.") == 1 and screen.endswith("Found it.\n\n")
+    # What the window shows at the end: the answer once (the streamed text was replaced by
+    # its rendering in place), nothing of what came before it.
+    window = pyte.Screen(20, 24)
+    pyte.Stream(window).feed(screen.replace("\n", "\r\n"))  # the tty's ONLCR
+    assert [line.rstrip() for line in window.display if line.strip()] == ["bot> Found it."]
+    assert screen.endswith("\n\n")
     assert await terminal.replies.get() == ("Found it.", True)

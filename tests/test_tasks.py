@@ -170,7 +170,7 @@ def test_a_task_reply_in_the_terminal_is_printed_without_taking_the_prompt_s_pla
     asyncio.run(scenario())
     assert "time to stretch" in out.getvalue() and "streamed task reply" in out.getvalue()
     # The chat loop waits for the reply to what was typed: only that one is queued for it.
-    assert terminal.replies.qsize() == 1 and terminal.replies.get_nowait() == ("the answer to hi", False)
+    assert terminal.replies.qsize() == 1 and terminal.replies.get_nowait() == ("the answer to hi", True)
 
 
 async def test_the_purge_forgets_old_runs_and_ended_tasks_only(store: Store, tmp_path: Path) -> None:

@@ -1,0 +1,309 @@
+"""`gateway chat` in a real pseudo-terminal, read the way a person reads it: the window
+(a pyte terminal emulator fed everything the chat printed). Each answer follows its own
+question, also after a Ctrl+C cut a turn and across a restart; lines typed while an
+answer comes in are answered in order; warnings never land inside an answer or the
+prompt; and the chat never touches another channel's pending events."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import fcntl
+import os
+import re
+import struct
+import sys
+import termios
+from pathlib import Path
+from typing import Any
+
+import pyte
+
+from channels.terminal import TerminalChannel
+from gateway.store import Store
+from gateway.types import Inbound, inbound_to_dict
+from tests.conftest import GatewayFactory, write_config
+from tests.fakes.openai_server import FakeModel
+
+COLUMNS, ROWS = 100, 60  # tall enough that nothing scrolls out of the emulated window
+
+
+def _controlling_terminal() -> None:
+    # In the child, after setsid: the pty becomes its terminal, so ^C sends SIGINT.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Window:
+    """A chat process on a pty, and the screen it draws."""
+
+    def __init__(self) -> None:
+        self.screen = pyte.Screen(COLUMNS, ROWS)
+        self.stream = pyte.Stream(self.screen)
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.raw = ""
+        self.changed = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.master = -1
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, config: Path, cwd: Path) -> None:
+        master, slave = os.openpty()
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+        self.master = master
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": str(COLUMNS),
+               "LINES": str(ROWS)}
+        env.pop("NO_COLOR", None)
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "chat", "--config", str(config), cwd=cwd, env=env,
+            stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_controlling_terminal)
+        os.close(slave)
+        os.set_blocking(master, False)
+        asyncio.get_running_loop().add_reader(master, self._read)
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(self.master)
+            self.closed.set()
+            return
+        text = self.decoder.decode(data)
+        self.raw += text
+        self.stream.feed(text)
+        self.changed.set()
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    @property
+    def lines(self) -> list[str]:
+        """The window's rows with text, top to bottom."""
+        return [row.rstrip() for row in self.screen.display if row.strip()]
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    async def until(self, pattern: str, timeout: float = 30) -> None:
+        """Until the window matches `pattern` (re.S)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while re.search(pattern, self.text, re.S) is None:
+                    if self.closed.is_set():
+                        raise AssertionError(f"the chat ended before showing {pattern!r}:\n{self.text}")
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"the window never showed {pattern!r}:\n{self.text}") from None
+
+    async def at_prompt(self) -> None:
+        """Until the last row is an empty prompt."""
+        await self.until(r"you>\Z")
+
+    async def exit_code(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        code = await asyncio.wait_for(self.proc.wait(), timeout)
+        await asyncio.wait_for(self.closed.wait(), timeout)
+        return code
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        if self.master >= 0:
+            asyncio.get_running_loop().remove_reader(self.master)
+            os.close(self.master)
+            self.master = -1
+
+
+def _order(lines: list[str], *wanted: str) -> list[int]:
+    """The index of the first row equal to each of `wanted`, in order after the one before."""
+    found, start = [], 0
+    for text in wanted:
+        index = next((i for i in range(start, len(lines)) if lines[i] == text), None)
+        assert index is not None, f"{text!r} not found after row {start}:\n" + "\n".join(lines)
+        found.append(index)
+        start = index + 1
+    return found
+
+
+async def _telegram_pending(data: Path) -> None:
+    """A Telegram message accepted by a `gateway run` that died before answering it."""
+    store = await Store.open(data / "gateway.sqlite3")
+    inbound = Inbound(channel="telegram", chat_id="5", user_id="5", text="hello from telegram", event_id="tg-1")
+    await store.record_event("telegram", "tg-1", session_key="telegram:dm:5", inbound=inbound_to_dict(inbound))
+    await store.close()
+
+
+async def _event_status(data: Path, channel: str, event_id: str) -> str | None:
+    store = await Store.open(data / "gateway.sqlite3")
+    try:
+        return await store.event_status(channel, event_id)
+    finally:
+        await store.close()
+
+
+async def test_each_answer_follows_its_question_across_ctrl_c_and_a_restart(
+        fake_model: FakeModel, tmp_path: Path) -> None:
+    config = write_config(tmp_path, fake_model)
+    data = tmp_path / "data"
+
+    first = Window()
+    try:
+        await first.start(config, tmp_path)
+        await first.at_prompt()
+        fake_model.reply("Answer **one**\n\n- apples\n- pears", chunks=["Answer ", "**one**\n\n", "- apples\n- pears"],
+                         chunk_delay=0.05)
+        first.type("question one\r")
+        await first.until(r"pears.*you>\Z")
+        # Streamed as plain text, then shown rendered in its place: no ** left, once.
+        rows = first.lines
+        q1, a1 = _order(rows, "you> question one", "bot> Answer one")
+        assert a1 == q1 + 1 and "**" not in first.text and first.text.count("Answer one") == 1
+        assert [row.strip() for row in rows[a1 + 1:a1 + 3]] == ["• apples", "• pears"]
+
+        fake_model.hang(60)  # question two never gets its answer in this run
+        first.type("question two\r")
+        await fake_model.wait_requests(2)
+        first.type("\x03")  # Ctrl+C mid-turn
+        assert await first.exit_code() == 0
+        assert "Stopped mid-answer; your question is answered when the chat starts again." in first.lines
+        assert "Traceback" not in first.raw
+    finally:
+        await first.close()
+
+    await _telegram_pending(data)
+    fake_model.clear()
+    fake_model.reply("Answer two", chunks=["Answer ", "two"], chunk_delay=0.1)  # the resumed turn
+    fake_model.reply("Answer three", chunks=["Answer ", "three"], chunk_delay=0.4)
+    fake_model.reply("Answer four")
+    fake_model.error(400, {"error": {"message": "the provider refused"}})  # a warning is logged
+
+    second = Window()
+    try:
+        await second.start(config, tmp_path)
+        # The question cut by Ctrl+C is answered before the first prompt, labelled.
+        await second.until(r"Answer two.*you>\Z")
+        label, quote, answer, _prompt = _order(
+            second.lines, "The chat stopped before answering this earlier question:", "you> question two",
+            "bot> Answer two", "you>")
+        assert quote == label + 1 and answer == quote + 1
+
+        # Question four is typed while answer three is still coming in.
+        second.type("question three\r")
+        await second.until(r"you> question three\nbot> Answer")
+        second.type("question four\r")
+        await second.until(r"Answer four.*you>\Z")
+        rows = second.lines
+        _order(rows, "you> question three", "bot> Answer three", "you> question four", "bot> Answer four", "you>")
+        assert second.text.count("question four") == 1  # not echoed into answer three
+
+        second.type("question five\r")
+        await second.until(r"the provider refused.*you>\Z")
+        rows = second.lines
+        reply, warning, prompt = _order(
+            rows, "bot> The model provider rejected the request (HTTP 400): the provider refused",
+            'warning: model error session="terminal:local" kind="bad_request" detail="the provider refused"',
+            "you>")
+        assert reply < warning < prompt == len(rows) - 1  # between the answer and the next prompt
+
+        second.type("\x04")  # Ctrl+D
+        assert await second.exit_code() == 0
+    finally:
+        await second.close()
+
+    asked = [request["messages"][-1]["content"] for request in fake_model.requests]
+    assert asked == ["question one", "question two", "question two", "question three", "question four",
+                     "question five"]
+    # The Telegram message waits for `gateway run`: chat neither answered it nor sent it to the model.
+    assert await _event_status(data, "telegram", "tg-1") == "accepted"
+    log = (data / "chat.log").read_text()
+    assert log.count('"turn ended"') == 6  # one, two (cut), two, three, four, five
+    assert "question" not in log
+
+
+async def test_ctrl_c_at_the_prompt_ends_the_chat_and_restores_the_terminal(
+        fake_model: FakeModel, tmp_path: Path) -> None:
+    config = write_config(tmp_path, fake_model)
+    window = Window()
+    try:
+        await window.start(config, tmp_path)
+        await window.at_prompt()
+        window.type("half a line")
+        await window.until(r"you> half a line\Z")
+        window.type("\x03")
+        assert await window.exit_code() == 0
+        assert "Traceback" not in window.raw
+        # readline had the terminal in raw mode: the shell gets its line editing and echo back.
+        flags = termios.tcgetattr(window.master)[3]
+        assert flags & termios.ECHO and flags & termios.ICANON
+    finally:
+        await window.close()
+    assert fake_model.requests == []
+
+
+async def test_run_leaves_the_terminals_pending_turn_to_the_chat(
+        make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    store = await Store.open(data / "gateway.sqlite3")
+    for channel, chat_id, text in (("terminal", "local", "asked in the terminal"),
+                                   ("web", "alice", "asked on the web")):
+        inbound = Inbound(channel=channel, chat_id=chat_id, user_id=chat_id, text=text, event_id=f"{channel}-1")
+        await store.record_event(channel, f"{channel}-1", session_key=f"{channel}:{chat_id}",
+                                 inbound=inbound_to_dict(inbound))
+    await store.close()
+
+    gw = await make_gateway()  # `gateway run`: web, no terminal
+    assert gw.services is not None
+    for _ in range(200):
+        if await gw.services.store.event_status("web", "web-1") in ("answered", "undelivered"):
+            break
+        await asyncio.sleep(0.05)
+    assert await gw.services.store.event_status("web", "web-1") in ("answered", "undelivered")
+    assert await gw.services.store.event_status("terminal", "terminal-1") == "accepted"
+    assert [request["messages"][-1]["content"] for request in fake_model.requests] == ["asked on the web"]
+
+
+class Tty:
+    """stdout of a terminal, as text (what the chat writes to it)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None: ...
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _window(text: str, columns: int, rows: int) -> list[str]:
+    screen = pyte.HistoryScreen(columns, rows, history=1000)
+    pyte.Stream(screen).feed(text.replace("\n", "\r\n"))  # the tty's ONLCR
+    scrolled = ["".join(line[x].data for x in range(columns)) for line in screen.history.top]
+    return [row.rstrip() for row in scrolled + screen.display if row.strip()]
+
+
+async def test_a_reply_taller_than_the_window_stays_plain_and_is_shown_once(monkeypatch: Any) -> None:
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((40, 10)))
+    reply = "\n".join(f"- item **{n}**" for n in range(15))  # 15 rows in a 10-row window
+    out = Tty()
+    terminal = TerminalChannel(out=out)  # type: ignore[arg-type]
+    stream = terminal.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="e"))
+    for line in reply.split("\n"):
+        await stream.append(line + "\n" if not line.endswith("14**") else line)
+    await stream.finish(reply)
+    shown = _window(out.text, 40, 10)
+    assert shown == ["bot> - item **0**", *(f"- item **{n}**" for n in range(1, 15))]
+
+    short = TerminalChannel(out=Tty())
+    stream = short.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="f"))
+    await stream.append("- item **1**\n- item **2**")
+    await stream.finish("- item **1**\n- item **2**")
+    assert _window(short.out.text, 40, 10) == ["bot>  • item 1", "      • item 2"]  # type: ignore[attr-defined]
