@@ -188,4 +188,14 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE events ADD COLUMN reply_ref TEXT;
     """,
+    # 5: reserved for the scheduled tasks of SPEC §5.3 (branch q-tasks); replaced by that
+    # branch's step when both are merged. A no-op here so that this branch's numbers match.
+    """
+    SELECT 1;
+    """,
+    # 6: the files a person sent with a message (SPEC §5.4), as JSON metadata: path,
+    # kind, size, an image's dimensions and the copy the model is shown. Never the bytes.
+    """
+    ALTER TABLE messages ADD COLUMN attachments TEXT;
+    """,
 ]

@@ -47,6 +47,7 @@ class Services:
     memory: Any = None  # gateway.memory.Memory when available
     usage: Any = None  # gateway.usage.Usage
     mcp: Any = None  # gateway.tools.mcp.McpManager
+    media: Any = None  # gateway.media.Media: files people send (SPEC §5.4)
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
 
