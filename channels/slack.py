@@ -26,6 +26,7 @@ import hmac
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -56,7 +57,7 @@ from channels.slack_stream import error_code as _error_code
 from channels.slack_stream import retry_after as _retry_after
 from gateway.config import SlackConfig
 from gateway.http import JsonBodyError, JsonTooDeep, parse_json_body
-from gateway.media import FileRefused, kind_of, safe_file_name, save_download, too_large
+from gateway.media import FileRefused, discard_saved, kind_of, safe_file_name, save_download, too_large
 from gateway.types import Attachment, AttachmentKind, Inbound
 from gateway.workspace import PathNotAllowed
 
@@ -70,6 +71,7 @@ RATE_LIMIT_RETRIES = 3
 RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
 API_TIMEOUT_S = 15
 SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
+TAKEN_KEPT = 2048  # event ids remembered so a post's twin event does not fetch its files again
 
 # Message subtypes that are a person's new post; every other subtype (edits, deletes,
 # joins, bot messages, …) is not something to answer.
@@ -319,6 +321,7 @@ class SlackChannel:
         self._connect_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight: dict[str, _InFlight] = {}
+        self._taken: OrderedDict[str, None] = OrderedDict()  # event ids the router took lately
         self._user_names: dict[str, tuple[str | None, float]] = {}
         self.bot_user_id: str | None = None
         self.bot_id: str | None = None
@@ -486,12 +489,21 @@ class SlackChannel:
         # Twins and retries of one post arrive together; one at a time lets the router's
         # dedup see the first before the second (and files are fetched once).
         async with self._one_at_a_time(parsed.inbound.event_id):
-            inbound = await self._complete(parsed)
+            # The twin of a post already taken is dropped by the router: its files are not fetched.
+            twin = parsed.inbound.event_id in self._taken
+            inbound = await self._complete(parsed, fetch_files=not twin)
             try:
-                await self._handler(inbound)
+                taken = await self._handler(inbound)
             except Exception:
                 log.exception("slack: handler failed for %s; left unacknowledged", inbound.event_id)
                 context[_DEFER] = True
+                await self._discard(inbound)  # fetched again when Slack redelivers
+                return
+            if taken is False:
+                await self._discard(inbound)  # a redelivery: the first delivery has the files
+            self._taken[inbound.event_id] = None
+            while len(self._taken) > TAKEN_KEPT:
+                self._taken.popitem(last=False)
 
     async def _on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
         await ack()  # Slack's 3 s deadline; the reply comes later, ephemerally
@@ -532,13 +544,17 @@ class SlackChannel:
 
     # -- enrichment: names and files (best effort, never blocks delivery)
 
-    async def _complete(self, parsed: ParsedEvent) -> Inbound:
+    async def _discard(self, inbound: Inbound) -> None:
+        if any(a.path for a in inbound.attachments):
+            await discard_saved(await asyncio.to_thread(self._workspace_for, inbound), inbound)
+
+    async def _complete(self, parsed: ParsedEvent, *, fetch_files: bool = True) -> Inbound:
         inbound = parsed.inbound
         if inbound.user_name is None:
             name = await self._user_name(inbound.user_id)
             if name:
                 inbound = replace(inbound, user_name=name)
-        if parsed.files and (self._admits is None or await self._admits(inbound)):
+        if fetch_files and parsed.files and (self._admits is None or await self._admits(inbound)):
             try:
                 inbound = await self._attach(inbound, parsed.files)
             except Exception:

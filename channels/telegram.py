@@ -48,7 +48,15 @@ from channels.telegram_stream import is_format_error as _is_format_error
 from channels.telegram_stream import retry_seconds as _retry_seconds
 from gateway.config import TelegramConfig, usable_webhook_secret
 from gateway.http import JsonBodyError, parse_json_body
-from gateway.media import FileRefused, kind_of, local_chunks, safe_file_name, save_download, too_large
+from gateway.media import (
+    FileRefused,
+    discard_saved,
+    kind_of,
+    local_chunks,
+    safe_file_name,
+    save_download,
+    too_large,
+)
 from gateway.proxy import env_proxy
 from gateway.types import Attachment, AttachmentKind, Inbound
 
@@ -552,18 +560,21 @@ class TelegramChannel:
         if parsed is None:
             return True
         self._in_handler = True
+        inbound = parsed.inbound
         try:
-            inbound = parsed.inbound
-            if parsed.file is None or self._admits is None or await self._admits(inbound):
+            if parsed.file is not None and (self._admits is None or await self._admits(inbound)):
                 inbound = await self._with_files(parsed)
-            await self._handler(inbound)
+            taken = await self._handler(inbound)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("telegram: handling update %s failed", parsed.inbound.event_id)
+            await discard_saved(self._workspace_for(inbound), inbound)  # fetched again on the retry
             return False
         finally:
             self._in_handler = False
+        if taken is False:  # a redelivery the router had seen: its first delivery has the file
+            await discard_saved(self._workspace_for(inbound), inbound)
         return True
 
     # ------------------------------------------------------------ webhook

@@ -169,6 +169,26 @@ async def local_chunks(path: Path, block: int = WRITE_BLOCK) -> AsyncIterator[by
         await asyncio.to_thread(fh.close)
 
 
+def _unlink_saved(workspace: Path, paths: list[str]) -> None:
+    for rel in paths:
+        try:
+            resolve_in_workspace(workspace, rel).unlink()
+        except (FileNotFoundError, PathNotAllowed):
+            pass
+
+
+async def discard_saved(workspace: Path, inbound: Inbound) -> None:
+    """Delete the files a channel saved for `inbound` when the router did not take it (a
+    redelivery it had already seen, or a failure the platform will deliver again): the
+    message that counts has its own copies."""
+    paths = [a.path for a in inbound.attachments if a.path]
+    if paths:
+        try:
+            await asyncio.to_thread(_unlink_saved, workspace, paths)
+        except OSError as err:
+            log.warning("files of a message not taken were not deleted: %s", err)
+
+
 def kind_of(mime: str | None, name: str = "") -> AttachmentKind:
     """image / audio / file, from a file's type (channels know better for voice notes)."""
     mime = (mime or "").lower()

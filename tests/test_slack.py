@@ -73,7 +73,7 @@ class Recorder:
         self.entered = asyncio.Event()
         self._changed = asyncio.Condition()
 
-    async def __call__(self, inbound: Inbound) -> None:
+    async def __call__(self, inbound: Inbound) -> bool | None:
         self.inbounds.append(inbound)
         self.entered.set()
         async with self._changed:
@@ -85,7 +85,7 @@ class Recorder:
             raise RuntimeError("router failed")
         if self.dedup:
             if inbound.event_id in self.seen:
-                return
+                return False  # as the router says of an event it has seen
             self.seen.add(inbound.event_id)
         if self.reply is not None and self.channel is not None:
             await self.channel.send(inbound, self.reply(inbound))
@@ -366,6 +366,35 @@ async def test_files_are_saved_in_the_workspace(
     assert fake_slack.downloads == [good["id"], picture["id"], clip["id"], liar["id"]]
     assert sorted(p.name for p in (workspace / "files").iterdir()) == [
         "audio_message.webm", "notes_v1.txt", "shot.png"]
+
+
+async def test_a_posts_files_are_kept_once_across_failures_twins_and_retries(
+    fake_slack: FakeSlack, make_channel: MakeChannel, tmp_path: Path
+) -> None:
+    handler = Recorder(dedup=True, failures=1)
+    await make_channel(handler)
+    doc = fake_slack.add_file("notes.txt", b"hello file")
+    ts = next_ts()
+    text = f"<@{BOT_USER_ID}> see attached"
+    as_message = {"type": "message", "channel_type": "channel", "channel": "C1", "user": "U1", "text": text,
+                  "ts": ts, "subtype": "file_share", "files": [doc]}
+    as_mention = {"type": "app_mention", "channel": "C1", "user": "U1", "text": text, "ts": ts, "files": [doc]}
+    failed = await fake_slack.push_event(as_message, event_id="Ev1")  # the router fails: Slack redelivers
+    await handler.wait(1)
+    await fake_slack.wait_acked(await fake_slack.push_event(dm("other")))
+    assert failed not in fake_slack.acked
+    for envelope in [await fake_slack.push_event(as_message, event_id="Ev1", retry_num=1),
+                     await fake_slack.push_event(as_mention, event_id="Ev2"),  # the twin
+                     await fake_slack.push_event(as_mention, event_id="Ev2", retry_num=1)]:
+        await fake_slack.wait_acked(envelope)
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(handler.inbounds[0]))
+    # The failed delivery's copy was deleted (its name is free again); the twin and its retry
+    # were not fetched at all.
+    assert [p.name for p in (workspace / "files").iterdir()] == ["notes.txt"]
+    assert fake_slack.downloads == [doc["id"]] * 2
+    first, _other, taken, twin, retry = handler.inbounds
+    assert [a.path for a in first.attachments] == [a.path for a in taken.attachments] == ["files/notes.txt"]
+    assert twin.attachments == retry.attachments == ()
 
 
 async def test_user_name_comes_from_users_info(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:

@@ -577,6 +577,21 @@ async def test_voice_audio_and_video_notes_are_saved(
     assert (n.kind, n.path, n.mime, n.duration_s) == ("voice", f"files/video_note_{mid + 2}.mp4", "video/mp4", 7.0)
 
 
+async def test_a_file_is_kept_once_when_the_router_fails_and_the_update_comes_again(
+    fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
+) -> None:
+    _, recorder = await start_channel()
+    recorder.fail_times = 1
+    fake_telegram.add_file("doc", b"%PDF-1.4 x", "documents/file_1.pdf")
+    fake_telegram.push_message(chat_id=3, user_id=3, document={
+        "file_id": "doc", "file_unique_id": "d", "file_name": "a.pdf", "file_size": 10})
+    (inbound,) = await recorder.wait(1)  # taken on the second try
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(inbound))
+    assert fake_telegram.downloads == ["documents/file_1.pdf"] * 2
+    assert [a.path for a in inbound.attachments] == ["files/a.pdf"]
+    assert [p.name for p in (workspace / "files").iterdir()] == ["a.pdf"]  # the failed try left nothing
+
+
 async def test_a_file_larger_than_it_was_said_to_be_is_cut_off_while_downloading(
     fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
 ) -> None:
