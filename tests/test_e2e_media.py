@@ -138,6 +138,16 @@ async def test_a_telegram_voice_note_is_transcribed(
     await fake_telegram.wait_shown(5, lambda shown: len(shown) == 2)
     assert "Messages: 2" in fake_telegram.shown(5)[1]
 
+    mp3 = b"ID3\x04\x00 an mp3 file"
+    fake_telegram.add_file("a1", mp3, "music/file_5.mp3")
+    fake_model.transcribe("the chorus goes la la la")
+    fake_telegram.push_message(chat_id=5, user_id=5, caption="lyrics?", audio={
+        "file_id": "a1", "file_unique_id": "ua1", "duration": 185, "mime_type": "audio/mpeg",
+        "file_name": "tune.mp3", "file_size": len(mp3)})
+    await fake_telegram.wait_shown(5, lambda shown: len(shown) == 3)
+    assert fake_model.transcriptions[-1]["filename"] == "tune.mp3" and fake_model.transcriptions[-1]["audio"] == mp3
+    assert last_user(fake_model.requests[-1]) == "lyrics?\n[audio: files/tune.mp3, 3:05] the chorus goes la la la"
+
 
 async def test_a_voice_note_that_cannot_be_transcribed_gets_a_clear_reply(
     make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
