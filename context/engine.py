@@ -136,6 +136,7 @@ class _Turn:
         default_factory=dict
     )
     stage2_seen: bool = False
+    images: bool = False  # its user message carries images (SPEC §5.4)
 
     @property
     def raw(self) -> list[Message]:
@@ -201,7 +202,7 @@ class SessionContext:
         if starts_turn(msg):
             number = msg.turn if msg.turn > self._last_number else self._last_number + 1
             self._last_number = number
-            self._turns.append(_Turn(number, [msg], True))
+            self._turns.append(_Turn(number, [msg], True, images=bool(images_of(msg))))
         elif not self._turns:
             self._turns.append(_Turn(msg.turn or self._last_number, [msg], False))
         else:
@@ -425,8 +426,8 @@ class _Request:
         """How `turn` shows its images (SPEC §5.4): as parts with vision, in the current
         turn and the last IMAGE_HISTORY_TURNS historical ones; as placeholders elsewhere
         with vision; as the stored text alone without it."""
-        if not self.budget.vision:
-            return "text"
+        if not self.budget.vision or not turn.images:
+            return "text"  # a turn without images renders (and caches) the same either way
         turns = self.ctx._turns
         cur = self.ctx._current()
         if turn is cur:
