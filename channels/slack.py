@@ -26,6 +26,7 @@ import hmac
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -56,26 +57,27 @@ from channels.slack_stream import error_code as _error_code
 from channels.slack_stream import retry_after as _retry_after
 from gateway.config import SlackConfig
 from gateway.http import JsonBodyError, JsonTooDeep, parse_json_body
-from gateway.types import Attachment, Inbound
-from gateway.workspace import PathNotAllowed, resolve_in_workspace
+from gateway.media import FileRefused, discard_saved, kind_of, safe_file_name, save_download, too_large
+from gateway.types import Attachment, AttachmentKind, Inbound
+from gateway.workspace import PathNotAllowed
 
 log = logging.getLogger(__name__)
 
 SLASH_COMMANDS = ("/context", "/config", "/compact", "/help", "/new")
 WORKING_REACTION = "hourglass_flowing_sand"
-MAX_FILE_BYTES = 20 * 1024 * 1024
+DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default
 SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are replays
 RATE_LIMIT_RETRIES = 3
 RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
 API_TIMEOUT_S = 15
 SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
+TAKEN_KEPT = 2048  # event ids remembered so a post's twin event does not fetch its files again
 
 # Message subtypes that are a person's new post; every other subtype (edits, deletes,
 # joins, bot messages, …) is not something to answer.
 _ANSWERED_SUBTYPES = frozenset({None, "file_share", "thread_broadcast"})
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _COMMAND = re.compile(r"/[a-z0-9_.-]{1,32}")
-_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # Set in a request's bolt context when the event must stay unacknowledged (Slack redelivers).
 _DEFER = "gateway_defer_ack"
 
@@ -94,6 +96,8 @@ class SlackFile:
     url: str
     size: int
     mime: str | None
+    kind: AttachmentKind = "file"
+    duration_s: float | None = None  # audio clips recorded in Slack carry it
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +136,22 @@ def _files(raw: Any) -> tuple[SlackFile, ...]:
             continue
         name = item.get("name")
         size = item.get("size")
-        mime = item.get("mimetype")
+        mime = item.get("mimetype") if isinstance(item.get("mimetype"), str) else None
+        # One line: a name must not be able to fake another "[file: …]" note.
+        shown = " ".join(clean_text(name).split())[:200] if isinstance(name, str) and name.strip() else file_id
+        kind = kind_of(mime, shown)
+        if kind == "audio" and item.get("subtype") == "slack_audio":
+            kind = "voice"  # a clip recorded in Slack: a voice message
+        duration = item.get("duration_ms")
         found.append(
             SlackFile(
                 id=file_id,
-                # One line: a name must not be able to fake another "[file: …]" note.
-                name=" ".join(clean_text(name).split())[:200] if isinstance(name, str) and name.strip() else file_id,
+                name=shown,
                 url=url,
                 size=size if isinstance(size, int) and size >= 0 else 0,
-                mime=mime if isinstance(mime, str) else None,
+                mime=mime,
+                kind=kind,
+                duration_s=duration / 1000 if isinstance(duration, int) and duration >= 0 else None,
             )
         )
     return tuple(found)
@@ -287,8 +298,11 @@ class SlackChannel:
         stream_interval_s: float = 1.0,
         stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
+        file_limit: Callable[[], int] | None = None,
     ) -> None:
         self._cfg = cfg
+        # The largest file downloaded (limits.max_inbound_file_mb of the running config).
+        self._file_limit = file_limit or (lambda: DEFAULT_FILE_LIMIT)
         # The running config's `stream_interval_s`, read as each reply starts, or a fixed value.
         self._stream_interval = stream_interval or (lambda: stream_interval_s)
         self._observe = observe
@@ -307,6 +321,7 @@ class SlackChannel:
         self._connect_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight: dict[str, _InFlight] = {}
+        self._taken: OrderedDict[str, None] = OrderedDict()  # event ids the router took lately
         self._user_names: dict[str, tuple[str | None, float]] = {}
         self.bot_user_id: str | None = None
         self.bot_id: str | None = None
@@ -474,12 +489,21 @@ class SlackChannel:
         # Twins and retries of one post arrive together; one at a time lets the router's
         # dedup see the first before the second (and files are fetched once).
         async with self._one_at_a_time(parsed.inbound.event_id):
-            inbound = await self._complete(parsed)
+            # The twin of a post already taken is dropped by the router: its files are not fetched.
+            twin = parsed.inbound.event_id in self._taken
+            inbound = await self._complete(parsed, fetch_files=not twin)
             try:
-                await self._handler(inbound)
+                taken = await self._handler(inbound)
             except Exception:
                 log.exception("slack: handler failed for %s; left unacknowledged", inbound.event_id)
                 context[_DEFER] = True
+                await self._discard(inbound)  # fetched again when Slack redelivers
+                return
+            if taken is False:
+                await self._discard(inbound)  # a redelivery: the first delivery has the files
+            self._taken[inbound.event_id] = None
+            while len(self._taken) > TAKEN_KEPT:
+                self._taken.popitem(last=False)
 
     async def _on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
         await ack()  # Slack's 3 s deadline; the reply comes later, ephemerally
@@ -520,13 +544,17 @@ class SlackChannel:
 
     # -- enrichment: names and files (best effort, never blocks delivery)
 
-    async def _complete(self, parsed: ParsedEvent) -> Inbound:
+    async def _discard(self, inbound: Inbound) -> None:
+        if any(a.path for a in inbound.attachments):
+            await discard_saved(await asyncio.to_thread(self._workspace_for, inbound), inbound)
+
+    async def _complete(self, parsed: ParsedEvent, *, fetch_files: bool = True) -> Inbound:
         inbound = parsed.inbound
         if inbound.user_name is None:
             name = await self._user_name(inbound.user_id)
             if name:
                 inbound = replace(inbound, user_name=name)
-        if parsed.files and (self._admits is None or await self._admits(inbound)):
+        if fetch_files and parsed.files and (self._admits is None or await self._admits(inbound)):
             try:
                 inbound = await self._attach(inbound, parsed.files)
             except Exception:
@@ -552,54 +580,47 @@ class SlackChannel:
         return name
 
     async def _attach(self, inbound: Inbound, files: tuple[SlackFile, ...]) -> Inbound:
+        """The message with its files saved under the scope's files/, or with what stopped
+        each one (the turn says so)."""
         workspace = await asyncio.to_thread(self._workspace_for, inbound)
+        limit = self._file_limit()
         attachments: list[Attachment] = []
-        notes: list[str] = []
-        used: set[str] = set()
         for f in files:
-            rel = self._file_path(inbound.message_id or "0", f, used)
-            if f.size > MAX_FILE_BYTES:
-                notes.append(f"[file: {f.name} (not saved: larger than {MAX_FILE_BYTES // 2**20} MB)]")
-                continue
             try:
-                data = await self._download(f)
-                await asyncio.to_thread(_write_file, workspace, rel, data)
+                if f.size > limit:
+                    raise too_large(limit)  # never fetched: the size Slack reported is enough
+                relative, size = await save_download(self._download(f), workspace, f.name, limit=limit)
+            except FileRefused as err:
+                attachments.append(self._refused(f, str(err)))
+                continue
             except (PathNotAllowed, OSError, aiohttp.ClientError, TimeoutError, _DownloadRefused) as err:
                 log.warning("slack: file %s of %s not saved: %s", f.id, inbound.event_id, _describe(err))
-                notes.append(f"[file: {f.name} (could not be downloaded)]")
+                attachments.append(self._refused(f, "it could not be downloaded from Slack"))
                 continue
-            attachments.append(Attachment(name=f.name, path=rel, mime=f.mime, size=len(data)))
-            notes.append(f"[file: {f.name}, {rel}]")
-        text = "\n".join([inbound.text, *notes]).strip()
-        return replace(inbound, text=text, attachments=inbound.attachments + tuple(attachments))
+            attachments.append(Attachment(name=safe_file_name(f.name), path=relative, mime=f.mime, size=size,
+                                          kind=f.kind, duration_s=f.duration_s))
+        return replace(inbound, attachments=inbound.attachments + tuple(attachments))
 
     @staticmethod
-    def _file_path(message_id: str, f: SlackFile, used: set[str]) -> str:
-        safe = _SAFE_NAME.sub("_", f.name).lstrip("._")[:100] or f.id
-        rel = f"files/{message_id}_{safe}"
-        if rel in used:
-            rel = f"files/{message_id}_{f.id}_{safe}"
-        used.add(rel)
-        return rel
+    def _refused(f: SlackFile, reason: str) -> Attachment:
+        return Attachment(name=safe_file_name(f.name), path="", mime=f.mime, size=f.size, kind=f.kind,
+                          duration_s=f.duration_s, error=reason)
 
-    async def _download(self, f: SlackFile) -> bytes:
+    async def _download(self, f: SlackFile) -> AsyncIterator[bytes]:
+        """The file's bytes as they arrive (the caller stops reading past its limit)."""
         if not self._trusted(f.url):
             # The bot token goes along: never to a host that is not Slack's (or base_url's).
             raise _DownloadRefused(f"untrusted host in {f.url[:80]!r}")
         assert self._session is not None
         headers = {"Authorization": f"Bearer {self._bot_token}"}
-        timeout = aiohttp.ClientTimeout(total=120)
+        timeout = aiohttp.ClientTimeout(total=120, sock_read=30)
         async with self._session.get(f.url, headers=headers, timeout=timeout) as resp:
             if resp.status != 200:
                 raise _DownloadRefused(f"HTTP {resp.status}")
             if resp.content_type == "text/html" and f.mime != "text/html":
                 raise _DownloadRefused("got a login page (token lacks files:read?)")
-            data = bytearray()
             async for block in resp.content.iter_chunked(65536):
-                data += block
-                if len(data) > MAX_FILE_BYTES:
-                    raise _DownloadRefused("larger than the size cap")
-        return bytes(data)
+                yield block
 
     def _trusted(self, url: str) -> bool:
         try:
@@ -786,12 +807,6 @@ _PERMANENT_ERRORS = frozenset({
     "channel_not_found", "not_in_channel", "is_archived", "invalid_auth", "not_authed",
     "token_revoked", "account_inactive", "missing_scope", "ratelimited", "restricted_action",
 })
-
-
-def _write_file(workspace: Path, rel: str, data: bytes) -> None:
-    target = resolve_in_workspace(workspace, rel)  # a file name never leaves the workspace
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(data)
 
 
 async def _payload(text: str, content_type: str) -> Any:

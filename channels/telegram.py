@@ -5,8 +5,11 @@ update_id is confirmed (the next getUpdates offset, or the webhook's 200). PTB's
 Application/Updater confirm a batch before handlers finish, so we poll ourselves.
 
 Parsing (`parse_update`) is pure and never raises: anything odd is dropped with a debug
-log line. Attachments are fetched afterwards (getFile + download) into the session's
-workspace, because only then do we know whose workspace it is.
+log line. A message's file (the largest size of a photo, a document, a voice note, an
+audio file, a round video note; the caption is the text) is fetched afterwards, only for
+senders the router admits: getFile, then a download into the scope's `files/` capped
+by `limits.max_inbound_file_mb` (the size Telegram reports is checked first, and the
+bytes as they arrive). What becomes of the file is the turn's business (gateway/media.py).
 """
 
 from __future__ import annotations
@@ -15,16 +18,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
-import re
 import time
-import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from telegram import Bot, BotCommand, MessageEntity, ReplyParameters, Update
 from telegram.constants import ChatAction
@@ -37,6 +38,7 @@ from telegram.error import (
     RetryAfter,
     TelegramError,
 )
+from yarl import URL
 
 from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from channels.telegram_format import Chunk, render_markdown, sanitize_text, utf16_offsets
@@ -46,13 +48,24 @@ from channels.telegram_stream import is_format_error as _is_format_error
 from channels.telegram_stream import retry_seconds as _retry_seconds
 from gateway.config import TelegramConfig, usable_webhook_secret
 from gateway.http import JsonBodyError, parse_json_body
-from gateway.types import Attachment, Inbound
-from gateway.workspace import resolve_in_workspace
+from gateway.media import (
+    FileRefused,
+    discard_saved,
+    kind_of,
+    local_chunks,
+    safe_file_name,
+    save_download,
+    too_large,
+)
+from gateway.proxy import env_proxy
+from gateway.types import Attachment, AttachmentKind, Inbound
 
 log = logging.getLogger(__name__)
 
 ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not turns
-MAX_FILE_BYTES = 20 * 1024 * 1024  # the Bot API's own getFile limit
+DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default (the cloud Bot API's own)
+DOWNLOAD_TIMEOUT_S = 120.0
+DOWNLOAD_READ_TIMEOUT_S = 30.0
 TYPING_INTERVAL_S = 4.0  # Telegram shows "typing" for ~5 s
 TYPING_DELAY_S = 0.5  # the indicator starts once a turn takes longer than this
 SEND_ATTEMPTS = 5
@@ -85,12 +98,14 @@ class BotIdentity:
 
 @dataclass(frozen=True, slots=True)
 class PendingFile:
-    """A photo or document still on Telegram's servers."""
+    """A file of a message still on Telegram's servers."""
 
     file_id: str
     name: str
     mime: str | None = None
-    size: int | None = None
+    size: int | None = None  # as Telegram reports it
+    kind: AttachmentKind = "file"
+    duration_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +155,8 @@ def _from_message(update_id: int, update: Update, me: BotIdentity) -> ParsedMess
         entities = msg.caption_entities or ()
     pending = _pending_file(msg)
     if text is None and pending is None:
-        # stickers, polls, voice, locations, service messages (joins, pins, topics …)
-        return _dropped(update_id, "no text, photo or document")
+        # stickers, polls, locations, service messages (joins, pins, topics …)
+        return _dropped(update_id, "no text and no file")
 
     clean, mentioned, for_other_bot = _address(sanitize_text(text or ""), entities, me)
     if for_other_bot:
@@ -215,16 +230,40 @@ def _address(text: str, entities: Sequence[MessageEntity], me: BotIdentity) -> t
 
 
 def _pending_file(msg: Any) -> PendingFile | None:
+    """The message's file: the largest size of a photo, a voice note, a video note, an
+    audio file or a document. Names are ours where Telegram gives none."""
+    mid = msg.message_id
     photos = msg.photo
     if photos:
         best = max(photos, key=_photo_rank)
         if isinstance(best.file_id, str) and best.file_id:
-            return PendingFile(best.file_id, "photo.jpg", "image/jpeg", _int_or(best.file_size, None))
+            return PendingFile(best.file_id, f"photo_{mid}.jpg", "image/jpeg", _int_or(best.file_size, None), "image")
+    for media, name, default_mime in ((msg.voice, f"voice_{mid}.ogg", "audio/ogg"),
+                                      (msg.video_note, f"video_note_{mid}.mp4", "video/mp4")):
+        if media is not None and isinstance(media.file_id, str) and media.file_id:
+            mime = getattr(media, "mime_type", None)
+            return PendingFile(media.file_id, name, mime if isinstance(mime, str) else default_mime,
+                               _int_or(media.file_size, None), "voice", _duration(media))
+    audio = msg.audio
+    if audio is not None and isinstance(audio.file_id, str) and audio.file_id:
+        mime = audio.mime_type if isinstance(audio.mime_type, str) else "audio/mpeg"
+        name = audio.file_name if isinstance(audio.file_name, str) and audio.file_name else f"audio_{mid}.mp3"
+        return PendingFile(audio.file_id, name, mime, _int_or(audio.file_size, None), "audio", _duration(audio))
     doc = msg.document
     if doc is not None and isinstance(doc.file_id, str) and doc.file_id:
         name = doc.file_name if isinstance(doc.file_name, str) and doc.file_name else "document"
         mime = doc.mime_type if isinstance(doc.mime_type, str) else None
-        return PendingFile(doc.file_id, name, mime, _int_or(doc.file_size, None))
+        return PendingFile(doc.file_id, name, mime, _int_or(doc.file_size, None), kind_of(mime, name))
+    return None
+
+
+def _duration(media: Any) -> float | None:
+    value = getattr(media, "duration", None)
+    if _is_int(value) and value >= 0:
+        return float(value)
+    if hasattr(value, "total_seconds"):  # PTB may hand a timedelta
+        seconds = float(value.total_seconds())
+        return seconds if seconds >= 0 else None
     return None
 
 
@@ -237,17 +276,6 @@ def _display_name(first: Any, last: Any, username: Any) -> str | None:
     name = " ".join(parts) or (username if isinstance(username, str) else "")
     name = " ".join(sanitize_text(name).split())[:128]
     return name or None
-
-
-def safe_file_name(name: str, limit: int = 100) -> str:
-    """A file name that is safe on any filesystem and cannot leave its directory."""
-    name = unicodedata.normalize("NFC", sanitize_text(name)).replace("\\", "/").rsplit("/", 1)[-1]
-    name = re.sub(r"[^\w.\-]+", "_", name).strip("._") or "file"
-    if len(name) > limit:
-        root, ext = os.path.splitext(name)
-        ext = ext[:16]
-        name = root[: limit - len(ext)] + ext
-    return name
 
 
 def _dropped(update_id: Any, reason: str) -> None:
@@ -276,8 +304,8 @@ class _Bot(Bot):
         return result if isinstance(result, list) else []
 
 
-class _FileRefused(Exception):
-    """An attachment we will not save (too large, unavailable)."""
+class _DownloadFailed(Exception):
+    """The file could not be fetched from Telegram (an HTTP error, a lost connection)."""
 
 
 class TelegramChannel:
@@ -299,10 +327,15 @@ class TelegramChannel:
         stream_interval_s: float = 1.0,
         stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
+        file_limit: Callable[[], int] | None = None,
     ) -> None:
         self._cfg = cfg
         self._handler = handler
         self._workspace_for = workspace_for
+        # The largest file downloaded (limits.max_inbound_file_mb of the running config).
+        self._file_limit = file_limit or (lambda: DEFAULT_FILE_LIMIT)
+        self._downloads: aiohttp.ClientSession | None = None
+        self._download_proxy: tuple[URL | None, aiohttp.BasicAuth | None] = (None, None)
         self._admits = admits
         self._commands = [(str(c), str(d)) for c, d in commands]
         self._sleep = sleep  # waits while sending (flood control, retries); injectable for tests
@@ -410,6 +443,9 @@ class TelegramChannel:
         return "https://api.telegram.org/file/bot"
 
     async def _close_bot(self) -> None:
+        downloads, self._downloads = self._downloads, None
+        if downloads is not None:
+            await downloads.close()
         bot, self._bot = self._bot, None
         if bot is None:
             return
@@ -524,18 +560,21 @@ class TelegramChannel:
         if parsed is None:
             return True
         self._in_handler = True
+        inbound = parsed.inbound
         try:
-            inbound = parsed.inbound
-            if parsed.file is None or self._admits is None or await self._admits(inbound):
+            if parsed.file is not None and (self._admits is None or await self._admits(inbound)):
                 inbound = await self._with_files(parsed)
-            await self._handler(inbound)
+            taken = await self._handler(inbound)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("telegram: handling update %s failed", parsed.inbound.event_id)
+            await discard_saved(self._workspace_for(inbound), inbound)  # fetched again on the retry
             return False
         finally:
             self._in_handler = False
+        if taken is False:  # a redelivery the router had seen: its first delivery has the file
+            await discard_saved(self._workspace_for(inbound), inbound)
         return True
 
     # ------------------------------------------------------------ webhook
@@ -563,34 +602,56 @@ class TelegramChannel:
     # ------------------------------------------------------------ attachments
 
     async def _with_files(self, parsed: ParsedMessage) -> Inbound:
+        """The message with its file saved, or with what stopped it (the turn says so)."""
         inbound, pending = parsed.inbound, parsed.file
         if pending is None:
             return inbound
-        attachments: tuple[Attachment, ...] = ()
         try:
             attachment = await self._save_file(inbound, pending)
-            attachments = (attachment,)
-            note = f"[file: {attachment.name}, {attachment.path}]"
         except Exception as exc:  # the message still counts, without its file
             log.warning("telegram: file of message %s not saved: %s", inbound.message_id, exc)
-            reason = str(exc) if isinstance(exc, _FileRefused) else "the download failed"
-            note = f"[file: {safe_file_name(pending.name)}, not saved: {reason}]"
-        text = f"{inbound.text}\n{note}" if inbound.text else note
-        return replace(inbound, text=text, attachments=attachments)
+            reason = str(exc) if isinstance(exc, FileRefused) else "the download from Telegram failed"
+            attachment = Attachment(name=safe_file_name(pending.name), path="", mime=pending.mime,
+                                    size=pending.size or 0, kind=pending.kind, duration_s=pending.duration_s,
+                                    error=reason)
+        return replace(inbound, attachments=(attachment,))
 
     async def _save_file(self, inbound: Inbound, pending: PendingFile) -> Attachment:
-        if pending.size is not None and pending.size > MAX_FILE_BYTES:
-            raise _FileRefused("larger than 20 MB")
-        tg_file = await self._require_bot().get_file(pending.file_id)
-        if _is_int(tg_file.file_size) and tg_file.file_size > MAX_FILE_BYTES:
-            raise _FileRefused("larger than 20 MB")
-        data = bytes(await tg_file.download_as_bytearray())
-        if len(data) > MAX_FILE_BYTES:
-            raise _FileRefused("larger than 20 MB")
-        name = safe_file_name(pending.name)
-        relative = f"files/{safe_file_name(inbound.message_id or 'msg')}_{name}"
-        await asyncio.to_thread(_store_file, self._workspace_for, inbound, relative, data)
-        return Attachment(name=name, path=relative, mime=pending.mime, size=len(data))
+        limit = self._file_limit()
+        if pending.size is not None and pending.size > limit:
+            raise too_large(limit)  # never asked for: the size Telegram reported is enough
+        try:
+            tg_file = await self._require_bot().get_file(pending.file_id)
+        except BadRequest as exc:
+            if "too big" in str(exc).lower():
+                raise FileRefused("it is larger than 20 MB, the most Telegram lets bots download") from None
+            raise
+        if _is_int(tg_file.file_size) and tg_file.file_size > limit:
+            raise too_large(limit)
+        source = tg_file.file_path
+        if not source:
+            raise _DownloadFailed("Telegram gave no file path")
+        if source.startswith(("http://", "https://")):
+            chunks = self._fetch(source)
+        else:  # a self-hosted Bot API server in --local mode hands out local paths
+            chunks = local_chunks(Path(source))
+        workspace = self._workspace_for(inbound)
+        relative, size = await save_download(chunks, workspace, pending.name, limit=limit)
+        return Attachment(name=safe_file_name(pending.name), path=relative, mime=pending.mime, size=size,
+                          kind=pending.kind, duration_s=pending.duration_s)
+
+    async def _fetch(self, url: str) -> AsyncIterator[bytes]:
+        """The file's bytes as they arrive (the caller stops reading past its limit)."""
+        if self._downloads is None:
+            self._download_proxy = await asyncio.to_thread(env_proxy, URL(self._file_url()))
+            timeout = aiohttp.ClientTimeout(total=DOWNLOAD_TIMEOUT_S, sock_read=DOWNLOAD_READ_TIMEOUT_S)
+            self._downloads = aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar())
+        proxy, proxy_auth = self._download_proxy
+        async with self._downloads.get(URL(url, encoded=False), proxy=proxy, proxy_auth=proxy_auth) as resp:
+            if resp.status != 200:
+                raise _DownloadFailed(f"HTTP {resp.status}")
+            async for block in resp.content.iter_chunked(65536):
+                yield block
 
     # ------------------------------------------------------------ sending
 
@@ -712,18 +773,6 @@ class TelegramChannel:
         if self._bot is None:
             raise RuntimeError("the telegram channel is not started")
         return self._bot
-
-
-def _store_file(
-    workspace_for: Callable[[Inbound], Path], inbound: Inbound, relative: str, data: bytes
-) -> None:
-    """Write an attachment inside the session's workspace (runs in a worker thread)."""
-    workspace = workspace_for(inbound)
-    target = resolve_in_workspace(workspace, relative)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
 
 
 def _chat_ref(chat_id: str) -> int | str:

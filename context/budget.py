@@ -21,6 +21,7 @@ class Budget:
     max_output_tokens: int  # model.max_output_tokens: reserved for the answer
     tool_result_max_chars: int  # stage-1 cap
     history_tool_result_max_chars: int  # stage-2 cap
+    vision: bool = False  # model.vision: images a person sent are shown to the model (SPEC §5.4)
 
     @property
     def effective_tokens(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from gateway.types import Message
 
 from .budget import Budget
+from .images import IMAGE_HISTORY_TURNS, images_of, images_tokens, with_images, with_placeholders
 from .stats import ContextStats, format_context_stats  # format_context_stats: re-exported
 from .summary import injection_text
 from .tokens import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, TokenCounter
@@ -68,6 +69,7 @@ CALIBRATION_MIN = 1.0
 CALIBRATION_MAX = 2.0
 CALIBRATION_WEIGHT = 0.5  # smoothing: half old factor, half the new observation
 UNDELIVERED_MAX_TURNS = 100  # dropped turns kept for their summary; the store has them anyway
+ImageMode = Literal["parts", "placeholders", "text"]  # how a turn's images are sent (SPEC §5.4)
 
 FINAL_INSTRUCTION = (
     "[Gateway: this turn has reached its step limit. Do not call any tools now. Give your "
@@ -127,13 +129,14 @@ class _Turn:
     messages: list[Message]  # as sent (text-only once compressed)
     has_user: bool
     original: list[Message] | None = None  # the full turn, kept for its summary once compressed
-    hist_key: tuple[int, int, int] | None = None
+    hist_key: tuple[int, int, int, str] | None = None
     hist: _Rendered | None = None
-    # (id(msg), limit, kind) -> (msg, dict, tokens); the msg pins the id while cached
-    cache: dict[tuple[int, int | None, str], tuple[Message, dict[str, Any], int]] = field(
+    # (id(msg), limit, kind, image mode) -> (msg, dict, tokens); the msg pins the id while cached
+    cache: dict[tuple[int, int | None, str, str], tuple[Message, dict[str, Any], int]] = field(
         default_factory=dict
     )
     stage2_seen: bool = False
+    images: bool = False  # its user message carries images (SPEC §5.4)
 
     @property
     def raw(self) -> list[Message]:
@@ -199,7 +202,7 @@ class SessionContext:
         if starts_turn(msg):
             number = msg.turn if msg.turn > self._last_number else self._last_number + 1
             self._last_number = number
-            self._turns.append(_Turn(number, [msg], True))
+            self._turns.append(_Turn(number, [msg], True, images=bool(images_of(msg))))
         elif not self._turns:
             self._turns.append(_Turn(msg.turn or self._last_number, [msg], False))
         else:
@@ -398,8 +401,9 @@ class _Request:
         self.final = final
         self.limit = ctx._effective_tokens(budget)
         self.omit_injection = False
+        self.omit_current_images = False  # the current turn's images did not fit: placeholders
         self.stage2_saved = 0
-        self._memo: tuple[tuple[int, bool, float], int] | None = None
+        self._memo: tuple[tuple[int, bool, bool, float], int] | None = None
         self.fixed = (
             REQUEST_OVERHEAD
             + MESSAGE_OVERHEAD
@@ -418,7 +422,20 @@ class _Request:
             return max(2 * history, 2 * self.budget.tool_result_max_chars)
         return history
 
-    def _message(self, turn: _Turn, msg: Message, historical: bool) -> tuple[dict[str, Any], int]:
+    def image_mode(self, turn: _Turn) -> ImageMode:
+        """How `turn` shows its images (SPEC §5.4): as parts with vision, in the current
+        turn and the last IMAGE_HISTORY_TURNS historical ones; as placeholders elsewhere
+        with vision; as the stored text alone without it."""
+        if not self.budget.vision or not turn.images:
+            return "text"  # a turn without images renders (and caches) the same either way
+        turns = self.ctx._turns
+        cur = self.ctx._current()
+        if turn is cur:
+            return "placeholders" if self.omit_current_images else "parts"
+        recent = turns[-(IMAGE_HISTORY_TURNS + (1 if cur is not None else 0)):]
+        return "parts" if any(t is turn for t in recent) else "placeholders"
+
+    def _message(self, turn: _Turn, msg: Message, historical: bool, show: ImageMode) -> tuple[dict[str, Any], int]:
         limit: int | None = None
         kind: Kind = "history"
         if msg.role == "tool" and not msg.injected:
@@ -433,7 +450,7 @@ class _Request:
         elif msg.role == "assistant":
             limit = self.ctx._cap_of(msg)
             kind = "budget"
-        key = (id(msg), limit, kind)
+        key = (id(msg), limit, kind, show)
         hit = turn.cache.get(key)
         if hit is not None and hit[0] is msg:
             return hit[1], hit[2]
@@ -441,29 +458,38 @@ class _Request:
         if limit is not None:
             trunc = msg.truncation if msg.role == "tool" else None
             content = shorten(msg.content, trunc, limit, kind=kind)
+        images = images_of(msg) if show != "text" else ()
+        if images and show == "placeholders":
+            content = with_placeholders(content, images)
         shown = msg if content is msg.content else replace(msg, content=content)
-        rendered = (to_openai(msg, content), self.counter.count_message(shown))
+        d, tokens = to_openai(msg, content), self.counter.count_message(shown)
+        if images and show == "parts":
+            d["content"] = with_images(content, images)
+            tokens += images_tokens(images)
+        rendered = (d, tokens)
         if not msg.injected:  # stand-in results are new objects each time: not cached
             turn.cache[key] = (msg, *rendered)
         return rendered
 
     def render(self, turn: _Turn, historical: bool) -> _Rendered:
+        show = self.image_mode(turn)
         if historical:
             key = (
                 self.budget.history_tool_result_max_chars,
                 self.budget.tool_result_max_chars,
                 self.ctx._caps_version,
+                show,
             )
             if turn.hist_key == key and turn.hist is not None:
                 return turn.hist
         dicts: list[dict[str, Any]] = []
         tokens = saved = 0
         for msg in pair_tool_messages(turn.messages):
-            d, t = self._message(turn, msg, historical)
+            d, t = self._message(turn, msg, historical, show)
             dicts.append(d)
             tokens += t
             if historical and d["content"] is not msg.content and msg.role == "tool":
-                saved += self._message(turn, msg, False)[1] - t
+                saved += self._message(turn, msg, False, show)[1] - t
         rendered = _Rendered(dicts, tokens, saved)
         if historical:
             turn.hist_key, turn.hist = key, rendered
@@ -479,8 +505,13 @@ class _Request:
         cached = self.ctx._inject_cache
         if cached is not None and cached[0] is summary and cached[1] is first:
             return cached[2], cached[3]
-        content = injection_text(summary) + "\n\n" + (first.get("content") or "")
-        injected = {**first, "content": content}
+        block = injection_text(summary) + "\n\n"
+        content = first.get("content")
+        if isinstance(content, list):  # text first, then images (context/images.py)
+            parts = [{**content[0], "text": block + str(content[0].get("text", ""))}, *content[1:]]
+            injected = {**first, "content": parts}
+        else:
+            injected = {**first, "content": block + (content or "")}
         extra = self.counter.count_dict(injected) - self.counter.count_dict(first)
         self.ctx._inject_cache = (summary, first, injected, extra)
         return injected, extra
@@ -507,7 +538,7 @@ class _Request:
 
     def total(self) -> int:
         """The request as it stands: exact count × calibration, rounded up (memoized per state)."""
-        key = (self.ctx._version, self.omit_injection, self.ctx._calibration)
+        key = (self.ctx._version, self.omit_injection, self.omit_current_images, self.ctx._calibration)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
         total = math.ceil(self.raw_tokens() * self.ctx._calibration)
@@ -614,8 +645,8 @@ class _Request:
 
     def cut_current_turn(self, events: list[TrimEvent]) -> bool:
         """The current turn alone is over: cut its largest tool results, then the agent's
-        own long texts, then leave out the summary, then cut the user's text. True when
-        it fits in the end."""
+        own long texts, then leave out the summary, then its images (placeholders stand
+        in), then cut the user's text. True when it fits in the end."""
         ctx = self.ctx
         cur = ctx._current()
         before = total = self.total()
@@ -630,6 +661,10 @@ class _Request:
                     self.omit_injection = True
                     total = self.total()
                     continue
+                if self._current_images_shown(cur):
+                    self.omit_current_images = True
+                    total = self.total()
+                    continue
                 break
             msg, kept, tokens, floor = target
             excess_raw = (total - self.limit) / ctx._calibration
@@ -640,6 +675,9 @@ class _Request:
             events.append(TrimEvent("cut_current_turn", before, total, 1, 1))
         return total <= self.limit
 
+    def _current_images_shown(self, cur: _Turn) -> bool:
+        return self.image_mode(cur) == "parts" and any(images_of(m) for m in cur.messages if starts_turn(m))
+
     def _kept_chars(self, msg: Message) -> int:
         kept = excerpt_length(msg.content, msg.truncation if msg.role == "tool" else None)
         cap = self.ctx._cap_of(msg)
@@ -647,7 +685,8 @@ class _Request:
 
     def _largest_cuttable(self, cur: _Turn) -> tuple[Message, int, int, int] | None:
         """(message, kept chars, tokens, floor chars) of the item to cut next, largest
-        first within: tool results, the agent's texts, then (summary left out) the user's."""
+        first within: tool results, the agent's texts, then (summary and images left out)
+        the user's."""
         floor_tokens = max(MIN_CUT_TOKENS_FLOOR, min(MIN_CUT_TOKENS, self.limit // 4))
         groups: list[list[Message]] = [[], [], []]
         for msg in cur.messages:
@@ -660,12 +699,14 @@ class _Request:
             elif starts_turn(msg):
                 groups[2].append(msg)
         for index, group in enumerate(groups):
-            if index == 2 and self.ctx.summary and not self.omit_injection:
+            if index == 2 and (
+                (self.ctx.summary and not self.omit_injection) or self._current_images_shown(cur)
+            ):
                 return None
             best: tuple[Message, int, int, int] | None = None
             for msg in group:
                 kept = self._kept_chars(msg)
-                tokens = self._message(cur, msg, False)[1]
+                tokens = self._message(cur, msg, False, self.image_mode(cur))[1]
                 floor = max(1, math.ceil(floor_tokens * kept / max(1, tokens)))
                 if kept > floor and (best is None or tokens > best[2]):
                     best = (msg, kept, tokens, floor)

@@ -25,13 +25,16 @@ session's calibration factor (context/engine.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,16 @@ MESSAGE_OVERHEAD = 4  # role and separators of one message
 TOOL_CALL_OVERHEAD = 8  # type/function wrapper of one tool call
 TOOL_RESULT_OVERHEAD = 2  # the tool_call_id field of a tool result
 TOOL_SCHEMA_OVERHEAD = 8  # per tool definition
-IMAGE_TOKENS = 765  # an image part at high detail (512px tiles), counted flat
+# An image part whose size is not known (an MCP tool's image, say), counted flat: what
+# OpenAI charges for a 1024x1024 image at high detail. Sized parts use image_tokens().
+IMAGE_TOKENS = 765
+# OpenAI's rule for an image at high detail: scaled to fit a 2048x2048 square, then down
+# until its shorter side is 768 px; 85 tokens plus 170 per 512-px tile of the result.
+IMAGE_BASE_TOKENS = 85
+IMAGE_TILE_TOKENS = 170
+IMAGE_TILE_PX = 512
+IMAGE_FIT_PX = 2048
+IMAGE_SHORT_SIDE_PX = 768
 
 # A text is counted when stored and when its turn is rendered, within a turn's lifetime;
 # rendered turns keep their own counts. So the cache only has to span recent texts, and a
@@ -136,6 +148,38 @@ def _offline_encoding() -> tuple[Encoder, str] | None:
     return _counter_of(enc), OFFLINE_ENCODING
 
 
+@functools.lru_cache(maxsize=1024)
+def image_tokens(width: int, height: int) -> int:
+    """The tokens of a `width` x `height` image at high detail (OpenAI's tile rule; see
+    the constants above). Exact rational arithmetic: a provider that rounds the scaled
+    size to whole pixels never counts more tiles. A size that makes no sense counts as
+    the most an image can cost."""
+    if width <= 0 or height <= 0:
+        return IMAGE_BASE_TOKENS + IMAGE_TILE_TOKENS * _MAX_TILES
+    w, h = Fraction(width), Fraction(height)
+    if max(w, h) > IMAGE_FIT_PX:
+        scale = IMAGE_FIT_PX / max(w, h)
+        w, h = w * scale, h * scale
+    if min(w, h) > IMAGE_SHORT_SIDE_PX:
+        scale = IMAGE_SHORT_SIDE_PX / min(w, h)
+        w, h = w * scale, h * scale
+    tiles = math.ceil(w / IMAGE_TILE_PX) * math.ceil(h / IMAGE_TILE_PX)
+    return IMAGE_BASE_TOKENS + IMAGE_TILE_TOKENS * tiles
+
+
+# The most tiles the rule leaves: 768 x 2048 is 2 x 4.
+_MAX_TILES = math.ceil(IMAGE_SHORT_SIDE_PX / IMAGE_TILE_PX) * math.ceil(IMAGE_FIT_PX / IMAGE_TILE_PX)
+
+
+def part_tokens(part: dict[str, Any]) -> int:
+    """A non-text content part: an image counted by its size when the part says it
+    (`width` / `height`, as the engine writes them), else flat."""
+    width, height = part.get("width"), part.get("height")
+    if isinstance(width, int) and isinstance(height, int) and not isinstance(width, bool):
+        return image_tokens(width, height)
+    return IMAGE_TOKENS
+
+
 def _counter_of(enc: Any) -> Encoder:
     encode = enc.encode_ordinary
     return lambda text: len(encode(text))
@@ -205,7 +249,7 @@ class TokenCounter:
                 if part.get("type") == "text":
                     texts.append(str(part.get("text", "")))
                 else:
-                    extra += IMAGE_TOKENS
+                    extra += part_tokens(part)
             content = "".join(texts)
         calls: list[tuple[str, str, str]] = []
         for tc in msg.get("tool_calls") or ():

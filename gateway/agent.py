@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from context.engine import Prepared, prepare, recover_overflow
@@ -114,12 +115,16 @@ class Agent:
             self.summarizer.submit(live, effect)
 
     async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None,
-                          feed: StepFeed | None = None) -> ModelReply:
+                          feed: StepFeed | None = None, workspace: Path | None = None) -> ModelReply:
+        messages = prepared.messages
+        if workspace is not None and self.s.media is not None:
+            # The engine names image files; their bytes go in only now (SPEC §5.4).
+            messages = await self.s.media.resolve_images(messages, workspace)
         async with self.s.model_slots:
             if feed is None:
-                return await self.s.model.complete(prepared.messages, tools=tools or None)
+                return await self.s.model.complete(messages, tools=tools or None)
             feed.next_step()
-            return await self.s.model.complete(prepared.messages, tools=tools or None,
+            return await self.s.model.complete(messages, tools=tools or None,
                                                on_text=feed.text, on_retry=feed.retry)
 
     async def run_turn(self, live: LiveSession, stream: ReplyStream | None = None) -> TurnResult:
@@ -147,7 +152,7 @@ class Agent:
             if prepared.user_notice:
                 return TurnResult(prepared.user_notice, "notice")
             try:
-                reply = await self._call_model(prepared, tools, feed)
+                reply = await self._call_model(prepared, tools, feed, live.workspace)
             except ModelError as err:
                 if err.kind != "overflow":
                     log.warning("model error", extra={"session": live.key, "kind": err.kind,
@@ -205,7 +210,7 @@ class Agent:
                                     counter=self.s.counter, provider_limit=err.provider_limit)
         self._apply(live, prepared)
         try:
-            reply = await self._call_model(prepared, tools, feed)
+            reply = await self._call_model(prepared, tools, feed, live.workspace)
         except ModelError as again:
             if again.kind == "overflow":
                 self.s.metrics.overflow_recoveries.labels("cleared").inc()

@@ -30,6 +30,7 @@ from gateway.config import (
 from gateway.http import HttpServer, build_app
 from gateway.keys import memory_scope, session_key, workspace_dir
 from gateway.logs import REDACTOR, set_log_level
+from gateway.media import Media
 from gateway.metrics import Metrics
 from gateway.model import ModelClient
 from gateway.router import Router
@@ -78,7 +79,7 @@ def secret_values(cfg: Config) -> list[str]:
             values.append(model.key_value())
     t, s, w = cfg.channels.telegram, cfg.channels.slack, cfg.channels.web
     for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token,
-                   cfg.http.admin_token, cfg.tools.web_search.api_key):
+                   cfg.http.admin_token, cfg.tools.web_search.api_key, cfg.transcription.api_key):
         if secret is not None:
             values.append(secret.get_secret_value())
     for server in cfg.mcp.servers.values():  # what MCP servers are given to authenticate
@@ -166,6 +167,7 @@ class Gateway:
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
         services.memory = self._memory(services)
         services.usage = Usage(store)
+        services.media = Media(lambda: self.holder.current)
         self.services = services
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)
@@ -325,19 +327,25 @@ class Gateway:
             from channels.telegram import TelegramChannel
 
             return TelegramChannel(cfg.channels.telegram, self.router.handle, workspace_for=self.workspace_for,
-                                   commands=BOT_COMMANDS, admits=self.router.admits,
+                                   commands=BOT_COMMANDS, admits=self.router.admits, file_limit=self.file_limit,
                                    **self.stream_settings(TelegramChannel, name))
         if name == "slack" and cfg.channels.slack.enabled:
             from channels.slack import SlackChannel
 
             return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for,
-                                admits=self.router.admits, **self.stream_settings(SlackChannel, name))
+                                admits=self.router.admits, file_limit=self.file_limit,
+                                **self.stream_settings(SlackChannel, name))
         return None
 
     def stream_observer(self, channel: str) -> StreamObserver:
         """Counts a channel's stream events in /metrics (gateway_stream_events_total)."""
         assert self.services is not None
         return self.services.metrics.stream_observer(channel)
+
+    def file_limit(self) -> int:
+        """`limits.max_inbound_file_mb` of the running config, in bytes: channels read it
+        per file, so a reload applies without restarting them."""
+        return self.cfg.limits.max_inbound_file_bytes
 
     def stream_interval(self) -> float:
         """`stream_interval_s` of the running config: channels read it per update, so a
@@ -530,6 +538,7 @@ class Gateway:
         await s.background.close(timeout=5)
         for client in s.models.values():
             await client.close()
+        await s.media.close()
         await s.store.close()
         self.services = None
 

@@ -53,6 +53,19 @@ CONTEXT_WINDOWS: dict[str, int] = {
     "gemini-": 1_048_576,
 }
 
+# Model families that take images (SPEC §5.4); `model.vision` overrides. Matched against
+# the model id without a router's "vendor/" prefix (OpenRouter's "openai/gpt-4o").
+VISION_MODELS: tuple[str, ...] = (
+    r"(chatgpt-)?gpt-4o.*", r"gpt-4\.1.*", r"gpt-4-turbo.*", r"gpt-4-vision.*", r"gpt-5.*",
+    r"o1(-\d.*)?", r"o3(-pro)?(-\d.*)?", r"o4-mini.*",
+    r"claude-(3|sonnet|opus|haiku).*", r"gemini-(1\.5|2|3|exp|flash|pro-vision).*",
+    r"qwen.*-?vl.*", r"qvq.*", r"llava.*", r"bakllava.*", r"pixtral.*", r"llama-?3\.2.*vision.*", r"llama-?4.*",
+    r"gemma-?3.*", r"mistral-(small|medium)-(3|2503|2505|latest).*", r"grok-(2-vision|4).*", r"minicpm-v.*",
+    r"glm-4(\.\d)?v.*", r"internvl.*", r"moondream.*", r"kimi-vl.*",
+)
+# Variants of those families that take no images.
+NOT_VISION_MODELS: tuple[str, ...] = (r".*(audio|tts|transcribe|realtime|search|embedding).*",)
+
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 # Telegram's rule for secret_token (1-256 of A-Z a-z 0-9 _ -), with a floor on length so a
@@ -78,6 +91,15 @@ def known_window(model_name: str) -> int | None:
     return None
 
 
+@functools.cache
+def known_vision(model_name: str) -> bool:
+    """Whether a model of this name takes images, from VISION_MODELS."""
+    name = model_name.strip().lower().rsplit("/", 1)[-1]
+    if any(re.fullmatch(p, name) for p in NOT_VISION_MODELS):
+        return False
+    return any(re.fullmatch(p, name) for p in VISION_MODELS)
+
+
 class ModelConfig(_Strict):
     name: str = "gpt-4o-mini"
     base_url: str | None = None  # None: the SDK's default (OpenAI)
@@ -87,9 +109,14 @@ class ModelConfig(_Strict):
     timeout_s: float = Field(default=120, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
     temperature: float | None = None
+    vision: bool | None = None  # None: from VISION_MODELS
 
     def window(self) -> int | None:
         return self.context_window if self.context_window is not None else known_window(self.name)
+
+    def sees_images(self) -> bool:
+        """Whether images a person sends go to this model (SPEC §5.4)."""
+        return self.vision if self.vision is not None else known_vision(self.name)
 
     def key_value(self) -> str | None:
         """The usable API key, or None when unset or an unexpanded `${VAR}`."""
@@ -160,6 +187,31 @@ class LimitsConfig(_Strict):
     tokens_per_user_per_day: int | None = Field(default=None, ge=1)
     turns_per_user_per_day: int | None = Field(default=None, ge=1)
     turn_timeout_s: float = Field(default=600, gt=0)
+    # The largest file a person may send (SPEC §5.4): checked against the size the platform
+    # reports, and again while downloading. Telegram's cloud Bot API serves at most 20 MB.
+    max_inbound_file_mb: float = Field(default=20, gt=0, le=2000)
+
+    @property
+    def max_inbound_file_bytes(self) -> int:
+        return int(self.max_inbound_file_mb * 1024 * 1024)
+
+
+class TranscriptionConfig(_Strict):
+    """Speech to text for voice notes and audio (SPEC §5.4), through an OpenAI-compatible
+    `/audio/transcriptions` endpoint; `base_url` and `api_key` default to the model's."""
+
+    enabled: bool = True
+    model: str = "whisper-1"
+    base_url: str | None = None  # None: model.base_url
+    api_key: SecretStr | None = None  # None: model.api_key
+    timeout_s: float = Field(default=60, gt=0, le=600)
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
+        return value
 
 
 class WebFetchConfig(_Strict):
@@ -308,6 +360,7 @@ class Config(_Strict):
     tools: ToolsConfig = ToolsConfig()
     mcp: McpConfig = McpConfig()
     tasks: TasksConfig = TasksConfig()
+    transcription: TranscriptionConfig = TranscriptionConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
     _unset_env: tuple[tuple[str, str], ...] = PrivateAttr(default=())
@@ -350,7 +403,14 @@ class Config(_Strict):
             max_output_tokens=self.model.max_output_tokens,
             tool_result_max_chars=self.tool_result_max_chars,
             history_tool_result_max_chars=self.history_tool_result_max_chars,
+            vision=self.model.sees_images(),
         )
+
+    def transcription_endpoint(self) -> tuple[str | None, str | None]:
+        """(base URL, API key) of speech to text: `transcription`'s own, else the model's."""
+        t = self.transcription
+        key = secret_text(t.api_key) if t.api_key is not None else self.model.key_value()
+        return t.base_url or self.model.base_url, key
 
 
 def secret_text(value: SecretStr | None) -> str | None:
@@ -560,6 +620,7 @@ SECRET_KEYS = {
     "http.admin_token",
     "tools.web_search.api_key",
     "store.url",
+    "transcription.api_key",
 }
 
 
@@ -650,6 +711,8 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
         problems.append(not_set("store.url", "to open the database"))
     if cfg.summary_model is not None and "summary_model.api_key" in unset:
         problems.append(not_set("summary_model.api_key", "while summary_model is set"))
+    if cfg.transcription.enabled and "transcription.api_key" in unset:
+        problems.append(not_set("transcription.api_key", "while transcription.enabled is true"))
     if channels:
         tg = cfg.channels.telegram
         if tg.enabled:

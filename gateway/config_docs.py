@@ -84,6 +84,9 @@ MEANINGS: dict[str, str] = {
     "model.max_retries": "Retries of a model call after a 429, a 5xx or a timeout (with backoff, honouring "
                          "Retry-After).",
     "model.temperature": "Sampling temperature sent to the provider; `null` leaves it to the provider.",
+    "model.vision": "Whether images people send go to the model (scaled down, counted in the budget); `null` "
+                    "looks the model up in a table of known vision models (GPT-4o/4.1/5, o3, o4-mini, Claude 3+, "
+                    "Gemini, Qwen-VL, LLaVA …).",
     "summary_model": "An optional cheaper model for summaries and consolidation, with the same keys as "
                      "`model`; `null` uses `model`.",
     "summary_model.name": "Model id of the summary model.",
@@ -94,6 +97,7 @@ MEANINGS: dict[str, str] = {
     "summary_model.timeout_s": "Seconds one summary request may take.",
     "summary_model.max_retries": "Retries of a summary call after a 429, a 5xx or a timeout.",
     "summary_model.temperature": "Sampling temperature of the summary model; `null` leaves it to the provider.",
+    "summary_model.vision": "Not used: summaries are written from text (images are named by their files).",
     "channels.telegram.enabled": "Run the Telegram bot (setup: [telegram.md](telegram.md)).",
     "channels.telegram.token": "The bot token from @BotFather.",
     "channels.telegram.mode": "Long polling (no public address needed) or a webhook at "
@@ -170,6 +174,16 @@ MEANINGS: dict[str, str] = {
     "limits.turns_per_user_per_day": "Messages one person may have answered per day (admins are exempt); "
                                      "`null` is no limit.",
     "limits.turn_timeout_s": "Seconds one turn may take before it is stopped and the person told.",
+    "limits.max_inbound_file_mb": "Largest file downloaded from a platform (photos, documents, voice notes); a "
+                                  "larger one is refused with a reply, by the size the platform reports and "
+                                  "again while downloading. Telegram's cloud Bot API serves at most 20 MB.",
+    "transcription.enabled": "Transcribe voice notes and audio files into the turn's text (off: the person is "
+                             "told that voice messages cannot be heard).",
+    "transcription.model": "Speech-to-text model sent to `/audio/transcriptions`.",
+    "transcription.base_url": "An OpenAI-compatible API base with `/audio/transcriptions`; `null` uses "
+                              "`model.base_url`.",
+    "transcription.api_key": "Its API key; `null` uses `model.api_key`.",
+    "transcription.timeout_s": "Seconds one transcription may take before the person is told it failed.",
     "log_level": "Least severe log lines written.",
 }
 

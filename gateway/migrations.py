@@ -228,4 +228,9 @@ MIGRATIONS: list[str] = [
 
     ALTER TABLE messages ADD COLUMN origin TEXT;
     """,
+    # 6: the files a person sent with a message (SPEC §5.4), as JSON metadata: path,
+    # kind, size, an image's dimensions and the copy the model is shown. Never the bytes.
+    """
+    ALTER TABLE messages ADD COLUMN attachments TEXT;
+    """,
 ]

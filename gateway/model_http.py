@@ -55,6 +55,13 @@ def completions_url(base_url: str | None) -> URL:
     return url
 
 
+def transcriptions_url(base_url: str | None) -> URL:
+    """`{base_url}/audio/transcriptions` (SPEC §5.4), with the same defaults and checks as
+    `completions_url`."""
+    chat = completions_url(base_url)
+    return chat.with_path(chat.path.removesuffix("/chat/completions") + "/audio/transcriptions")
+
+
 def _ssl_context() -> ssl.SSLContext:
     """The CA bundle the SDK would use (certifi comes with it), else the system's."""
     try:
@@ -231,3 +238,47 @@ class SseReader:
         event = self._event.decode("utf-8", errors="replace")
         self._data, self._event = [], b""
         return event, data
+
+
+class TranscriptionEndpoint:
+    """POSTs audio to `/audio/transcriptions` as multipart form data (OpenAI's shape:
+    `file`, `model`, `response_format`); open() once on the loop, close() when done."""
+
+    def __init__(self, base_url: str | None, api_key: str, timeout_s: float) -> None:
+        self.url = transcriptions_url(base_url)
+        self._headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json",
+                         "User-Agent": USER_AGENT}
+        # An upload takes a while to send; the answer comes when the audio is transcribed.
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, 30.0))
+        self._session: aiohttp.ClientSession | None = None
+        self._proxy: tuple[URL | None, aiohttp.BasicAuth | None] = (None, None)
+        self._lock = asyncio.Lock()
+
+    async def _opened(self) -> aiohttp.ClientSession:
+        async with self._lock:
+            if self._session is None:
+                context = await asyncio.to_thread(_ssl_context) if self.url.scheme == "https" else None
+                self._proxy = await asyncio.to_thread(env_proxy, self.url)
+                connector = aiohttp.TCPConnector(limit=8, ssl=context if context is not None else True)
+                self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            return self._session
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._session is not None:
+                session, self._session = self._session, None
+                await session.close()
+
+    async def post(self, audio: bytes, *, filename: str, mime: str, model: str) -> RawResponse:
+        """One attempt. Raises aiohttp.ClientError, OSError or TimeoutError when no complete
+        HTTP response arrives within the timeout."""
+        session = await self._opened()
+        form = aiohttp.FormData()
+        form.add_field("model", model)
+        form.add_field("response_format", "json")
+        form.add_field("file", audio, filename=filename, content_type=mime)
+        proxy, proxy_auth = self._proxy
+        async with session.post(self.url, data=form, headers=self._headers, proxy=proxy,
+                                proxy_auth=proxy_auth) as response:
+            data = await response.read()
+            return RawResponse(status=response.status, headers=response.headers, body=data)

@@ -1,7 +1,8 @@
 """The retention purge (SPEC §7): what is past its time goes, in small batches.
 
 Sessions whose last activity is older than `session_retention_days` go with their
-messages and summaries, and so do the older messages of sessions still in use; dedup
+messages and summaries, and so do the older messages of sessions still in use; files
+people sent (files/, SPEC §5.4) older than that go too, as their messages do; dedup
 records of platform events older than 7 days go; so do scheduled tasks' run records, and
 tasks that ended, past the session retention; saved tool outputs
 (tool_results/*.txt) older than `tool_result_ttl_days` go unless a live context still
@@ -44,12 +45,15 @@ class PurgeReport:
     tool_results: int = 0
     seconds: float = 0.0
     task_records: int = 0  # task runs and ended tasks
+    files: int = 0  # files people sent, past retention
 
     def line(self) -> str:
         tasks = f"{self.task_records} task records, " if self.task_records else ""
+        files = f", {self.files} sent files" if self.files else ""
         return (
             f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
-            f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs in {self.seconds:.2f}s"
+            f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs{files} "
+            f"in {self.seconds:.2f}s"
         )
 
 
@@ -72,8 +76,10 @@ async def purge(
         await asyncio.sleep(0)
     files = await purge_tool_results(data_dir, before=now - tool_result_ttl_days * DAY,
                                      live_references=live_references)
+    sent = await purge_sent_files(data_dir, before=before)
     await _checkpoint(store)
-    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records)
+    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records,
+                       sent)
 
 
 async def _checkpoint(store: Store, attempts: int = 5) -> None:
@@ -128,6 +134,33 @@ def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:
             if entry.name.endswith(".txt") and entry.stat(follow_symlinks=False).st_mtime < before:
                 found.append(Path(entry.path))
     return found
+
+
+def _expired_sent_files(data_dir: Path, before: float) -> list[Path]:
+    """Files under each scope's files/ (previews and left-over partial downloads
+    included) last written before `before`; never through a symlinked directory."""
+    found: list[Path] = []
+    for files in (data_dir / "scopes").glob("*/files"):
+        if files.is_symlink() or not files.is_dir():
+            continue
+        pending = [files]
+        while pending:
+            directory = pending.pop()
+            for entry in os.scandir(directory):
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.stat(follow_symlinks=False).st_mtime < before:
+                    found.append(Path(entry.path))
+    return found
+
+
+async def purge_sent_files(data_dir: Path, *, before: float) -> int:
+    """Delete files people sent that are past `session_retention_days` (SPEC §5.4)."""
+    doomed = await asyncio.to_thread(_expired_sent_files, data_dir, before)
+    deleted = 0
+    for i in range(0, len(doomed), FILE_BATCH):
+        deleted += await asyncio.to_thread(_delete_files, doomed[i : i + FILE_BATCH])
+    return deleted
 
 
 def _delete_files(paths: Iterable[Path]) -> int:

@@ -48,6 +48,7 @@ class Services:
     usage: Any = None  # gateway.usage.Usage
     mcp: Any = None  # gateway.tools.mcp.McpManager
     tasks: Any = None  # gateway.tasks.TaskScheduler
+    media: Any = None  # gateway.media.Media: files people send (SPEC §5.4)
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
 

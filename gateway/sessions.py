@@ -28,6 +28,7 @@ from context.restore import restore_messages
 from gateway.agent import Agent, TurnResult
 from gateway.keys import workspace_dir
 from gateway.live import LiveSession
+from gateway.media import Intake, plain_intake
 from gateway.services import Services
 from gateway.streaming import TypingUntilShown
 from gateway.types import Inbound, Message
@@ -274,14 +275,22 @@ class SessionManager:
             job = TurnJob(inbound, resume_turn=live.ctx.current_turn)
             await store.mark_event(inbound.channel, inbound.event_id, "running", turn=job.resume_turn)
         if job.resume_turn is None:
+            # Files the person sent become the message's text and metadata (SPEC §5.4);
+            # what could not be kept or heard is said first.
+            intake = await self._intake(live, inbound)
+            for notice in intake.notices:
+                await self._send(inbound, notice)
+            if not intake.run:
+                await store.mark_event(inbound.channel, inbound.event_id, "answered")
+                return
             turn = max(self._last_turns.get(live.key, 0), live.ctx.current_turn) + 1
             self._last_turns[live.key] = turn
             live.seq = 0
             # Stored before the model is called (SPEC §3 persistence order); the same
             # statement marks the event running with this turn.
             # A scheduled task's prompt keeps its origin: it starts the turn, no person wrote it.
-            await self.agent.store(live, Message(role="user", content=inbound.text, turn=turn,
-                                                 origin=inbound.origin),
+            await self.agent.store(live, Message(role="user", content=intake.text, turn=turn,
+                                                 origin=inbound.origin, attachments=intake.attachments),
                                    event=(inbound.channel, inbound.event_id))
         resume_ref: str | None = None
         if job.resume_turn is not None:
@@ -314,6 +323,14 @@ class SessionManager:
         await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
                              usage=usage)
         return result.outcome if delivered else "undelivered"
+
+    async def _intake(self, live: LiveSession, inbound: Inbound) -> Intake:
+        if not inbound.attachments:
+            return Intake(inbound.text, (), (), True)
+        media = self.s.media
+        if media is None:
+            return plain_intake(inbound)
+        return await media.intake(inbound, live.workspace)
 
     @staticmethod
     def _stored_unanswered(live: LiveSession, text: str) -> bool:

@@ -27,7 +27,7 @@ import aiosqlite
 from gateway.checkpointer import Checkpointer
 from gateway.group_commit import GroupInsert
 from gateway.migrations import MIGRATIONS
-from gateway.types import Message, ToolCall, Truncation
+from gateway.types import Attachment, Message, ToolCall, Truncation, attachment_from_dict, attachment_to_dict
 from gateway.workspace import make_private_dir, restrict_mode
 
 log = logging.getLogger("gateway.store")
@@ -133,6 +133,24 @@ def _truncation_from_json(text: str | None) -> Truncation | None:
     return Truncation(**known)
 
 
+def _attachments_to_json(attachments: tuple[Attachment, ...]) -> str | None:
+    """The files a message carried (metadata only: paths, sizes, an image's dimensions)."""
+    if not attachments:
+        return None
+    return json.dumps([attachment_to_dict(a) for a in attachments], ensure_ascii=False)
+
+
+def _attachments_from_json(text: str | None) -> tuple[Attachment, ...]:
+    if not text:
+        return ()
+    try:
+        data = json.loads(text)
+        return tuple(attachment_from_dict(a) for a in data if isinstance(a, dict))
+    except (ValueError, TypeError):
+        log.warning("unreadable attachments of a stored message ignored")
+        return ()
+
+
 def _session_row(row: aiosqlite.Row) -> SessionRow:
     return SessionRow(
         key=row["key"], scope=row["scope"], channel=row["channel"], created_at=row["created_at"],
@@ -154,6 +172,7 @@ def _row_to_message(row: aiosqlite.Row) -> Message:
         origin=row["origin"],
         id=row["id"],
         created_at=row["created_at"],
+        attachments=_attachments_from_json(row["attachments"]),
     )
 
 
@@ -215,8 +234,9 @@ class Store:
         self._messages = GroupInsert(
             self._rows,
             "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id, origin) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id, origin, "
+            "attachments) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             returning="id, session_key", key_of=lambda r: r[1],
         )
         self._events = GroupInsert(
@@ -411,7 +431,7 @@ class Store:
         stored = await self._messages.submit(key, (
             key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
             _truncation_to_json(msg.truncation), int(msg.injected), token_count, msg.created_at,
-            event_channel, event_id, msg.origin,
+            event_channel, event_id, msg.origin, _attachments_to_json(msg.attachments),
         ))
         if stored is None:
             raise StoreError(f"the message of session {key} was not stored")
@@ -420,6 +440,7 @@ class Store:
             role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
             tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
             injected=msg.injected, origin=msg.origin, id=row_id, created_at=msg.created_at,
+            attachments=msg.attachments,
         )
 
     async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:

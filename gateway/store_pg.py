@@ -36,6 +36,7 @@ from gateway.store import (
     StoreError,
     StoreStats,
     UsageDay,
+    _attachments_to_json,
     _count,
     _row_to_message,
     _session_row,
@@ -245,6 +246,10 @@ MIGRATIONS: list[str] = [
 
     ALTER TABLE messages ADD COLUMN origin TEXT;
     """,
+    # 3: SQLite's migration 6: the files a person sent with a message, as JSON metadata.
+    """
+    ALTER TABLE messages ADD COLUMN attachments TEXT;
+    """,
 ]
 
 # Trigram indexes for memory_search, when pg_trgm can be installed (a trusted extension
@@ -290,8 +295,8 @@ class PgStore:
         self._messages = GroupInsert(
             self._rows,
             "INSERT INTO messages(session_key, turn, seq, role, content, tool_calls, tool_call_id, "
-            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id, origin) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "tool_name, truncation, injected, token_count, created_at, event_channel, event_id, origin, "
+            "attachments) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             returning="id, session_key", key_of=lambda r: r[1],
         )
         self._events = GroupInsert(
@@ -461,7 +466,7 @@ class PgStore:
         stored = await self._messages.submit(key, (
             key, msg.turn, seq, msg.role, msg.content, calls, msg.tool_call_id, msg.tool_name,
             _truncation_to_json(msg.truncation), int(msg.injected), token_count, float(msg.created_at),
-            event_channel, event_id, msg.origin,
+            event_channel, event_id, msg.origin, _attachments_to_json(msg.attachments),
         ))
         if stored is None:
             raise StoreError(f"the message of session {key} was not stored")
@@ -469,6 +474,7 @@ class PgStore:
             role=msg.role, content=msg.content, turn=msg.turn, tool_calls=msg.tool_calls,
             tool_call_id=msg.tool_call_id, tool_name=msg.tool_name, truncation=msg.truncation,
             injected=msg.injected, origin=msg.origin, id=int(stored[0]), created_at=msg.created_at,
+            attachments=msg.attachments,
         )
 
     async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:

@@ -51,6 +51,11 @@ def dialog_row(session_key: str, msg: Message, content: str, excerpt_of: str | N
         row["tool_name"] = msg.tool_name
     if msg.origin:
         row["origin"] = msg.origin  # e.g. "task": a scheduled task's prompt, not a person's words
+    if msg.attachments:  # the files the person sent with it (SPEC §5.4), where they were saved
+        row["files"] = [
+            {"name": a.name, "path": a.path, "kind": a.kind, "size": a.size, **({"error": a.error} if a.error else {})}
+            for a in msg.attachments
+        ]
     if excerpt_of:
         row["excerpt_of"] = excerpt_of  # content is an excerpt of this workspace file
     return row

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
+AttachmentKind = Literal["image", "voice", "audio", "file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +55,47 @@ class Message:
     origin: str | None = None
     id: int | None = None  # database row id; gives the order
     created_at: float = field(default_factory=time.time)
+    attachments: tuple[Attachment, ...] = ()  # files the person sent with a user message
 
 
 @dataclass(frozen=True, slots=True)
 class Attachment:
-    """A file a person sent, saved in the session's workspace."""
+    """A file a person sent (SPEC §5.4), saved in the scope's workspace under `files/`.
+
+    Channels fill in what the platform says (kind, name, mime, size, duration); the shell
+    adds what it learns from the file (an image's size, the copy the model is shown). Stored
+    with the user message as metadata: never the bytes."""
 
     name: str
-    path: str  # workspace-relative
+    path: str  # workspace-relative; "" when the file was not saved (see `error`)
     mime: str | None = None
     size: int = 0
+    kind: AttachmentKind = "file"
+    duration_s: float | None = None  # voice and audio, as the platform reports it
+    width: int | None = None  # images: of `preview`, the copy the model is shown
+    height: int | None = None
+    preview: str | None = None  # images: workspace-relative path of that copy
+    error: str | None = None  # why the file was not saved (too large, download failed)
+
+    @property
+    def is_image(self) -> bool:
+        """An image the model can be shown: saved, measured, with its copy."""
+        return self.kind == "image" and bool(self.preview) and bool(self.width) and bool(self.height)
+
+
+def attachment_to_dict(att: Attachment) -> dict[str, Any]:
+    """The attachment as plain JSON data, without the fields left at their defaults."""
+    out: dict[str, Any] = {"name": att.name, "path": att.path}
+    for name in ("mime", "size", "kind", "duration_s", "width", "height", "preview", "error"):
+        value = getattr(att, name)
+        if value is not None and value != Attachment.__dataclass_fields__[name].default:
+            out[name] = value
+    return out
+
+
+def attachment_from_dict(data: dict[str, Any]) -> Attachment:
+    known = {k: v for k, v in data.items() if k in Attachment.__dataclass_fields__}
+    return Attachment(**known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +137,7 @@ def inbound_to_dict(inbound: Inbound) -> dict[str, Any]:
         "mentioned": inbound.mentioned,
         "reply_to_bot": inbound.reply_to_bot,
         "user_name": inbound.user_name,
-        "attachments": [
-            {"name": a.name, "path": a.path, "mime": a.mime, "size": a.size}
-            for a in inbound.attachments
-        ],
+        "attachments": [attachment_to_dict(a) for a in inbound.attachments],
         "received_at": inbound.received_at,
         "extra": inbound.extra,
         "origin": inbound.origin,
@@ -128,7 +157,7 @@ def inbound_from_dict(data: dict[str, Any]) -> Inbound:
         mentioned=bool(data.get("mentioned", False)),
         reply_to_bot=bool(data.get("reply_to_bot", False)),
         user_name=data.get("user_name"),
-        attachments=tuple(Attachment(**a) for a in data.get("attachments", [])),
+        attachments=tuple(attachment_from_dict(a) for a in data.get("attachments", [])),
         received_at=float(data.get("received_at", time.time())),
         extra=dict(data.get("extra", {})),
         origin=data.get("origin"),

@@ -314,3 +314,41 @@ def test_every_secret_field_is_a_secret_key() -> None:
     assert ("mcp.servers.*.env.*", True) in fields and ("mcp.servers.*.headers.*", True) in fields
     for path, secret in fields:
         assert is_secret_key(path) is secret, path  # expanded iff masked iff refused in chat
+
+
+def test_media_settings_and_the_transcription_key() -> None:
+    from gateway.app import secret_values
+    from gateway.config import is_credential_destination, is_secret_key, known_vision
+
+    cfg = parse_config({}, environ={})
+    assert (cfg.model.vision, cfg.model.sees_images()) == (None, True)  # gpt-4o-mini: from the table
+    assert cfg.context_budget().vision
+    assert not parse_config({"model": {"name": "deepseek-chat"}}, environ={}).context_budget().vision
+    assert parse_config({"model": {"name": "my-local-llava", "vision": False}}, environ={}).context_budget().vision \
+        is False
+    assert parse_config({"model": {"name": "deepseek-chat", "vision": True}}, environ={}).model.sees_images()
+    assert [known_vision(n) for n in ("openai/gpt-4.1-mini", "o3-mini", "claude-sonnet-4-5", "gpt-4o-transcribe",
+                                      "qwen2.5-vl-7b-instruct", "llama3.1")] == [True, False, True, False, True, False]
+    assert cfg.limits.max_inbound_file_bytes == 20 * 1024 * 1024
+    assert cfg.transcription.enabled and cfg.transcription.model == "whisper-1"
+
+    # The endpoint and key default to the model's; their own win when set.
+    model = {"base_url": "https://llm.example/v1", "api_key": "sk-model"}
+    assert parse_config({"model": model}, environ={}).transcription_endpoint() == (
+        "https://llm.example/v1", "sk-model")
+    own = parse_config({"model": model, "transcription": {"base_url": "https://stt.example/v1",
+                                                           "api_key": "${STT_KEY_FOR_TEST}"}},
+                       environ={"STT_KEY_FOR_TEST": "sk-stt"})
+    assert own.transcription_endpoint() == ("https://stt.example/v1", "sk-stt")
+    assert "sk-stt" in secret_values(own)  # redacted from logs like the other secrets
+    assert is_secret_key("transcription.api_key") and is_credential_destination("transcription.base_url")
+    unset = parse_config({"transcription": {"api_key": "${STT_KEY_FOR_TEST}"}}, environ={})
+    assert startup_problems(unset, channels=False, http=False) == [
+        "transcription.api_key: the environment variable STT_KEY_FOR_TEST is not set "
+        "(needed while transcription.enabled is true)"]
+    off = parse_config({"transcription": {"enabled": False, "api_key": "${STT_KEY_FOR_TEST}"}}, environ={})
+    assert startup_problems(off, channels=False, http=False) == []
+    with pytest.raises(ConfigError, match=r"transcription\.base_url: must be an http"):
+        parse_config({"transcription": {"base_url": "ftp://x"}}, environ={})
+    with pytest.raises(ConfigError, match=r"limits\.max_inbound_file_mb"):
+        parse_config({"limits": {"max_inbound_file_mb": 0}}, environ={})

@@ -1,9 +1,11 @@
 """The engine's invariants on random sessions (SPEC §4.3): whatever happens, prepare()
 returns a request within budget (unless it says it cannot) — recounted with tiktoken
-directly, not with the engine's counter —, with tool calls and results paired exactly,
-the latest user message present verbatim (or cut with a notice), every halving dropping
-exactly the earliest half of the complete turns, and between steps the request only
-grows at its end unless a rule fired."""
+directly, not with the engine's counter, and images by OpenAI's tile rule written out
+again here —, with tool calls and results paired exactly, the latest user message
+present verbatim (or cut with a notice), every halving dropping exactly the earliest half
+of the complete turns, images shown only in the current and the last two historical
+turns (placeholders elsewhere, SPEC §5.4), and between steps the request only grows at
+its end unless a rule fired."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from context import (
+    FINAL_INSTRUCTION,
     Budget,
     SessionContext,
     TokenCounter,
@@ -43,7 +47,7 @@ from context.tokens import (
     TOOL_SCHEMA_OVERHEAD,
 )
 from context.truncate import FileRef
-from gateway.types import Message, ToolCall
+from gateway.types import Attachment, Message, ToolCall
 
 COUNTER = TokenCounter("gpt-4o-mini")
 SYSTEM = "You are a helpful assistant in a chat."
@@ -131,14 +135,32 @@ def exact(text: str) -> int:
     return len(ENCODING.encode_ordinary(text))
 
 
+def oracle_image_tokens(width: int, height: int) -> int:
+    """OpenAI's published rule for an image at high detail, in exact arithmetic: fit in
+    2048 x 2048, shrink until the short side is 768, then 85 + 170 per 512-px tile."""
+    w, h = Fraction(width), Fraction(height)
+    longest = max(w, h)
+    if longest > 2048:
+        w, h = w * 2048 / longest, h * 2048 / longest
+    shortest = min(w, h)
+    if shortest > 768:
+        w, h = w * 768 / shortest, h * 768 / shortest
+    return 85 + 170 * math.ceil(w / 512) * math.ceil(h / 512)
+
+
 def exact_request(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
     """The request's exact token count: every text encoded by tiktoken itself, plus the
-    framing constants documented in context/tokens.py (and docs/context.md)."""
+    framing constants documented in context/tokens.py (and docs/context.md), and each
+    image by the tile rule (a part without a size: the flat IMAGE_TOKENS)."""
     total = REQUEST_OVERHEAD
     for msg in messages:
         content = msg.get("content") or ""
         if isinstance(content, list):
-            total += sum(IMAGE_TOKENS for part in content if part.get("type") != "text")
+            for part in content:
+                if part.get("type") == "text":
+                    continue
+                sized = "width" in part and "height" in part
+                total += oracle_image_tokens(part["width"], part["height"]) if sized else IMAGE_TOKENS
             content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
         total += MESSAGE_OVERHEAD + exact(content)
         for call in msg.get("tool_calls") or ():
@@ -153,16 +175,23 @@ def exact_request(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -
 
 
 BUDGET = st.builds(
-    lambda tokens, turns, window, t1, t2: Budget(tokens, turns, window, 500, t1, t2),
+    lambda tokens, turns, window, t1, t2, vision: Budget(tokens, turns, window, 500, t1, t2, vision=vision),
     tokens=st.sampled_from([300, 1200, 4000, 12_000, 50_000, 400_000]),
     turns=st.integers(1, 12),
     window=st.sampled_from([None, None, 8192, 32_000]),
     t1=st.sampled_from([1000, 8000, 50_000]),
     t2=st.sampled_from([500, 4000, 20_000]),
+    vision=st.booleans(),
 )
+
+# Images a person sends with a message: sizes of the copies the gateway makes (at most
+# 1568 px on the longest side), odd ones included.
+IMAGE_SIZE = st.tuples(st.sampled_from([1, 300, 512, 513, 768, 1000, 1568]),
+                       st.sampled_from([1, 200, 511, 768, 1176, 1568]))
 
 OP = st.one_of(
     st.tuples(st.just("user"), TEXT),
+    st.tuples(st.just("photo"), TEXT, st.lists(IMAGE_SIZE, min_size=1, max_size=3)),
     st.tuples(st.just("tools"), st.lists(TEXT, min_size=1, max_size=3), st.booleans()),
     st.tuples(st.just("reply"), TEXT),
     st.tuples(st.just("deliver")),
@@ -184,6 +213,7 @@ class Driver:
     ctx: SessionContext
     turn: int = 0
     calls: int = 0
+    vision: bool = False  # the budget of the step being checked
     pending: list = None  # effects not yet delivered
     previous: tuple[Prepared, Budget, int, str | None] | None = None
     last_tokens: int = 0
@@ -203,7 +233,8 @@ class Driver:
             assert exact_request(p.messages, tools) <= ctx._effective_tokens(budget)
             latest = next((m for m in reversed(ctx.messages) if m.role == "user" and not m.injected), None)
             if latest is not None:
-                assert any(self._is_latest(m["content"], latest.content) for m in p.messages if m["role"] == "user")
+                assert any(self._is_latest(m["content"], latest) for m in p.messages if m["role"] == "user")
+        self._check_images(p, budget)
         live_current = ctx._current() is not None  # the engine's current turn: never dropped
         for event in p.events:
             if event.strategy == "token_budget_halve":  # one halving per event
@@ -223,9 +254,21 @@ class Driver:
                 assert p.messages[: len(prev.messages)] == prev.messages, "prefix changed without a rule"
         self.previous = None if final else (p, budget, *key)
 
-    def _is_latest(self, sent: str, content: str) -> bool:
+    def _is_latest(self, sent: str | list[dict[str, Any]], latest: Message) -> bool:
         """`sent` is the user's message verbatim, or its head plus our cut notice (after
-        the summary block when one is injected)."""
+        the summary block when one is injected); its images as parts, or as placeholder
+        lines after the text when they did not fit."""
+        content = latest.content
+        if isinstance(sent, list):
+            refs = [p["image_url"]["url"] for p in sent[1:]]
+            if refs != [f"workspace:{a.preview}" for a in latest.attachments]:
+                return False
+            sent = sent[0]["text"]
+        elif latest.attachments and self.vision:
+            lines = "".join(f"\n[earlier image, no longer shown: {a.path}]" for a in latest.attachments)
+            if not sent.endswith(lines):
+                return False
+            sent = sent[: len(sent) - len(lines)]
         if self.ctx.summary:
             sent = sent.removeprefix(injection_text(self.ctx.summary) + "\n\n")
         if sent == content:
@@ -233,7 +276,25 @@ class Driver:
         head, marker, _ = sent.partition("\n\n[The user's message is too long for the context")
         return bool(marker) and content.startswith(head)
 
+    def _check_images(self, p: Prepared, budget: Budget) -> None:
+        """Image parts only with vision, only in the current and the last two historical
+        turns, and each one an image of its message; older images stand as placeholders."""
+        users = [m for m in p.messages if m["role"] == "user" and m["content"] != FINAL_INSTRUCTION]
+        with_parts = [i for i, m in enumerate(users) if isinstance(m["content"], list)]
+        if not budget.vision:
+            assert not with_parts
+            return
+        for i in with_parts:
+            assert i >= len(users) - 3, "an image part outside the last three turns"
+            for part in users[i]["content"][1:]:
+                assert part["image_url"]["url"].startswith("workspace:files/img_")
+        for msg in users[:-3]:
+            assert isinstance(msg["content"], str)
+            if "[image: files/img_" in msg["content"]:
+                assert "[earlier image, no longer shown: files/img_" in msg["content"]
+
     def step(self, budget: Budget, final: bool) -> None:
+        self.vision = budget.vision
         tools = [] if final else TOOLS
         p = prepare(self.ctx, system_prompt=SYSTEM, tools=tools, budget=budget, counter=COUNTER, final=final)
         self.check(p, budget, final, tools)
@@ -244,6 +305,35 @@ class Driver:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.tuples(OP, BUDGET, st.booleans()), min_size=1, max_size=40))
 def test_random_sessions_keep_the_invariants(ops: list) -> None:
+    run_session(ops)
+
+
+# Sessions where people mostly send pictures to a model with vision: long enough, and with
+# budgets roomy enough, that several turns with images stay live.
+PHOTO_OP = st.one_of(
+    st.tuples(st.just("photo"), st.tuples(st.sampled_from(KINDS), st.sampled_from([5, 60, 900]), st.integers(0, 5)),
+              st.lists(IMAGE_SIZE, min_size=1, max_size=2)),
+    st.tuples(st.just("reply"), st.tuples(st.just("english"), st.sampled_from([5, 200]), st.integers(0, 5))),
+    st.tuples(st.just("user"), st.tuples(st.just("english"), st.just(60), st.integers(0, 5))),
+    st.tuples(st.just("tools"), st.lists(TEXT, min_size=1, max_size=2), st.booleans()),
+    st.tuples(st.just("deliver")),
+    st.tuples(st.just("compact")),
+)
+VISION_BUDGET = st.builds(
+    lambda tokens, turns, vision: Budget(tokens, turns, None, 500, 8000, 4000, vision=vision),
+    tokens=st.sampled_from([1500, 6000, 50_000, 400_000]),
+    turns=st.integers(2, 12),
+    vision=st.sampled_from([True, True, True, False]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.tuples(PHOTO_OP, VISION_BUDGET, st.booleans()), min_size=4, max_size=30))
+def test_random_sessions_with_images_keep_the_invariants(ops: list) -> None:
+    run_session(ops)
+
+
+def run_session(ops: list) -> None:
     driver = Driver(SessionContext("prop:1"), pending=[])
     ctx = driver.ctx
     for op, budget, final in ops:
@@ -251,6 +341,14 @@ def test_random_sessions_keep_the_invariants(ops: list) -> None:
         if kind == "user":
             driver.turn = ctx.next_turn_number()
             ctx.append(Message("user", make_text(*op[1]), turn=driver.turn))
+        elif kind == "photo":
+            driver.turn = ctx.next_turn_number()
+            images = tuple(
+                Attachment(name=f"img_{driver.turn}_{i}.jpg", path=f"files/img_{driver.turn}_{i}.jpg", kind="image",
+                           width=w, height=h, preview=f"files/img_{driver.turn}_{i}.jpg", size=1)
+                for i, (w, h) in enumerate(op[2]))
+            notes = "".join(f"\n[image: {a.path}, {a.width}×{a.height}]" for a in images)
+            ctx.append(Message("user", make_text(*op[1]) + notes, turn=driver.turn, attachments=images))
         elif kind == "tools" and driver.turn:
             calls = []
             for _spec in op[1]:
@@ -270,6 +368,7 @@ def test_random_sessions_keep_the_invariants(ops: list) -> None:
             effect = driver.pending.pop(0)
             ctx.offer_summary(extractive_summary(effect), effect.upto_turn)
         elif kind == "overflow" and ctx.messages:
+            driver.vision = budget.vision
             p = recover_overflow(ctx, system_prompt=SYSTEM, tools=TOOLS, budget=budget, counter=COUNTER,
                                  provider_limit=op[1])
             driver.previous = None

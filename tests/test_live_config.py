@@ -31,6 +31,7 @@ from gateway.sessions import TIMEOUT_REPLY
 from gateway.types import Inbound, Message
 from tests.conftest import GatewayFactory
 from tests.fakes import search_server, slack_server, telegram_server, web_server
+from tests.fakes.media_files import make_image, make_ogg_opus
 from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall
 from tests.fakes.search_server import FakeSearch
 from tests.fakes.slack_server import FakeSlack
@@ -412,6 +413,67 @@ async def p_log_level(r: Rig) -> None:
     assert logging.getLogger().level == logging.DEBUG
 
 
+# Files people send (SPEC §5.4), from the admin's Telegram DM (user 1).
+
+_media_ids = iter(range(1, 1000))
+
+
+async def send_file(r: Rig, kind: str, content: bytes, **fields: Any) -> str:
+    """Push a message with one file of `kind` (photo, voice, document); the bot's answer."""
+    file_id = f"media{next(_media_ids)}"
+    r.tg.add_file(file_id, content, f"{kind}s/{file_id}")
+    if kind == "photo":
+        fields["photo"] = [{"file_id": file_id, "file_unique_id": file_id, "width": 64, "height": 48,
+                            "file_size": len(content)}]
+    else:
+        fields[kind] = {"file_id": file_id, "file_unique_id": file_id, "file_size": len(content),
+                        **fields.pop("extra", {})}
+    return str((await r.tg_reply(chat_id=1, user_id=1, **fields))["text"])
+
+
+async def send_voice(r: Rig) -> str:
+    return await send_file(r, "voice", make_ogg_opus(1), extra={"duration": 1, "mime_type": "audio/ogg"})
+
+
+async def p_vision(r: Rig) -> None:
+    await send_file(r, "photo", make_image(64, 48, fmt="JPEG"), caption="look")
+    assert [mime for mime, _ in r.model.image_parts()] == ["image/jpeg"]
+
+
+async def p_transcription_off(r: Rig) -> None:
+    before = len(r.model.transcriptions)
+    assert "speech to text is turned off here" in await send_voice(r)
+    assert len(r.model.transcriptions) == before
+
+
+async def p_transcription_model(r: Rig) -> None:
+    assert (await send_voice(r)).startswith("echo: [voice message, 0:01]")
+    assert r.model.transcriptions[-1]["model"] == "whisper-large-v3"
+
+
+async def p_transcription_base_url(r: Rig) -> None:
+    await send_voice(r)
+    port = r.model.base_url.rsplit(":", 1)[1].split("/")[0]
+    assert r.model.transcriptions[-1]["headers"]["Host"] == f"localhost:{port}"
+
+
+async def p_transcription_key(r: Rig) -> None:
+    await send_voice(r)
+    assert r.model.transcriptions[-1]["headers"]["Authorization"] == "Bearer rotated-stt-key"
+
+
+async def p_transcription_timeout(r: Rig) -> None:
+    r.model.transcribe(hang=5)
+    started = time.monotonic()
+    assert "did not answer within 0.3 seconds" in await send_voice(r)
+    assert time.monotonic() - started < 3
+
+
+async def p_file_limit(r: Rig) -> None:
+    answer = await send_file(r, "document", b"z" * 5000, extra={"file_name": "five.bin"})
+    assert answer == "I couldn't take five.bin: it is larger than 1 KB, the most I accept (limits.max_inbound_file_mb)."
+
+
 async def p_web_token(r: Rig) -> None:
     assert (await r.post("tok", "hi", token=WEB_TOKEN))[0] == 401  # the old token stops working at once
     assert (await r.post("tok", "hi", token="web-token-after-4567"))[0] == 200
@@ -572,6 +634,7 @@ ROWS = [
     Row("model.timeout_s", 0.3, "live", p_model_timeout),
     Row("model.max_retries", 0, "live", p_max_retries),
     Row("model.temperature", 0.5, "live", p_temperature),
+    Row("model.vision", True, "live", p_vision),
     Row("summary_model", lambda r: {"name": "summary-x", "base_url": r.model.base_url, "api_key": "sk-summary"},
         "live", p_summary_model),
     Row("channels.telegram.enabled", False, "channel", p_tg_gone),
@@ -610,6 +673,12 @@ ROWS = [
     Row("limits.tokens_per_user_per_day", 1, "live", p_tokens_per_day),
     Row("limits.turns_per_user_per_day", 1, "live", p_turns_per_day),
     Row("limits.turn_timeout_s", 0.5, "live", p_turn_timeout),
+    Row("limits.max_inbound_file_mb", 0.001, "live", p_file_limit),
+    Row("transcription.enabled", False, "live", p_transcription_off),
+    Row("transcription.model", "whisper-large-v3", "live", p_transcription_model),
+    Row("transcription.base_url", lambda r: localhost(r.model.base_url), "live", p_transcription_base_url),
+    Row("transcription.api_key", "rotated-stt-key", "live", p_transcription_key),
+    Row("transcription.timeout_s", 0.3, "live", p_transcription_timeout),
     Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
     Row("tasks.max_per_scope", 1, "live", p_tasks_per_scope),
@@ -669,6 +738,12 @@ async def _setup(r: Rig) -> None:
     await r.say("queue", "warm")  # live before its queue size changes
     assert "Only admins" in await r.say("eve", "/config agent_max_steps 14")
     assert "pairing code" in (await r.tg_reply(chat_id=41, user_id=41, text="hello"))["text"]
+    await send_file(r, "photo", make_image(64, 48, fmt="JPEG"), caption="look")
+    assert r.model.image_parts() == []  # fake-model: no vision from the table
+    assert (await send_voice(r)).startswith("echo: [voice message, 0:01] this is what the fake heard")
+    upload = r.model.transcriptions[-1]
+    assert (upload["model"], upload["headers"]["Authorization"]) == ("whisper-1", "Bearer test-key")
+    assert "larger than" not in await send_file(r, "document", b"z" * 5000, extra={"file_name": "five.bin"})
     kept = r.aged_tool_result("base.txt", days=3)
     await r.old_session("telegram:dm:kept", days=10)
     report = await r.gw.scheduler.run_purge()

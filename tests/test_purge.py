@@ -124,3 +124,28 @@ async def test_the_scheduler_records_each_purge(store: Store, memory: Memory) ->
     (run,) = await store.job_runs(JOB_PURGE)
     assert run.outcome == "ok" and run.detail is not None and "1 sessions, 6 messages" in run.detail
     assert seen == [(JOB_PURGE, "ok")]
+
+
+async def test_files_people_sent_are_purged_with_their_messages(store: Store, memory: Memory,
+                                                                tmp_path: Path) -> None:
+    ws = memory.workspace("telegram:user:5")
+    old = aged(ws / "files" / "photo_1.jpg", "old photo", 31)
+    old_preview = aged(ws / "files" / "photo_1.preview.jpg", "its copy", 31)
+    half_written = aged(ws / "files" / ".report.pdf.part", "left by a crash", 31)
+    recent = aged(ws / "files" / "report.pdf", "recent file", 29)
+    nested = aged(ws / "files" / "sub" / "deep.txt", "old, one level down", 40)
+    outside = aged(tmp_path / "outside" / "precious.txt", "not the gateway's", 400)
+    other = memory.workspace("telegram:user:6")
+    other.mkdir(parents=True, exist_ok=True)
+    if (other / "files").is_dir():
+        (other / "files").rmdir()
+    (other / "files").symlink_to(outside.parent)  # a planted link is never followed
+    memory_file = aged(ws / "memory" / "2025-10-01.md", "# note", 400)
+
+    report = await purge(store, memory.data_dir, now=NOW.timestamp(), session_retention_days=30,
+                         tool_result_ttl_days=7, live_references=set)
+
+    assert report.files == 4
+    assert not any(p.exists() for p in (old, old_preview, half_written, nested))
+    assert recent.exists() and outside.exists() and memory_file.exists()
+    assert "4 sent files" in report.line()

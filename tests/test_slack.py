@@ -23,6 +23,7 @@ from gateway.config import SlackConfig
 from gateway.keys import memory_scope, scope_dirname, session_key
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 from tests.fakes import slack_server
+from tests.fakes.media_files import make_image
 from tests.fakes.slack_server import (
     APP_TOKEN,
     BOT_TOKEN,
@@ -72,7 +73,7 @@ class Recorder:
         self.entered = asyncio.Event()
         self._changed = asyncio.Condition()
 
-    async def __call__(self, inbound: Inbound) -> None:
+    async def __call__(self, inbound: Inbound) -> bool | None:
         self.inbounds.append(inbound)
         self.entered.set()
         async with self._changed:
@@ -84,7 +85,7 @@ class Recorder:
             raise RuntimeError("router failed")
         if self.dedup:
             if inbound.event_id in self.seen:
-                return
+                return False  # as the router says of an event it has seen
             self.seen.add(inbound.event_id)
         if self.reply is not None and self.channel is not None:
             await self.channel.send(inbound, self.reply(inbound))
@@ -337,21 +338,63 @@ async def test_files_are_saved_in_the_workspace(
     fake_slack: FakeSlack, make_channel: MakeChannel, tmp_path: Path
 ) -> None:
     handler = Recorder()
-    await make_channel(handler)
+    channel = await make_channel(handler)
+    channel._file_limit = lambda: 1000
     good = fake_slack.add_file("../../notes v1.txt", b"hello file")
     evil = {**fake_slack.add_file("x.txt", b"x"), "url_private_download": "https://evil.example/x",
             "url_private": "https://evil.example/x"}
-    event = dm("see attached", subtype="file_share", files=[good, evil])
+    picture = fake_slack.add_file("shot.png", make_image(20, 10), "image/png")
+    clip = {**fake_slack.add_file("audio_message.webm", b"webm bytes", "audio/webm"),
+            "subtype": "slack_audio", "duration_ms": 4200}
+    big = fake_slack.add_file("big.bin", b"z" * 5000, "application/octet-stream")
+    liar = {**fake_slack.add_file("liar.bin", b"z" * 5000, "application/octet-stream"), "size": 10}
+    event = dm("see attached", subtype="file_share", files=[good, evil, picture, clip, big, liar])
     await fake_slack.wait_acked(await fake_slack.push_event(event))
 
     [inbound] = handler.inbounds
-    [attachment] = inbound.attachments
-    assert attachment.path == f"files/{event['ts']}_notes_v1.txt" and attachment.size == 10
+    assert inbound.text == "see attached"  # the files are attachments; the turn names them
+    note, bad, image, voice, huge, cut = inbound.attachments
+    assert (note.path, note.size, note.kind) == ("files/notes_v1.txt", 10, "file")
     workspace = tmp_path / "scopes" / scope_dirname(memory_scope(inbound))
-    assert (workspace / attachment.path).read_bytes() == b"hello file"
-    assert f"[file: ../../notes v1.txt, {attachment.path}]" in inbound.text
-    assert "[file: x.txt (could not be downloaded)]" in inbound.text
-    assert fake_slack.downloads == [good["id"]]  # the bot token never went to evil.example
+    assert (workspace / note.path).read_bytes() == b"hello file"
+    assert bad.path == "" and bad.error == "it could not be downloaded from Slack"
+    assert (image.kind, image.path, image.mime) == ("image", "files/shot.png", "image/png")
+    assert (voice.kind, voice.duration_s, voice.path) == ("voice", 4.2, "files/audio_message.webm")
+    assert huge.path == "" and "larger than 1000 bytes" in (huge.error or "")
+    assert cut.path == "" and "larger than 1000 bytes" in (cut.error or "")  # stopped while downloading
+    # The bot token never went to evil.example; the file Slack said was too big was never fetched.
+    assert fake_slack.downloads == [good["id"], picture["id"], clip["id"], liar["id"]]
+    assert sorted(p.name for p in (workspace / "files").iterdir()) == [
+        "audio_message.webm", "notes_v1.txt", "shot.png"]
+
+
+async def test_a_posts_files_are_kept_once_across_failures_twins_and_retries(
+    fake_slack: FakeSlack, make_channel: MakeChannel, tmp_path: Path
+) -> None:
+    handler = Recorder(dedup=True, failures=1)
+    await make_channel(handler)
+    doc = fake_slack.add_file("notes.txt", b"hello file")
+    ts = next_ts()
+    text = f"<@{BOT_USER_ID}> see attached"
+    as_message = {"type": "message", "channel_type": "channel", "channel": "C1", "user": "U1", "text": text,
+                  "ts": ts, "subtype": "file_share", "files": [doc]}
+    as_mention = {"type": "app_mention", "channel": "C1", "user": "U1", "text": text, "ts": ts, "files": [doc]}
+    failed = await fake_slack.push_event(as_message, event_id="Ev1")  # the router fails: Slack redelivers
+    await handler.wait(1)
+    await fake_slack.wait_acked(await fake_slack.push_event(dm("other")))
+    assert failed not in fake_slack.acked
+    for envelope in [await fake_slack.push_event(as_message, event_id="Ev1", retry_num=1),
+                     await fake_slack.push_event(as_mention, event_id="Ev2"),  # the twin
+                     await fake_slack.push_event(as_mention, event_id="Ev2", retry_num=1)]:
+        await fake_slack.wait_acked(envelope)
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(handler.inbounds[0]))
+    # The failed delivery's copy was deleted (its name is free again); the twin and its retry
+    # were not fetched at all.
+    assert [p.name for p in (workspace / "files").iterdir()] == ["notes.txt"]
+    assert fake_slack.downloads == [doc["id"]] * 2
+    first, _other, taken, twin, retry = handler.inbounds
+    assert [a.path for a in first.attachments] == [a.path for a in taken.attachments] == ["files/notes.txt"]
+    assert twin.attachments == retry.attachments == ()
 
 
 async def test_user_name_comes_from_users_info(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:

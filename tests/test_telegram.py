@@ -32,6 +32,7 @@ from gateway.config import TelegramConfig
 from gateway.keys import memory_scope, scope_dirname, session_key
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 from tests.fakes import telegram_server
+from tests.fakes.media_files import make_image, make_ogg_opus
 from tests.fakes.telegram_server import FakeTelegram
 
 fake_telegram = telegram_server.fake_telegram  # the fixture
@@ -497,10 +498,11 @@ async def test_photo_and_document_are_saved_in_the_workspace(
     fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
 ) -> None:
     _, recorder = await start_channel()
-    photo_bytes = b"\x89PNG fake image bytes"
+    photo_bytes = make_image(800, 600, fmt="JPEG")
     fake_telegram.add_file("big", photo_bytes, "photos/file_1.jpg")
     fake_telegram.add_file("doc", b"%PDF-1.4 report", "documents/file_2.pdf")
     fake_telegram.add_file("evil", b"root:x:0:0", "documents/file_3")
+    fake_telegram.add_file("doc2", b"%PDF-1.4 another report", "documents/file_4.pdf")
     photo_mid = fake_telegram._next_message_id
     fake_telegram.push_message(
         chat_id=42, user_id=42, caption="look at this",
@@ -515,26 +517,100 @@ async def test_photo_and_document_are_saved_in_the_workspace(
         "file_id": "evil", "file_unique_id": "e", "file_name": "../../etc/passwd"})
     fake_telegram.push_message(chat_id=42, user_id=42, caption="huge", document={
         "file_id": "huge", "file_unique_id": "h", "file_name": "big.iso", "file_size": 30 * 2**20})
-    photo, doc, evil, huge = await recorder.wait(4)
+    fake_telegram.push_message(chat_id=42, user_id=42, document={  # the same name again
+        "file_id": "doc2", "file_unique_id": "d2", "file_name": "report 2024.pdf",
+        "mime_type": "application/pdf", "file_size": 23})
+    photo, doc, evil, huge, doc2 = await recorder.wait(5)
 
     workspace = tmp_path / "scopes" / scope_dirname(memory_scope(photo))
-    assert photo.text == f"look at this\n[file: photo.jpg, files/{photo_mid}_photo.jpg]"
+    assert photo.text == "look at this"  # the caption is the text; the file is an attachment
     [att] = photo.attachments
-    assert (att.path, att.mime, att.size) == (f"files/{photo_mid}_photo.jpg", "image/jpeg", len(photo_bytes))
+    assert (att.path, att.mime, att.size, att.kind) == (f"files/photo_{photo_mid}.jpg", "image/jpeg",
+                                                        len(photo_bytes), "image")
     assert (workspace / att.path).read_bytes() == photo_bytes
+    assert fake_telegram.calls_of("getFile")[0]["file_id"] == "big"  # the largest size
 
     [doc_att] = doc.attachments
-    assert doc_att.name == "report_2024.pdf" and doc_att.mime == "application/pdf"
-    assert doc.text == f"[file: report_2024.pdf, {doc_att.path}]"
+    assert doc_att.name == "report_2024.pdf" and doc_att.mime == "application/pdf" and doc_att.kind == "file"
+    assert doc.text == "" and doc_att.path == "files/report_2024.pdf"
     assert (workspace / doc_att.path).read_bytes() == b"%PDF-1.4 report"
+    [doc2_att] = doc2.attachments
+    assert doc2_att.path == "files/report_2024-2.pdf"  # unique: the first one stays as it was
+    assert (workspace / doc2_att.path).read_bytes() == b"%PDF-1.4 another report"
 
     [evil_att] = evil.attachments
-    assert evil_att.path == f"files/{evil.message_id}_passwd"
+    assert evil_att.path == "files/passwd"
     assert (workspace / evil_att.path).read_bytes() == b"root:x:0:0"
 
-    assert huge.attachments == ()
-    assert huge.text.startswith("huge\n[file: big.iso, not saved: larger than 20 MB]")
-    assert not fake_telegram.calls_of("getFile")[3:], "the oversized file was never fetched"
+    [huge_att] = huge.attachments
+    assert huge.text == "huge" and huge_att.path == "" and huge_att.name == "big.iso"
+    assert huge_att.error == "it is larger than 20 MB, the most I accept (limits.max_inbound_file_mb)"
+    assert "huge" not in [c["file_id"] for c in fake_telegram.calls_of("getFile")], "never fetched"
+    assert sorted(p.name for p in (workspace / "files").iterdir()) == sorted([
+        f"photo_{photo_mid}.jpg", "passwd", "report_2024-2.pdf", "report_2024.pdf"])  # no partial files left
+
+
+async def test_voice_audio_and_video_notes_are_saved(
+    fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
+) -> None:
+    _, recorder = await start_channel()
+    ogg = make_ogg_opus(3)
+    fake_telegram.add_file("v", ogg, "voice/file_7.oga")
+    fake_telegram.add_file("a", b"ID3 an mp3", "music/file_8.mp3")
+    fake_telegram.add_file("n", b"\x00\x00\x00 ftypisom", "video_notes/file_9.mp4")
+    mid = fake_telegram._next_message_id
+    fake_telegram.push_message(chat_id=5, user_id=5, voice={
+        "file_id": "v", "file_unique_id": "uv", "duration": 3, "mime_type": "audio/ogg", "file_size": len(ogg)})
+    fake_telegram.push_message(chat_id=5, user_id=5, caption="a song", audio={
+        "file_id": "a", "file_unique_id": "ua", "duration": 185, "mime_type": "audio/mpeg",
+        "file_name": "tune.mp3", "file_size": 10})
+    fake_telegram.push_message(chat_id=5, user_id=5, video_note={
+        "file_id": "n", "file_unique_id": "un", "duration": 7, "length": 240, "file_size": 16})
+    voice, audio, note = await recorder.wait(3)
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(voice))
+    [v] = voice.attachments
+    assert (v.kind, v.path, v.mime, v.duration_s) == ("voice", f"files/voice_{mid}.ogg", "audio/ogg", 3.0)
+    assert (workspace / v.path).read_bytes() == ogg
+    [a] = audio.attachments
+    assert (audio.text, a.kind, a.path, a.duration_s) == ("a song", "audio", "files/tune.mp3", 185.0)
+    [n] = note.attachments
+    assert (n.kind, n.path, n.mime, n.duration_s) == ("voice", f"files/video_note_{mid + 2}.mp4", "video/mp4", 7.0)
+
+
+async def test_a_file_is_kept_once_when_the_router_fails_and_the_update_comes_again(
+    fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
+) -> None:
+    _, recorder = await start_channel()
+    recorder.fail_times = 1
+    fake_telegram.add_file("doc", b"%PDF-1.4 x", "documents/file_1.pdf")
+    fake_telegram.push_message(chat_id=3, user_id=3, document={
+        "file_id": "doc", "file_unique_id": "d", "file_name": "a.pdf", "file_size": 10})
+    (inbound,) = await recorder.wait(1)  # taken on the second try
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(inbound))
+    assert fake_telegram.downloads == ["documents/file_1.pdf"] * 2
+    assert [a.path for a in inbound.attachments] == ["files/a.pdf"]
+    assert [p.name for p in (workspace / "files").iterdir()] == ["a.pdf"]  # the failed try left nothing
+
+
+async def test_a_file_larger_than_it_was_said_to_be_is_cut_off_while_downloading(
+    fake_telegram: FakeTelegram, start_channel: Starter, tmp_path: Path
+) -> None:
+    channel, recorder = await start_channel()
+    channel._file_limit = lambda: 100_000
+    fake_telegram.add_file("liar", b"x" * 300_000, "documents/file_5.bin", reported_size=1000)
+    fake_telegram.add_file("big", b"y" * (21 * 2**20), "documents/file_6.bin")
+    fake_telegram.push_message(chat_id=9, user_id=9, caption="small, they said", document={
+        "file_id": "liar", "file_unique_id": "l", "file_name": "data.bin", "file_size": 1000})
+    fake_telegram.push_message(chat_id=9, user_id=9, document={  # no size stated at all
+        "file_id": "big", "file_unique_id": "b", "file_name": "big.bin"})
+    liar, big = await recorder.wait(2)
+    [att] = liar.attachments
+    assert att.path == "" and "larger than 98 KB" in (att.error or "")
+    assert fake_telegram.downloads == ["documents/file_5.bin"]  # fetched, and stopped at the cap
+    workspace = tmp_path / "scopes" / scope_dirname(memory_scope(liar))
+    assert list((workspace / "files").iterdir()) == []  # nothing half-written is left
+    [att] = big.attachments  # Telegram itself refuses files over 20 MB to bots
+    assert att.error == "it is larger than 20 MB, the most Telegram lets bots download"
 
 
 async def test_fake_accepts_json_bodies_and_edits(fake_telegram: FakeTelegram) -> None:

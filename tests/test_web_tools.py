@@ -23,6 +23,7 @@ from gateway.tools.web_fetch import WebFetch
 from gateway.tools.web_search import WebSearch
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import search_server, web_server
+from tests.fakes.media_files import make_pdf
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.search_server import FakeSearch
 from tests.fakes.web_server import ENDLESS_CAP, FakeWeb
@@ -48,35 +49,6 @@ stones for years; see <a href="https://example.org/otter-study">the long-term st
 </article></main>
 <footer>FOOTERJUNK Copyright the Daily Example, all rights reserved.</footer>
 </body></html>"""
-
-
-def make_pdf(lines: list[str], title: str) -> bytes:
-    """A minimal one-page PDF with Helvetica text, built by hand (xref offsets included)."""
-    ops = ["BT /F1 12 Tf 72 720 Td"]
-    for i, line in enumerate(lines):
-        ops.append(("" if i == 0 else "0 -18 Td ") + f"({line}) Tj")
-    ops.append("ET")
-    content = "\n".join(ops).encode()
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-        b"/Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-        f"<< /Title ({title}) >>".encode(),
-    ]
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for number, obj in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += f"{number} 0 obj\n".encode() + obj + b"\nendobj\n"
-    xref = len(out)
-    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
-    out += b"".join(f"{offset:010d} 00000 n \n".encode() for offset in offsets)
-    out += (f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R /Info 6 0 R >>\n"
-            f"startxref\n{xref}\n%%EOF\n").encode()
-    return out
 
 
 def context(tmp_path: Path, **tools: Any) -> ToolContext:

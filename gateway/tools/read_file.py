@@ -2,13 +2,19 @@
 
 Results are cut by stage 1 like any tool result, but the notice points at the file
 itself (no copy is saved), so every notice can be followed with another read_file call.
+A PDF (a file people sent, say: SPEC §5.4) is read as its text, page by page, and its
+offsets count in that text; other binary files are refused with what they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 from pathlib import Path
 from typing import Any
+
+from pypdf import PdfReader
 
 from context.truncate import read_window
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
@@ -16,6 +22,8 @@ from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
 MAX_PATH_CHARS = 1024  # far beyond any real workspace path, well under the system's limit
+SNIFF_BYTES = 8192
+_IMAGE_HEADS = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF")  # PNG, JPEG, GIF, WebP (RIFF)
 
 
 def _read(path: Path, rel: str) -> str:
@@ -24,8 +32,16 @@ def _read(path: Path, rel: str) -> str:
             raise ToolError(f"{shown(rel)} is a directory, not a file")
         if not path.is_file():
             raise ToolError("no such file (paths are relative to your workspace)")
-        if path.stat().st_size > MAX_FILE_BYTES:
+        st = path.stat()
+        if st.st_size > MAX_FILE_BYTES:
             raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
+        with path.open("rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+        if head.startswith(b"%PDF-"):
+            return _pdf_text(str(path), st.st_mtime_ns, st.st_size)
+        if b"\x00" in head:
+            what = "an image" if head.startswith(_IMAGE_HEADS) else "a binary file"
+            raise ToolError(f"{shown(rel)} is {what}; read_file reads text and PDF files")
         # newline="" keeps CRLF as it is, so offsets match the bytes on disk.
         with path.open("r", encoding="utf-8", errors="replace", newline="") as fh:
             return fh.read()
@@ -34,10 +50,29 @@ def _read(path: Path, rel: str) -> str:
         raise ToolError(f"cannot read the path {shown(rel)}: {err.strerror or type(err).__name__}") from None
 
 
+@functools.lru_cache(maxsize=4)
+def _pdf_text(path: str, mtime_ns: int, size: int) -> str:
+    """A PDF's text, page by page under a `--- page N of M ---` line; cached for the
+    next read_file call that continues it (keyed by path, mtime and size)."""
+    try:
+        with open(path, "rb") as fh:
+            reader = PdfReader(io.BytesIO(fh.read()))
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise ToolError("the PDF is encrypted")
+        count = len(reader.pages)
+        pages = [f"--- page {n} of {count} ---\n{(page.extract_text() or '').strip()}"
+                 for n, page in enumerate(reader.pages, start=1)]
+    except ToolError:
+        raise
+    except Exception as err:  # pypdf raises many kinds on damaged files
+        raise ToolError(f"the PDF could not be read ({type(err).__name__}: {str(err)[:200]})") from None
+    return "\n\n".join(pages) + "\n"
+
+
 class ReadFile:
     name = "read_file"
     description = (
-        "Read a text file in your workspace (saved tool results in tool_results/, notes in memory/, "
+        "Read a text or PDF file in your workspace (saved tool results in tool_results/, notes in memory/, "
         "archived conversation in dialog/, files people sent in files/). Long results are cut with a "
         "notice that gives the exact read_file call to continue. Use start_line (1-based) or offset "
         "(character offset) to continue."

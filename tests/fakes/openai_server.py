@@ -22,11 +22,21 @@ that calibrates token counts always sees numbers.
 The fake is strict the way real providers are: a request whose tool calls and tool
 results do not pair up is answered with a 400 (set `strict = False` to allow it), and
 with `context_window` set, a request estimated above it gets OpenAI's overflow error.
+Image parts must be what OpenAI takes: an `image_url` whose url is an http(s) or
+`data:image/...;base64,` URL with nothing else in the part (else 400); `image_parts()`
+lists those received, decoded.
+
+Speech to text: `POST /v1/audio/transcriptions` takes OpenAI's multipart form (`file`,
+`model`, `response_format`) with its limits (25 MB, the file formats it names; else a
+400 or 413 as OpenAI words them) and records each upload in `transcriptions`. It answers
+what `transcribe()` scripted (a text, an error, a hang), else `default_transcript`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import inspect
 import itertools
 import json
@@ -162,6 +172,9 @@ class FakeModel:
         self.default: str | Responder = echo_reply
         self._script: list[Scripted] = []
         self._responder: Responder | None = None
+        self.transcriptions: list[dict[str, Any]] = []  # every upload: model, filename, audio, headers
+        self.default_transcript = "this is what the fake heard"
+        self._stt_script: list[Reply | ErrorReply | Hang] = []
         self._ids = itertools.count(1)
         self._arrived = asyncio.Condition()
         self._stopping = asyncio.Event()
@@ -172,6 +185,7 @@ class FakeModel:
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/audio/transcriptions", self._transcription)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -249,9 +263,35 @@ class FakeModel:
         chat.completion body, sent as is) or None (let `default` answer)."""
         self._responder = fn
 
+    def transcribe(self, text: str | None = None, *, error: tuple[int, dict[str, Any] | str] | None = None,
+                   hang: float | None = None) -> None:
+        """Script the next transcription: a text, an (HTTP status, body) error, or a hang
+        of `hang` seconds (then the default transcript)."""
+        if hang is not None:
+            self._stt_script.append(Hang(hang))
+        elif error is not None:
+            self._stt_script.append(ErrorReply(error[0], error[1]))
+        else:
+            self._stt_script.append(Reply(text=text or ""))
+
+    def image_parts(self, request: dict[str, Any] | None = None) -> list[tuple[str, bytes]]:
+        """(mime, decoded bytes) of every data-URL image part of `request` (default: the
+        last one), in order."""
+        body = request if request is not None else self.requests[-1]
+        found = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else ():
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    url = part["image_url"]["url"]
+                    head, _, data = url.partition(",")
+                    found.append((head.removeprefix("data:").removesuffix(";base64"), base64.b64decode(data)))
+        return found
+
     def clear(self) -> None:
         """Forget the scripted replies not consumed yet."""
         self._script.clear()
+        self._stt_script.clear()
 
     @property
     def pending(self) -> int:
@@ -344,6 +384,51 @@ class FakeModel:
             return await self._stream(request, body, answer)
         return web.json_response(self._completion(body, answer))
 
+    async def _transcription(self, request: web.Request) -> web.Response:
+        if not request.content_type.startswith("multipart/form-data"):
+            return _error_response(400, "Expected a multipart/form-data request.")
+        if request.content_length is not None and request.content_length > TRANSCRIPTION_MAX_BYTES + 65536:
+            return _error_response(413, "Maximum content size limit (26214400) exceeded.")
+        fields: dict[str, Any] = {}
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if part.name == "file":
+                fields["file"] = (part.filename or "", part.headers.get("Content-Type", ""), await part.read())
+            elif part.name:
+                fields[part.name] = await part.text()
+        upload = fields.get("file")
+        record = {"model": fields.get("model"), "response_format": fields.get("response_format"),
+                  "filename": upload[0] if upload else None, "content_type": upload[1] if upload else None,
+                  "audio": upload[2] if upload else b"", "headers": dict(request.headers)}
+        async with self._arrived:
+            self.transcriptions.append(record)
+            self._arrived.notify_all()
+        if not fields.get("model"):
+            return _error_response(400, "you must provide a model parameter", param="model")
+        if upload is None:
+            return _error_response(400, "you must provide a file parameter", param="file")
+        if len(upload[2]) > TRANSCRIPTION_MAX_BYTES:
+            return _error_response(413, "Maximum content size limit (26214400) exceeded.")
+        extension = upload[0].rsplit(".", 1)[-1].lower() if "." in upload[0] else ""
+        if extension not in TRANSCRIPTION_FORMATS:
+            return _error_response(400, f"Invalid file format. Supported formats: {sorted(TRANSCRIPTION_FORMATS)}",
+                                   param="file")
+        answer: Reply | ErrorReply | Hang = self._stt_script.pop(0) if self._stt_script else Reply(
+            text=self.default_transcript)
+        if isinstance(answer, Hang):
+            await self._pause(answer.seconds)
+            answer = Reply(text=self.default_transcript)
+        if isinstance(answer, ErrorReply):
+            if isinstance(answer.body, str):
+                return web.Response(status=answer.status, text=answer.body)
+            return web.json_response(answer.body, status=answer.status)
+        return web.json_response({"text": answer.text or ""})
+
+    async def wait_transcriptions(self, n: int, timeout: float = 5) -> list[dict[str, Any]]:
+        async with self._arrived:
+            await asyncio.wait_for(self._arrived.wait_for(lambda: len(self.transcriptions) >= n), timeout)
+        return self.transcriptions[:n]
+
     # -- bodies ----------------------------------------------------------------------------
 
     def _usage(self, body: dict[str, Any], reply: Reply) -> dict[str, int]:
@@ -427,6 +512,9 @@ class FakeModel:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return "'messages' must be a non-empty array."
+        image_problem = _image_problem(messages)
+        if image_problem is not None:
+            return image_problem
         if not self.strict:
             return None
         return _pairing_problem(messages)
@@ -504,6 +592,44 @@ def _overflow_body(limit: int, requested: int) -> dict[str, Any]:
                     f"resulted in {requested} tokens. Please reduce the length of the messages."),
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded",
     }}
+
+
+TRANSCRIPTION_MAX_BYTES = 25 * 1024 * 1024  # OpenAI's limit for one audio file
+TRANSCRIPTION_FORMATS = frozenset({"flac", "m4a", "mp3", "mp4", "mpeg", "mpga", "oga", "ogg", "wav", "webm"})
+_IMAGE_PART_KEYS = frozenset({"type", "image_url"})
+
+
+def _image_problem(messages: list[Any]) -> str | None:
+    """Image parts as OpenAI takes them: nothing but `type` and `image_url`, whose `url` is
+    an http(s) URL or a base64 `data:image/...` URL that decodes."""
+    for position, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for index, part in enumerate(content):
+            where = f"messages[{position}].content[{index}]"
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                return f"Invalid content part at {where}."
+            if part["type"] == "text":
+                if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                    return f"Invalid text part at {where}."
+                continue
+            if set(part) - _IMAGE_PART_KEYS:
+                return f"Unrecognized parameters in {where}: {sorted(set(part) - _IMAGE_PART_KEYS)}."
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else None
+            if not isinstance(url, str):
+                return f"Missing image_url.url at {where}."
+            if url.startswith(("http://", "https://")):
+                continue
+            head, _, data = url.partition(",")
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                return f"Invalid image URL at {where}: expected a base64-encoded data URL with an image MIME type."
+            try:
+                base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                return f"Invalid base64 image data at {where}."
+    return None
 
 
 def _pairing_problem(messages: list[Any]) -> str | None:

@@ -43,6 +43,7 @@ from tests.fakes.telegram_text import EntityError, Parsed, parse_message
 
 DEFAULT_TOKEN = "123456:TEST-fake-token"
 TEXT_LIMIT = 4096
+GET_FILE_LIMIT = 20 * 1024 * 1024  # bots may download files up to 20 MB from the cloud Bot API
 
 # Methods under per-chat flood control: a 429's retry_after holds for all of them.
 _PACED = frozenset({"sendmessage", "editmessagetext", "deletemessage"})
@@ -105,6 +106,8 @@ class FakeTelegram:
         self._next_update_id = 1
         self._next_message_id = 1
         self._files: dict[str, tuple[bytes, str]] = {}  # file_id → (content, file_path)
+        self._reported_sizes: dict[str, int] = {}  # file_id → a file_size getFile states instead
+        self.downloads: list[str] = []  # file paths served
         self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
         self._reject_formatting = 0
         self._cursors: dict[str, int] = defaultdict(int)  # wait_call position per method
@@ -211,8 +214,12 @@ class FakeTelegram:
         self._notify()
         return uid
 
-    def add_file(self, file_id: str, content: bytes, file_path: str) -> None:
+    def add_file(self, file_id: str, content: bytes, file_path: str, *, reported_size: int | None = None) -> None:
+        """A file bots can fetch (getFile, then GET /file/bot<token>/<file_path>). With
+        `reported_size`, getFile states that size instead of the real one."""
         self._files[file_id] = (content, file_path)
+        if reported_size is not None:
+            self._reported_sizes[file_id] = reported_size
 
     def fail_next(
         self, method: str, status: int, description: str = "", retry_after: float | None = None
@@ -364,6 +371,8 @@ class FakeTelegram:
         path = request.match_info["path"]
         for content, file_path in self._files.values():
             if file_path == path:
+                self.downloads.append(path)
+                self._notify()
                 return web.Response(body=content, content_type="application/octet-stream")
         return _error(404, "Not Found")
 
@@ -538,8 +547,11 @@ class FakeTelegram:
         if file_id not in self._files:
             return _error(400, "Bad Request: invalid file_id")
         content, path = self._files[file_id]
+        if len(content) > GET_FILE_LIMIT:
+            return _error(400, "Bad Request: file is too big")  # the cloud Bot API's rule
+        size = self._reported_sizes.get(file_id, len(content))
         return _ok({"file_id": file_id, "file_unique_id": f"u-{file_id}",
-                    "file_size": len(content), "file_path": path})
+                    "file_size": size, "file_path": path})
 
 
 def _form_value(key: str, value: str) -> Any:

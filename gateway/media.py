@@ -1,0 +1,457 @@
+"""Images, voice notes and files people send (SPEC §5.4): the shell's side.
+
+Channels download a message's files (only for senders the router admits) with
+`save_download`, which caps the size while the bytes arrive and keeps safe, unique names
+under the scope's `files/`. When the turn starts, `Media.intake` turns them into the
+user message: an image is measured and, when it is larger than the model needs, a
+scaled copy is made (Pillow, in a worker thread); a voice note or audio file is
+transcribed (gateway.model.Transcriber); any other file is named with its size. What
+could not be kept or heard is said to the person in a notice. The stored message holds
+the text and the files' metadata, never their bytes.
+
+Before each model call, `Media.resolve_images` turns the image parts the context engine
+placed (`workspace:<path>`, context/images.py) into base64 data URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import re
+import unicodedata
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any
+
+from context.images import image_reference
+from gateway.config import Config
+from gateway.model import ModelError, Transcriber, TranscriptionSettings, transcription_failure
+from gateway.types import Attachment, AttachmentKind, Inbound
+from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
+
+log = logging.getLogger("gateway.media")
+
+FILES_DIR = "files"
+MAX_IMAGE_SIDE = 1568  # longest side of the copy a model is shown (more costs tokens, adds little)
+MAX_IMAGE_PIXELS = 60_000_000  # larger images are kept as files, never decoded (decompression bombs)
+JPEG_QUALITY = 85
+WRITE_BLOCK = 1 << 20  # downloads are written in blocks of this size, off the loop
+DATA_URL_CACHE_CHARS = 48 << 20  # base64 of recently sent images, kept across steps
+_SENDABLE = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp", "GIF": ".gif"}  # formats providers take
+_MIME_OF_EXT = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp",
+                ".gif": "image/gif"}
+_UNSAFE = re.compile(r"[^\w.\-]+")
+
+
+class FileRefused(Exception):
+    """A file that is not kept; `str(exc)` says why, in words for the person."""
+
+
+# ---------------------------------------------------------------------------- names and sizes
+
+
+def safe_file_name(name: str, limit: int = 100) -> str:
+    """A file name that is safe on any filesystem and cannot leave its directory."""
+    if not isinstance(name, str):
+        name = str(name)
+    name = name.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    name = unicodedata.normalize("NFC", name).replace("\\", "/").rsplit("/", 1)[-1]
+    name = _UNSAFE.sub("_", name).strip("._") or "file"
+    if len(name) > limit:
+        root, ext = os.path.splitext(name)
+        ext = ext[:16]
+        name = root[: limit - len(ext)] + ext
+    return name
+
+
+def describe_size(size: int) -> str:
+    """`1.2 MB`, `340 KB`, `12 bytes`."""
+    if size >= 1 << 20:
+        megabytes = size / (1 << 20)
+        return f"{megabytes:.0f} MB" if megabytes == int(megabytes) else f"{megabytes:.1f} MB"
+    if size >= 1 << 10:
+        return f"{size / (1 << 10):.0f} KB"
+    return f"{size} bytes"
+
+
+def too_large(limit: int) -> FileRefused:
+    return FileRefused(f"it is larger than {describe_size(limit)}, the most I accept (limits.max_inbound_file_mb)")
+
+
+def describe_duration(seconds: float | None) -> str | None:
+    if seconds is None or seconds < 0:
+        return None
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _claim(workspace: Path, name: str) -> tuple[Path, str]:
+    """Reserve a new, unused name for `name` under files/ (created 0600, empty): `name`,
+    else `stem-2.ext`, `stem-3.ext`, …. Runs in a worker thread."""
+    directory = resolve_in_workspace(workspace, FILES_DIR)
+    make_private_dir(directory)
+    stem, ext = os.path.splitext(safe_file_name(name))
+    for n in range(1, 10_000):
+        candidate = f"{stem}{'' if n == 1 else f'-{n}'}{ext}"
+        rel = f"{FILES_DIR}/{candidate}"
+        target = resolve_in_workspace(workspace, rel)  # a planted symlink never leads out
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return target, rel
+    raise FileRefused("there are too many files of that name already")
+
+
+def _open_part(target: Path) -> IO[bytes]:
+    part = target.with_name(f".{target.name}.part")
+    return open(part, "wb", opener=lambda p, flags: os.open(p, flags, 0o600))
+
+
+def _finish(fh: IO[bytes], target: Path) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+    fh.close()
+    os.replace(fh.name, target)
+
+
+def _discard(fh: IO[bytes] | None, target: Path) -> None:
+    if fh is not None:
+        fh.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(fh.name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(target)
+
+
+async def save_download(chunks: AsyncIterator[bytes], workspace: Path, name: str, *, limit: int) -> tuple[str, int]:
+    """Write a download under the workspace's files/ with a safe, unique name, refusing it
+    once it grows past `limit` bytes (whatever size the platform announced). Returns
+    (workspace-relative path, size). Nothing is left behind when it fails."""
+    target, rel = await asyncio.to_thread(_claim, workspace, name)
+    fh: IO[bytes] | None = None
+    try:
+        fh = await asyncio.to_thread(_open_part, target)
+        size = 0
+        block = bytearray()
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            block += chunk
+            if len(block) >= WRITE_BLOCK:
+                await asyncio.to_thread(fh.write, bytes(block))
+                block.clear()
+        if block:
+            await asyncio.to_thread(fh.write, bytes(block))
+        await asyncio.to_thread(_finish, fh, target)
+    except BaseException:
+        await asyncio.shield(asyncio.to_thread(_discard, fh, target))
+        raise
+    return rel, size
+
+
+async def local_chunks(path: Path, block: int = WRITE_BLOCK) -> AsyncIterator[bytes]:
+    """A local file as download chunks (a self-hosted Bot API server in --local mode)."""
+    fh = await asyncio.to_thread(open, path, "rb")
+    try:
+        while data := await asyncio.to_thread(fh.read, block):
+            yield data
+    finally:
+        await asyncio.to_thread(fh.close)
+
+
+def _unlink_saved(workspace: Path, paths: list[str]) -> None:
+    for rel in paths:
+        try:
+            resolve_in_workspace(workspace, rel).unlink()
+        except (FileNotFoundError, PathNotAllowed):
+            pass
+
+
+async def discard_saved(workspace: Path, inbound: Inbound) -> None:
+    """Delete the files a channel saved for `inbound` when the router did not take it (a
+    redelivery it had already seen, or a failure the platform will deliver again): the
+    message that counts has its own copies."""
+    paths = [a.path for a in inbound.attachments if a.path]
+    if paths:
+        try:
+            await asyncio.to_thread(_unlink_saved, workspace, paths)
+        except OSError as err:
+            log.warning("files of a message not taken were not deleted: %s", err)
+
+
+def kind_of(mime: str | None, name: str = "") -> AttachmentKind:
+    """image / audio / file, from a file's type (channels know better for voice notes)."""
+    mime = (mime or "").lower()
+    if mime.startswith("image/"):
+        return "image"
+    if mime.startswith("audio/"):
+        return "audio"
+    ext = os.path.splitext(name.lower())[1]
+    if not mime or mime == "application/octet-stream":
+        if ext in _MIME_OF_EXT:
+            return "image"
+        if ext in (".ogg", ".oga", ".opus", ".mp3", ".m4a", ".wav", ".flac", ".webm"):
+            return "audio"
+    return "file"
+
+
+# ---------------------------------------------------------------------------- images
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInfo:
+    width: int  # of the copy the model is shown
+    height: int
+    preview: str  # workspace-relative path of that copy (the file itself when it fits)
+    original_width: int  # the file's own size, upright
+    original_height: int
+
+
+def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> ImageInfo | None:
+    """Measure an image and, when it is too large, turned by EXIF or in a format providers
+    do not take, save a scaled copy next to it (JPEG, or PNG when it has transparency).
+    None when the file is not an image Pillow can read. Runs in a worker thread."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    path = resolve_in_workspace(workspace, rel)
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            if width <= 0 or height <= 0 or width * height > MAX_IMAGE_PIXELS:
+                return None
+            orientation = img.getexif().get(0x0112, 1)
+            upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+            animated = bool(getattr(img, "is_animated", False))
+            if img.format in _SENDABLE and max(width, height) <= max_side and orientation == 1 and not animated:
+                return ImageInfo(width, height, rel, width, height)
+            if img.format == "JPEG":
+                img.draft("RGB", (max_side, max_side))  # decode at a reduced scale: much faster
+            img.load()
+            shown = ImageOps.exif_transpose(img) or img
+            shown.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+            alpha = shown.mode in ("RGBA", "LA", "PA") or (shown.mode == "P" and "transparency" in shown.info)
+            stem = os.path.splitext(os.path.basename(rel))[0]
+            ext = ".png" if alpha else ".jpg"
+            target, preview = _claim(workspace, f"{stem}.preview{ext}")
+            try:
+                if alpha:
+                    shown.convert("RGBA").save(target, "PNG")
+                else:
+                    shown.convert("RGB").save(target, "JPEG", quality=JPEG_QUALITY)
+            except BaseException:
+                _discard(None, target)
+                raise
+            return ImageInfo(shown.width, shown.height, preview, *upright)
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
+        log.info("not an image the model can be shown: %s (%s)", rel, err)
+        return None
+
+
+# ---------------------------------------------------------------------------- the turn's text
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """A person's message made ready to store: its text (caption, notes, transcripts), the
+    files' metadata, notices for the person, and whether there is anything to answer."""
+
+    text: str
+    attachments: tuple[Attachment, ...]
+    notices: tuple[str, ...]
+    run: bool
+
+
+def file_note(att: Attachment) -> str:
+    return f"[file: {att.path}, {describe_size(att.size)}]"
+
+
+def refused_note(att: Attachment) -> str:
+    what = "voice message" if att.kind == "voice" else f"file: {att.name}"
+    return f"[{what}, not saved: {att.error}]"
+
+
+def refused_notice(att: Attachment) -> str:
+    what = "your voice message" if att.kind == "voice" else f"{att.name}"
+    return f"I couldn't take {what}: {att.error}."
+
+
+def image_note(att: Attachment, info: ImageInfo) -> str:
+    return f"[image: {att.path}, {info.original_width}×{info.original_height}]"
+
+
+def voice_note(att: Attachment, transcript: str) -> str:
+    length = describe_duration(att.duration_s)
+    if att.kind == "voice":
+        head = f"[voice message, {length}]" if length else "[voice message]"
+    else:
+        head = f"[audio: {att.path}, {length}]" if length else f"[audio: {att.path}]"
+    return f"{head} {transcript}"
+
+
+def plain_intake(inbound: Inbound) -> Intake:
+    """Without the media service (tests of other parts): files named, nothing transcribed."""
+    notes = [refused_note(a) if a.error else file_note(a) for a in inbound.attachments]
+    text = "\n".join([t for t in (inbound.text, *notes) if t])
+    return Intake(text, inbound.attachments, (), bool(text))
+
+
+class Media:
+    """The media service of a running gateway: intake of a turn's files, image parts for
+    model calls, transcription. One per gateway; close() it on shutdown."""
+
+    def __init__(self, config: Callable[[], Config], *, transcriber: Transcriber | None = None) -> None:
+        self._config = config
+        self.transcriber = transcriber or Transcriber()
+        self._data_urls: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        self._data_url_chars = 0
+
+    async def close(self) -> None:
+        await self.transcriber.close()
+
+    # -- intake --------------------------------------------------------------------------
+
+    async def intake(self, inbound: Inbound, workspace: Path) -> Intake:
+        """The user message for `inbound` (files already saved by its channel)."""
+        if not inbound.attachments:
+            return Intake(inbound.text, (), (), bool(inbound.text))
+        cfg = self._config()
+        texts = [inbound.text] if inbound.text else []
+        notices: list[str] = []
+        kept: list[Attachment] = []
+        answerable = bool(inbound.text)
+        for att in inbound.attachments:
+            if att.error or not att.path:
+                texts.append(refused_note(att))
+                notices.append(refused_notice(att))
+                kept.append(att)
+                continue
+            if att.kind == "image":
+                info = await asyncio.to_thread(self._image, workspace, att.path)
+                if info is not None:
+                    att = replace(att, width=info.width, height=info.height, preview=info.preview)
+                    texts.append(image_note(att, info))
+                    kept.append(att)
+                    answerable = True
+                    continue
+                att = replace(att, kind="file")
+            if att.kind in ("voice", "audio"):
+                heard, problem = await self._transcribe(cfg, workspace, att)
+                kept.append(att)
+                if heard:
+                    texts.append(voice_note(att, heard))
+                    answerable = True
+                else:
+                    texts.append(f"[{'voice message' if att.kind == 'voice' else 'audio: ' + att.path}, "
+                                 f"not transcribed: {problem}]")
+                    what = "your voice message" if att.kind == "voice" else att.name
+                    notices.append(f"I couldn't transcribe {what}: {problem}.")
+                continue
+            texts.append(file_note(att))
+            kept.append(att)
+            answerable = True
+        return Intake("\n".join(texts), tuple(kept), tuple(notices), answerable)
+
+    @staticmethod
+    def _image(workspace: Path, rel: str) -> ImageInfo | None:
+        try:
+            return prepare_image(workspace, rel)
+        except (PathNotAllowed, OSError, FileRefused) as err:
+            log.warning("image %s not prepared: %s", rel, err)
+            return None
+
+    async def _transcribe(self, cfg: Config, workspace: Path, att: Attachment) -> tuple[str | None, str]:
+        """(transcript, "") or (None, why not)."""
+        t = cfg.transcription
+        if not t.enabled:
+            return None, "speech to text is turned off here (transcription.enabled)"
+        base_url, key = cfg.transcription_endpoint()
+        settings = TranscriptionSettings(base_url=base_url, api_key=key, model=t.model, timeout_s=t.timeout_s)
+        try:
+            audio = await asyncio.to_thread(_read_file, workspace, att.path)
+        except (OSError, PathNotAllowed) as err:
+            log.warning("audio %s unreadable: %s", att.path, err)
+            return None, "the saved file could not be read"
+        name = os.path.basename(att.path)
+        try:
+            text = await self.transcriber.transcribe(settings, audio, filename=name,
+                                                     mime=att.mime or "application/octet-stream")
+        except ModelError as err:
+            log.warning("transcription failed", extra={"kind": err.kind, "status": err.status,
+                                                       "detail": err.detail[:300]})
+            return None, transcription_failure(err, t.timeout_s)
+        if not text.strip():
+            return None, "no words could be made out in it"
+        return " ".join(text.split()) if "\n" not in text else text.strip(), ""
+
+    # -- images in requests --------------------------------------------------------------
+
+    async def resolve_images(self, messages: list[dict[str, Any]], workspace: Path) -> list[dict[str, Any]]:
+        """`messages` with each `workspace:` image part replaced by a base64 data URL (a
+        short text part when the file is gone). The engine's dicts are never changed: the
+        messages with images are copied."""
+        out: list[dict[str, Any]] | None = None
+        for index, msg in enumerate(messages):
+            content = msg.get("content")
+            if not isinstance(content, list) or not any(image_reference(p) for p in content):
+                continue
+            parts: list[dict[str, Any]] = []
+            for part in content:
+                ref = image_reference(part)
+                if ref is None:
+                    parts.append(part)
+                    continue
+                url = await self._data_url(workspace, ref)
+                if url is None:
+                    parts.append({"type": "text", "text": f"[image {ref} is no longer available]"})
+                else:
+                    detail = (part.get("image_url") or {}).get("detail") or "auto"
+                    parts.append({"type": "image_url", "image_url": {"url": url, "detail": detail}})
+            if out is None:
+                out = list(messages)
+            out[index] = {**msg, "content": parts}
+        return messages if out is None else out
+
+    async def _data_url(self, workspace: Path, rel: str) -> str | None:
+        try:
+            stamp = await asyncio.to_thread(_stamp, workspace, rel)
+        except (OSError, PathNotAllowed):
+            return None
+        cached = self._data_urls.get(stamp)
+        if cached is not None:
+            self._data_urls.move_to_end(stamp)
+            return cached
+        try:
+            url = await asyncio.to_thread(_encode, Path(stamp[0]))
+        except OSError:
+            return None
+        self._data_urls[stamp] = url
+        self._data_url_chars += len(url)
+        while self._data_url_chars > DATA_URL_CACHE_CHARS and len(self._data_urls) > 1:
+            _, old = self._data_urls.popitem(last=False)
+            self._data_url_chars -= len(old)
+        return url
+
+
+def _read_file(workspace: Path, rel: str) -> bytes:
+    return resolve_in_workspace(workspace, rel).read_bytes()
+
+
+def _stamp(workspace: Path, rel: str) -> tuple[str, int, int]:
+    path = resolve_in_workspace(workspace, rel)
+    st = path.stat()
+    return str(path), st.st_mtime_ns, st.st_size
+
+
+def _encode(path: Path) -> str:
+    mime = _MIME_OF_EXT.get(path.suffix.lower(), "image/jpeg")
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
