@@ -566,7 +566,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=300, help="turns of the workload to replay")
     parser.add_argument("--repeat", type=int, default=2, help="replays of each kind; engine time is the minimum")
     parser.add_argument("--workload", type=Path, default=WORKLOAD)
-    parser.add_argument("--quick", action="store_true", help="a short run (~20 s): 100 calls, 1 round, 40 turns")
+    parser.add_argument("--quick", action="store_true", help="a short run (under 30 s): 100 calls, 1 round, 40 turns")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG")
     args = parser.parse_args()
     if args.quick:
