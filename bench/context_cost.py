@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,26 @@ def serialize(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> st
     return json.dumps(tools, ensure_ascii=False) + "".join(json.dumps(m, ensure_ascii=False) for m in messages)
 
 
-def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Result:
+Ask = tuple[int, int, dict[str, Any]]  # a tool result is wanted: turn, step index, the workload's step
+Answer = tuple[str, FileRef | None]  # the tool's text, and the file it points at (read_file)
+
+
+def recorded(step: dict[str, Any]) -> Answer:
+    """The workload's own result of a step: read_file results point at their file,
+    Markdown ones protected."""
+    ref = None
+    if step["tool"] == "read_file":
+        path = str(step["args"]["path"])
+        ref = FileRef(path, 0, 1, protected=path.endswith(".md"))
+    return str(step["result"]), ref
+
+
+def replaying(setup: Setup, conversation: list[dict[str, Any]], delay: int, *,
+              tools: list[dict[str, Any]] = TOOLS,
+              names: Mapping[str, str] | None = None) -> Generator[Ask, Answer, Result]:
+    """The replay, asking its driver for each tool result (so a driver may run real
+    tools between the engine's steps, outside the timed parts). `tools` are the schemas
+    sent with each request; `names` renames the workload's tools in the tool calls."""
     budget = setup.budget
     counter = TokenCounter("gpt-4o-mini")
     ctx = SessionContext("bench:cost")
@@ -135,7 +155,6 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
     sent: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
     noticed: list[bool] = []
     requests = 0
-    limit = budget.effective_tokens
     last_summary: str | None = None
 
     def request(turn: int, step: int, final: bool) -> float:
@@ -143,9 +162,9 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
         while pending and pending[0][0] <= requests:
             effect = pending.pop(0)[1]
             ctx.offer_summary(extractive_summary(effect), effect.upto_turn)
-        tools = [] if final else TOOLS
+        offered = [] if final else tools
         start = time.perf_counter()
-        prepared = prepare(ctx, system_prompt=SYSTEM, tools=tools, budget=budget, counter=counter, final=final)
+        prepared = prepare(ctx, system_prompt=SYSTEM, tools=offered, budget=budget, counter=counter, final=final)
         spent = time.perf_counter() - start
         requests += 1
         result.tokens.append(prepared.tokens)
@@ -162,7 +181,7 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
         for effect in prepared.effects:
             result.summaries[effect.reason] += 1
             pending.append((requests + delay, effect))
-        sent.append((prepared.messages, tools))  # serialized after the replay: timing stays clean
+        sent.append((prepared.messages, offered))  # serialized after the replay: timing stays clean
         return spent
 
     for record in conversation:
@@ -173,25 +192,31 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
         for index, step in enumerate(steps):
             spent += request(turn, index, final=False)
             call_id = f"call_{turn}_{index}"
+            name = names.get(step["tool"], step["tool"]) if names else step["tool"]
             args = json.dumps(step["args"], ensure_ascii=False)
-            ctx.append(Message("assistant", "", turn=turn, tool_calls=(ToolCall(call_id, step["tool"], args),)))
-            ref = None
-            if step["tool"] == "read_file":
-                path = str(step["args"]["path"])
-                ref = FileRef(path, 0, 1, protected=path.endswith(".md"))
+            ctx.append(Message("assistant", "", turn=turn, tool_calls=(ToolCall(call_id, name, args),)))
+            text, ref = yield turn, index, step
             start = time.perf_counter()
-            cut = cut_tool_result(step["result"], call_id=call_id, limit=budget.tool_result_max_chars,
+            cut = cut_tool_result(text, call_id=call_id, limit=budget.tool_result_max_chars,
                                   file_ref=ref, save_over=budget.history_tool_result_max_chars)
             spent += time.perf_counter() - start
-            ctx.append(Message("tool", cut.content, turn=turn, tool_call_id=call_id, tool_name=step["tool"],
+            ctx.append(Message("tool", cut.content, turn=turn, tool_call_id=call_id, tool_name=name,
                                truncation=cut.truncation))
         capped = len(record["steps"]) >= setup.max_steps
         spent += request(turn, len(steps), final=capped)
         ctx.append(Message("assistant", record["reply"], turn=turn))
         result.turn_ms.append(spent * 1000)
-    recount = exact_counter(counter.encoding_name)
+    recount(result, sent, noticed, counter.encoding_name, budget.effective_tokens)
+    return result
+
+
+def recount(result: Result, sent: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], noticed: list[bool],
+            encoding_name: str, limit: int) -> None:
+    """After a replay: each request recounted exactly (over budget, engine count vs
+    recount) and its prefix reuse against the previous request."""
+    exact_tokens = exact_counter(encoding_name)
     for (messages, tools), engine_tokens, notice in zip(sent, result.tokens, noticed, strict=True):
-        exact = recount(messages, tools)  # the replay never calibrates: the factor stays 1
+        exact = exact_tokens(messages, tools)  # the replay never calibrates: the factor stays 1
         if notice or exact > limit:
             result.over += 1
         if engine_tokens != exact:
@@ -206,7 +231,17 @@ def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Resu
             result.reused_chars += shared
             result.total_chars += len(text)
         previous = text
-    return result
+
+
+def replay(setup: Setup, conversation: list[dict[str, Any]], delay: int) -> Result:
+    """The replay with the workload's recorded tool results."""
+    run = replaying(setup, conversation, delay)
+    try:
+        ask = next(run)
+        while True:
+            ask = run.send(recorded(ask[2]))
+    except StopIteration as done:
+        return done.value
 
 
 def exact_counter(encoding_name: str) -> Any:
@@ -241,9 +276,13 @@ def timed(setup: Setup, conversation: list[dict[str, Any]], delay: int, repeat: 
     its minimum over the replays, which filters out noise from other processes."""
     first = replay(setup, conversation, delay)
     for _ in range(repeat - 1):
-        again = replay(setup, conversation, delay)
-        first.turn_ms = [min(a, b) for a, b in zip(first.turn_ms, again.turn_ms, strict=True)]
+        keep_fastest(first, replay(setup, conversation, delay))
     return first
+
+
+def keep_fastest(first: Result, again: Result) -> None:
+    """Each turn's engine time in `first` becomes its minimum over both replays."""
+    first.turn_ms = [min(a, b) for a, b in zip(first.turn_ms, again.turn_ms, strict=True)]
 
 
 def breakdown(r: Result) -> str:
