@@ -21,9 +21,11 @@ import aiohttp
 from channels.slack_format import clean_text, split_message, to_mrkdwn
 from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
 from gateway.app import Gateway
+from gateway.config import ModelConfig
+from gateway.model import ModelClient
 from tests.conftest import GatewayFactory
 from tests.fakes import slack_server
-from tests.fakes.openai_server import FakeModel
+from tests.fakes.openai_server import FakeModel, Reply
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
 from tests.test_e2e_slack import _mention, slack_section
@@ -265,3 +267,30 @@ async def test_slack_refused_native_streams_fall_back_to_updates(make_gateway: G
     slack_messages_once(fake_slack, "C1", "400.1", split_message(to_mrkdwn(stored)))
     events = await stream_events(gw)
     assert events[("slack", "update_fallback")] == 1 and events[("slack", "reply")] == 1
+
+
+# ---------------------------------------------------------------------------- many at once
+
+
+async def test_more_concurrent_streams_than_a_fixed_pool_all_start_at_once(fake_model: FakeModel) -> None:
+    """A streamed reply holds its model connection for as long as the model writes: the
+    client's pool must not cap streams below limits.max_concurrent_model_calls (it held
+    the 65th stream back until another reply ended)."""
+    client = ModelClient(ModelConfig(**fake_model.model_settings(timeout_s=10)))
+    fake_model.respond_with(lambda body: Reply(text="a reply that takes a while", delay=1.5))
+    shown: list[str] = []
+
+    async def on_text(delta: str) -> None:
+        shown.append(delta)
+
+    calls = [asyncio.create_task(client.complete([{"role": "user", "content": f"q{i}"}], on_text=on_text))
+             for i in range(80)]
+    try:
+        await fake_model.wait_requests(80, timeout=1.2)  # all in flight before the first ends
+        replies = await asyncio.wait_for(asyncio.gather(*calls), 10)
+        assert {r.content for r in replies} == {"a reply that takes a while"}
+    finally:
+        for task in calls:
+            task.cancel()
+        await asyncio.wait(calls, timeout=5)
+        await client.close()
