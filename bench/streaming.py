@@ -12,12 +12,14 @@ evenly over `--seconds`. Each round, `--sessions` new chats send one message at 
   on one clock): what the gateway adds before a person sees the first words.
 - **baseline**: the same model, the same number of concurrent streams, read by a bare
   aiohttp client in this process: first chunk read minus first chunk written. It is the
-  floor of that measurement (loopback, two event loops) without a gateway.
+  floor of that measurement (loopback and this process's own event loop), no gateway.
 - **platform calls per reply**: sendMessage + editMessageText + deleteMessage calls for
   the chat (refused ones included), against the bound reply seconds / stream_interval_s
   + 2 (one update per interval while the model writes, the first send, the formatted end).
 - **final delay**: final text (formatting included) visible minus the model's last chunk:
   the edit pace holds the last update back by up to one interval.
+- **gateway CPU per reply**: the gateway process's utime + stime over the measured
+  rounds / replies.
 
 Goal: first visible delay p99 ≤ 50 ms; calls per reply within the bound; no 429.
 Writes bench/out/streaming.{json,png}.
@@ -71,6 +73,7 @@ class StreamingModel:
         self.step = seconds / chunks
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
+        self.written: dict[str, list[tuple[float, int]]] = {}  # per reply: (time, characters written so far)
         self.base_url = ""
         self._runner: web.AppRunner | None = None
 
@@ -108,12 +111,16 @@ class StreamingModel:
         await send({"role": "assistant", "content": ""})
         loop = asyncio.get_running_loop()
         began = loop.time()
+        written = self.written.setdefault(tag, [])
+        size = 0
         for k in range(self.chunks):
             # On a fixed schedule: a late wake-up does not push every later piece back.
             await asyncio.sleep(max(0.0, began + (k + 1) * self.step - loop.time()))
             await send({"content": chunk_text(k)})
+            size += len(chunk_text(k))
+            written.append((time.monotonic(), size))
             if k == 0:
-                self.first[tag] = time.monotonic()
+                self.first[tag] = written[0][0]
         self.last[tag] = time.monotonic()
         await send({}, "stop")
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -139,10 +146,14 @@ class StampedTelegram(FakeTelegram):
         self.chat_messages: dict[int, list[int]] = {}
         self.all_done = asyncio.Event()
         self.waiting_for: set[int] = set()
+        self.visible: dict[int, list[tuple[float, int]]] = {}  # per chat: (time, characters shown)
+        self.outcomes: dict[int, list[tuple[float, str, int]]] = {}  # per chat: (time, method, HTTP status)
+
 
     async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         self.first_send.setdefault(int(params["chat_id"]), time.monotonic())
         response = await super()._api_sendmessage(params)
+        self._outcome(params, "send", response)
         if response.status == 200:
             message_id = json.loads(response.text or "{}")["result"]["message_id"]
             self.chat_messages.setdefault(int(params["chat_id"]), []).append(message_id)
@@ -151,22 +162,29 @@ class StampedTelegram(FakeTelegram):
 
     async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
         response = await super()._api_editmessagetext(params)
+        self._outcome(params, "edit" if "entities" not in params else "edit+format", response)
         if response.status == 200:
             self._check(int(params["chat_id"]))
         return response
 
     async def _api_deletemessage(self, params: dict[str, Any]) -> web.Response:
         response = await super()._api_deletemessage(params)
+        self._outcome(params, "delete", response)
         if response.status == 200:
             self._check(int(params["chat_id"]))
         return response
+
+    def _outcome(self, params: dict[str, Any], what: str, response: web.Response) -> None:
+        self.outcomes.setdefault(int(params["chat_id"]), []).append((time.monotonic(), what, response.status))
 
     def shows(self, chat: int) -> list[tuple[str, list[dict[str, Any]]]]:
         shown = (self._shown.get(m) for m in self.chat_messages.get(chat, []))
         return [(s[1].text, s[1].entities) for s in shown if s is not None]
 
     def _check(self, chat: int) -> None:
-        if chat in self.done_at or self.shows(chat) != self.expected:
+        shows = self.shows(chat)
+        self.visible.setdefault(chat, []).append((time.monotonic(), sum(len(text) for text, _ in shows)))
+        if chat in self.done_at or shows != self.expected:
             return
         self.done_at[chat] = time.monotonic()
         self.waiting_for.discard(chat)
@@ -195,6 +213,12 @@ class Results:
     bounds: list[float] = field(default_factory=list)
     cpu_ms_per_reply: float = 0.0  # the gateway process's utime + stime over the measured rounds / replies
     load_average: list[float] = field(default_factory=list)  # 1-minute load at the start and the end
+    # One reply (the median first visible delay of the last round) as it grew: seconds
+    # after the model's first chunk → characters written by the model / shown in Telegram.
+    sample_written: list[tuple[float, int]] = field(default_factory=list)
+    sample_shown: list[tuple[float, int]] = field(default_factory=list)
+    sample_calls: int = 0
+    over_bound: list[str] = field(default_factory=list)  # the calls of replies over the bound, described
     rate_limited: int = 0
     chat_actions: int = 0
     missing: int = 0
@@ -220,6 +244,14 @@ async def gateway_round(telegram: StampedTelegram, model: StreamingModel, chats:
         res.errors.append(f"{len(telegram.waiting_for)} chats did not show the whole reply in {ROUND_TIMEOUT_S:.0f} s")
     if not measured:
         return
+    done = [c for c in chats if c in telegram.done_at and f"bench-{c}" in model.first]
+    if done:
+        done.sort(key=lambda c: telegram.first_send[c] - model.first[f"bench-{c}"])
+        sample = done[len(done) // 2]
+        zero = model.first[f"bench-{sample}"]
+        res.sample_written = [(t - zero, n) for t, n in model.written[f"bench-{sample}"]]
+        res.sample_shown = [(t - zero, n) for t, n in telegram.visible[sample]]
+        res.sample_calls = telegram.message_calls(sample)
     for chat in chats:
         tag = f"bench-{chat}"
         if chat not in telegram.done_at or tag not in model.first:
@@ -229,6 +261,11 @@ async def gateway_round(telegram: StampedTelegram, model: StreamingModel, chats:
         res.final_ms.append((telegram.done_at[chat] - model.last[tag]) * 1000)
         res.calls.append(telegram.message_calls(chat))
         res.bounds.append((model.last[tag] - model.first[tag]) / res.interval_s + 2)
+        if res.calls[-1] > res.bounds[-1]:
+            zero = model.first[tag]
+            steps = ", ".join(f"{what}@{t - zero:.2f}s" + ("" if status == 200 else f"={status}")
+                              for t, what, status in telegram.outcomes.get(chat, []))
+            res.over_bound.append(f"reply written {model.last[tag] - zero:.2f}s: {steps}")
 
 
 async def baseline_round(http: aiohttp.ClientSession, model: StreamingModel, sessions: int, round_no: int,
@@ -327,6 +364,7 @@ def report(res: Results) -> list[str]:
         f"calls per reply within the bound, no 429: "
         f"{'met' if not over and res.rate_limited == 0 and res.missing == 0 else 'MISSED'}",
     ]
+    lines += [f"over the bound: {o}" for o in res.over_bound[:3]]
     lines += [f"error: {e}" for e in res.errors]
     return lines
 
@@ -349,13 +387,16 @@ def chart(res: Results, target: Path) -> None:
     left.set_title(f"first visible text, {res.sessions} concurrent streams")
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
-    counts = sorted(set(res.calls))
-    right.bar([str(c) for c in counts], [res.calls.count(c) for c in counts], color="tab:blue")
-    bound = sum(res.bounds) / max(1, len(res.bounds))
-    right.set_title(f"Bot API calls per reply (bound {bound:.1f})")
-    right.set_xlabel("sendMessage + editMessageText + deleteMessage")
-    right.set_ylabel("replies")
-    right.grid(alpha=0.3, axis="y")
+    if res.sample_written:
+        right.plot(*zip(*res.sample_written, strict=True), label="written by the model", color="tab:orange")
+        times, sizes = zip(*res.sample_shown, strict=True)
+        right.step(times, sizes, where="post", label="shown in Telegram (rendered)", color="tab:blue")
+        right.plot(times, sizes, "o", color="tab:blue", markersize=4)
+    right.set_title(f"one reply as it grows ({res.sample_calls} Bot API calls, interval {res.interval_s:g} s)")
+    right.set_xlabel("seconds after the model's first chunk")
+    right.set_ylabel("characters")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(target, dpi=80)
     plt.close(fig)
