@@ -6,12 +6,13 @@ Three processes: the gateway (`python -m gateway run --config` a temp config), a
 model that answers at once (`python -m bench._procs model`), and this one, which drives
 the load with an aiohttp client and hosts the fake Telegram Bot API. Every session sends
 turns back to back for a fixed time, through `POST /api/chat` or as Telegram updates
-(timed until the matching sendMessage arrives). One more run per path paces 100
-sessions to 50 turns/s in total (one message every 2 s from each, far busier than people
-chat): the latency below saturation. Back to back, latency is N / throughput by Little's
-law, so it measures throughput again, not added latency; the bare server's own b2b rows
-show that (about 80 ms p50 at 100 sessions). The same load against a bare aiohttp echo
-server in front of the same model (`python -m bench._procs echo`) is the ceiling.
+(timed until the reply is shown: sent whole, or edited into place as it streams). One
+more run per path paces 100 sessions to 50 turns/s in total (one message every 2 s from
+each, far busier than people chat): the latency below saturation. Back to back, latency
+is N / throughput by Little's law, so it measures throughput again, not added latency;
+the bare server's own b2b rows show that (about 80 ms p50 at 100 sessions). The same
+load against a bare aiohttp echo server in front of the same model (`python -m
+bench._procs echo`) is the ceiling.
 
 Per N and path: turns/s; gateway CPU ms per turn (utime+stime from /proc, from the
 start of the load until the process is idle again, so background work the turns caused
