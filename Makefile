@@ -13,11 +13,12 @@ bench:
 	$(PYTHON) -m bench.gateway_load
 	$(PYTHON) -m bench.startup
 	$(PYTHON) -m bench.tools
+	$(PYTHON) -m bench.streaming
 	@for name in $(SCRIPT_BENCHES); do \
 		if [ -f bench/$$name.py ]; then echo "== bench/$$name.py"; $(PYTHON) bench/$$name.py || exit 1; fi; \
 	done
 	mkdir -p docs/img
-	cp bench/out/gateway_load.png bench/out/startup.png bench/out/tools.png docs/img/
+	cp bench/out/gateway_load.png bench/out/startup.png bench/out/tools.png bench/out/streaming.png docs/img/
 
 # Minutes: repeated SIGKILL rounds under load, then a long hypothesis hunt for bad input.
 soak:

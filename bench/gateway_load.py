@@ -6,12 +6,13 @@ Three processes: the gateway (`python -m gateway run --config` a temp config), a
 model that answers at once (`python -m bench._procs model`), and this one, which drives
 the load with an aiohttp client and hosts the fake Telegram Bot API. Every session sends
 turns back to back for a fixed time, through `POST /api/chat` or as Telegram updates
-(timed until the matching sendMessage arrives). One more run per path paces 100
-sessions to 50 turns/s in total (one message every 2 s from each, far busier than people
-chat): the latency below saturation. Back to back, latency is N / throughput by Little's
-law, so it measures throughput again, not added latency; the bare server's own b2b rows
-show that (about 80 ms p50 at 100 sessions). The same load against a bare aiohttp echo
-server in front of the same model (`python -m bench._procs echo`) is the ceiling.
+(timed until the reply is shown: sent whole, or edited into place as it streams). One
+more run per path paces 100 sessions to 50 turns/s in total (one message every 2 s from
+each, far busier than people chat): the latency below saturation. Back to back, latency
+is N / throughput by Little's law, so it measures throughput again, not added latency;
+the bare server's own b2b rows show that (about 80 ms p50 at 100 sessions). The same
+load against a bare aiohttp echo server in front of the same model (`python -m
+bench._procs echo`) is the ceiling.
 
 Per N and path: turns/s; gateway CPU ms per turn (utime+stime from /proc, from the
 start of the load until the process is idle again, so background work the turns caused
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from bench._procs import (
     ROOT,
@@ -62,29 +64,48 @@ WARM_SECONDS = 2.0
 
 
 class LoadTelegram(FakeTelegram):
-    """The fake Bot API with a future per chat for the next reply sent to it."""
+    """The fake Bot API with a future per chat for the reply it expects there: resolved
+    when a message shows exactly that text, whether sent whole or, as replies stream
+    (SPEC §5.1), sent with the first words and edited until complete."""
 
     def __init__(self) -> None:
         # No flood control: the load comes from many turns per chat back to back.
         super().__init__(edit_interval_s=None, send_per_s=None)
-        self.waiters: dict[int, asyncio.Future[str]] = {}
+        self.waiters: dict[int, tuple[str, asyncio.Future[str]]] = {}
+        self.last_text: dict[int, str] = {}  # what each chat was last shown (for error reports)
 
-    def expect(self, chat_id: int) -> asyncio.Future[str]:
+    def expect(self, chat_id: int, text: str) -> asyncio.Future[str]:
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.waiters[chat_id] = fut
+        self.waiters[chat_id] = (text, fut)
         return fut
 
-    async def _api_sendmessage(self, params: dict[str, Any]) -> Any:
+    def _shown_to(self, params: dict[str, Any], response: web.Response) -> None:
+        if response.status != 200:
+            return
+        chat_id, text = int(params["chat_id"]), str(params.get("text", ""))
+        self.last_text[chat_id] = text
+        waiter = self.waiters.get(chat_id)
+        if waiter is not None and waiter[0] == text:
+            del self.waiters[chat_id]
+            if not waiter[1].done():
+                waiter[1].set_result(text)
+
+    async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         response = await super()._api_sendmessage(params)
-        waiter = self.waiters.pop(int(params["chat_id"]), None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(str(params.get("text", "")))
+        self._shown_to(params, response)
+        return response
+
+    async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
+        response = await super()._api_editmessagetext(params)
+        self._shown_to(params, response)
         return response
 
     def forget_history(self) -> None:
         """The recorded calls are not needed here; keep this process small."""
         self.calls.clear()
         self.sent.clear()
+        self.edits.clear()
+        self.history.clear()
         self.chat_actions.clear()
 
 
@@ -175,13 +196,14 @@ def web_turn(http: aiohttp.ClientSession, url: str, name: str) -> Turn:
 
 def telegram_turn(fake: LoadTelegram, chat_id: int) -> Turn:
     async def turn(tag: str) -> str | None:
-        reply = fake.expect(chat_id)
+        reply = fake.expect(chat_id, f"echo: {tag}")
         fake.push_message(chat_id=chat_id, user_id=chat_id, text=tag)
         try:
-            text = await asyncio.wait_for(reply, TURN_TIMEOUT_S)
+            await asyncio.wait_for(reply, TURN_TIMEOUT_S)
         except TimeoutError:
-            return f"chat {chat_id}: no reply in {TURN_TIMEOUT_S:.0f}s"
-        return None if text == f"echo: {tag}" else f"chat {chat_id}: unexpected reply {text[:80]!r}"
+            last = fake.last_text.get(chat_id, "")
+            return f"chat {chat_id}: no reply in {TURN_TIMEOUT_S:.0f}s (last shown: {last[:80]!r})"
+        return None
 
     return turn
 

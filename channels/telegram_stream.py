@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,14 @@ from telegram.error import (
 )
 
 from channels.base import ReplyRefSink, StreamObserver
-from channels.telegram_format import TELEGRAM_TEXT_LIMIT, Chunk, render_markdown, sanitize_text, utf16_len
+from channels.telegram_format import (
+    TELEGRAM_TEXT_LIMIT,
+    Chunk,
+    render_markdown,
+    render_text,
+    sanitize_text,
+    utf16_len,
+)
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +183,7 @@ def _cut(raw: str, start: int, limit: int) -> int:
 def _plain(markdown: str, limit: int) -> str:
     """A part of the reply as it reads rendered, without formatting; the source itself
     when the rendering would not fit one message."""
-    chunks = render_markdown(markdown, limit=sys.maxsize)
-    text = "\n".join(c.text for c in chunks).strip()
+    text = render_text(markdown).strip()
     if text and utf16_len(text) <= limit:
         return text
     return markdown.strip()
@@ -225,6 +230,7 @@ class TelegramReplyStream:
         self._parts: list[str] = []  # the answer's Markdown since the last status
         self._cuts: list[int] = [0]  # where each streamed message begins in the answer
         self._closed: list[str] = []  # what each closed streamed message shows, for good
+        self._open_memo: tuple[str, str] | None = None  # the open message's Markdown → its plain text
         self._status: str | None = None
         self._final: list[Chunk] | None = None
         self._shown: list[_Shown] = [_Shown(i, None) for i in resume_ids or ()]
@@ -311,8 +317,15 @@ class TelegramReplyStream:
             cut = _cut(raw, self._cuts[-1], self._limit)
             self._closed.append(_plain(raw[self._cuts[-1]:cut], self._limit))
             self._cuts.append(cut)
-        texts = [*self._closed, _plain(raw[self._cuts[-1]:], self._limit)]
+        texts = [*self._closed, self._plain_open(raw[self._cuts[-1]:])]
         return [Chunk(text) for text in texts if text]
+
+    def _plain_open(self, markdown: str) -> str:
+        """`_plain` of the open message, remembered: the view is computed before and
+        after each wait for the chat's pace, often of the same text."""
+        if self._open_memo is None or self._open_memo[0] != markdown:
+            self._open_memo = (markdown, _plain(markdown, self._limit))
+        return self._open_memo[1]
 
     def _next_call(self) -> tuple[str, int, Chunk | None] | None:
         """The one Bot API call that brings the messages closest to the view, or None."""

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from gateway.model import ModelError, ModelReply
 from gateway.services import Services
 from gateway.streaming import StepFeed, clean_reply
 from gateway.summarizer import Summarizer
-from gateway.tools.base import ToolContext, ToolError, ToolOutput
+from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
 from gateway.types import Message, ToolCall
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
@@ -36,7 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.agent")
 
-TOOL_TIMEOUT_S = 60.0
+TOOL_TIMEOUT_S = 60.0  # for a tool that names no `timeout_s` of its own
+TOOL_TIMEOUT_MAX_S = 600.0  # however long a tool says it may take (the turn's default timeout)
+# Past a tool's own timeout: the tool's own, clearer error ("timeout_s of the MCP server
+# x") comes first; this bound only catches a tool that does not keep its word.
+TOOL_TIMEOUT_GRACE_S = 1.0
 COUNT_OFF_LOOP_CHARS = 8192  # texts this long are counted in a worker thread
 
 OVERFLOW_CLEARED = (
@@ -53,6 +58,15 @@ def step_limit_reply(max_steps: int) -> str:
     """Said when even the answer-now call after the step limit gave no text."""
     return (f"I used all {max_steps} steps I may take for one message without reaching an answer. "
             "Tell me to continue, or narrow the question down.")
+
+
+def tool_timeout(tool: Tool) -> float:
+    """How long one call of `tool` may run: its own `timeout_s` (an MCP server's, say) plus
+    a little grace, at most TOOL_TIMEOUT_MAX_S; TOOL_TIMEOUT_S when it names none."""
+    own = getattr(tool, "timeout_s", None)
+    if isinstance(own, bool) or not isinstance(own, int | float) or not math.isfinite(own) or own <= 0:
+        return TOOL_TIMEOUT_S
+    return min(float(own) + TOOL_TIMEOUT_GRACE_S, TOOL_TIMEOUT_MAX_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +204,7 @@ class Agent:
                 return TurnResult(text, "ok")
             if feed is not None:
                 # The step's text was not the answer: the person sees what runs instead.
-                await feed.status(tool_status(calls))
+                await feed.status(tool_status(calls, self.s.tools.get))
             # Kept as the model wrote it (reasoning included): models that think between
             # tool calls expect to read their thoughts back within the turn.
             await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
@@ -258,13 +272,14 @@ class Agent:
                 "bad_arguments"
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
                           services=self.s, inbound=live.inbound)
+        timeout = tool_timeout(tool)
         try:
-            out = await asyncio.wait_for(tool.run(args, ctx), timeout=TOOL_TIMEOUT_S)
+            out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)
             return out, "ok"
         except ToolError as err:
             return ToolOutput(f"error: {err}"), "error"
         except TimeoutError:
-            return ToolOutput(f"error: {call.name} did not finish within {TOOL_TIMEOUT_S:.0f} s"), "timeout"
+            return ToolOutput(f"error: {call.name} did not finish within {timeout:g} s"), "timeout"
         except Exception:
             log.exception("tool failed", extra={"session": live.key, "tool": call.name})
             return ToolOutput(f"error: {call.name} failed unexpectedly"), "crash"

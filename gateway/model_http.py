@@ -28,7 +28,10 @@ from yarl import URL
 from gateway.proxy import env_proxy
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-POOL_SIZE = 64  # connections to the provider; the session manager caps model calls anyway
+# Connections to the provider are not capped here: limits.max_concurrent_model_calls caps
+# the calls (gateway/slots.py), and a streamed reply holds its connection for as long as
+# the model writes, so a lower cap here would hold streams back behind whole replies.
+POOL_SIZE = 0  # aiohttp: no limit
 USER_AGENT = "chat-gateway"
 MAX_EVENT_BYTES = 64 * 1024 * 1024  # one Server-Sent Event; a tool call's arguments can be large
 DRAIN_TIMEOUT_S = 1.0  # after `[DONE]`, how long the end of the response may take to arrive

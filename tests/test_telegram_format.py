@@ -8,6 +8,7 @@ not by the formatter under test.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from telegram.error import BadRequest
 from telegramify_markdown import converter
 
 from channels import telegram_format
-from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown
+from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, render_text
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -226,6 +227,16 @@ def test_every_character_that_is_not_markup_reaches_the_person(reply: Reply, lim
     expected = expected_sequence(reply)
     want = "".join(c if required else f"({c})" for c, required in expected)
     assert matches(expected, visible), f"\nreply:    {reply.text!r}\nexpected: {want!r}\nvisible:  {visible!r}"
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(reply=replies())
+def test_a_streamed_messages_plain_text_is_the_rendered_text(reply: Reply) -> None:
+    """render_text (a streamed message's interim text) reads exactly like the rendered
+    reply without its formatting, only cheaper."""
+    chunks = render_markdown(reply.text, limit=sys.maxsize)
+    assert render_text(reply.text).strip() == "\n".join(c.text for c in chunks).strip() or len(chunks) > 1
 
 
 # ---------------------------------------------------------------------------- the fake reads like Telegram

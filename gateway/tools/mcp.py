@@ -53,6 +53,7 @@ PING_TIMEOUT_S = 20.0
 STOP_GRACE_S = 6.0  # for a server to close by itself (stdio: stdin closed, then SIGTERM after 2 s)
 STOP_KILL_S = 3.0  # after the task is cancelled (the SDK kills the process)
 HTTP_CONNECT_TIMEOUT_S = 15.0
+CALL_GUARD_S = 5.0  # past a server's timeout_s, a call that its connection never answered is given up
 STDERR_LOG_MAX_BYTES = 1_000_000  # a server's stderr log is started afresh past this
 REASON_MAX_CHARS = 300
 
@@ -120,6 +121,12 @@ class McpTool:
     def status(self, args: dict[str, Any]) -> str:
         """The line a person sees while this tool runs (SPEC §5.1)."""
         return f"running {self.server} {self.remote}…"
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The longest a call may take: the server's `timeout_s` as configured now (the agent
+        bounds the call by it instead of its fixed default)."""
+        return self._manager.call_timeout(self.server)
 
 
 # -- results --------------------------------------------------------------------------------
@@ -273,7 +280,7 @@ class _Server:
         self._inbox.put_nowait(call)
         try:
             # The server's own read timeout answers first; this only guards the inbox.
-            return await asyncio.wait_for(call.future, self.cfg.timeout_s + 5)
+            return await asyncio.wait_for(call.future, self.cfg.timeout_s + CALL_GUARD_S)
         except TimeoutError:
             raise ToolError(self._too_slow(shown)) from None
         finally:
@@ -672,6 +679,11 @@ class McpManager:
             self.metrics.mcp_restarts.labels(server.name).inc()
         log.warning("MCP server is down; reconnecting with backoff",
                     extra={"server": server.name, "error": reason, "retry_in_s": retry_in_s})
+
+    def call_timeout(self, server: str) -> float | None:
+        """How long a call to `server` may take at most (None: not configured)."""
+        cfg = self._configs.get(server)
+        return cfg.timeout_s + CALL_GUARD_S if cfg is not None else None
 
     async def call(self, server: str, remote: str, shown: str, args: dict[str, Any]) -> ToolOutput:
         runner = self._servers.get(server)
