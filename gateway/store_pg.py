@@ -503,7 +503,7 @@ class PgStore:
     async def chat_history(self, key: str, *, limit: int) -> list[Message]:
         rows = await self._rows(
             "SELECT * FROM (SELECT * FROM messages WHERE session_key=? AND injected=0 "
-            "AND (role='user' OR (role='assistant' AND tool_calls IS NULL)) "
+            "AND ((role='user' AND origin IS NULL) OR (role='assistant' AND tool_calls IS NULL)) "
             "ORDER BY turn DESC, seq DESC LIMIT ?) h ORDER BY turn, seq",
             (key, limit),
         )

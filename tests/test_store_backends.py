@@ -80,6 +80,23 @@ async def test_search_matches_substrings_case_insensitively_and_cjk(make_store: 
     assert [r[1] for r in cjk] == [2] and [r[1] for r in short] == [2]
 
 
+async def test_the_chat_history_keeps_people_and_final_replies_only(make_store: StoreFactory) -> None:
+    store = await make_store()
+    await store.ensure_session("web:ann", "web:ann", "web")
+    rows = [Message(role="user", content="hello", turn=1),
+            Message(role="assistant", content="hi there", turn=1),
+            Message(role="user", content="[Scheduled task ab12 is due now]", turn=2, origin="task"),
+            Message(role="assistant", content="time to stretch", turn=2),
+            Message(role="user", content="injected summary", turn=3, injected=True)]
+    for seq, msg in enumerate(rows):
+        await store.add_message("web:ann", msg, seq=seq)
+    history = await store.chat_history("web:ann", limit=10)
+    assert [(m.role, m.content) for m in history] == [
+        ("user", "hello"), ("assistant", "hi there"), ("assistant", "time to stretch")]
+    stored = await store.messages("web:ann")
+    assert [m.origin for m in stored] == [None, None, "task", None, None]
+
+
 async def test_purge_deletes_expired_sessions_on_either_backend(make_store: StoreFactory, tmp_path: Path) -> None:
     store = await make_store()
     for key in ("web:old", "web:new"):
