@@ -257,6 +257,34 @@ def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> 
         return None
 
 
+def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int) -> tuple[Attachment, str]:
+    """Decode an image a tool returned (base64), save it under files/ and measure it like
+    a person's (a scaled copy when too large). The attachment and the line the tool
+    result gets. Raises FileRefused (too large, not base64). Runs in a worker thread."""
+    if len(data) * 3 // 4 > limit + 3:  # checked before decoding: base64 is 4/3 of the bytes
+        raise too_large(limit)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise FileRefused("it is not valid base64") from None
+    if len(raw) > limit:
+        raise too_large(limit)
+    target, rel = _claim(workspace, name)
+    try:
+        with _open_part(target) as fh:
+            fh.write(raw)
+            _finish(fh, target)
+    except BaseException:
+        _discard(None, target)
+        raise
+    att = Attachment(name=name, path=rel, mime=mime, size=len(raw), kind="image")
+    info = prepare_image(workspace, rel)
+    if info is None:
+        return replace(att, kind="file"), f"[file from the tool: {rel}, {describe_size(len(raw))}, not an image]"
+    att = replace(att, width=info.width, height=info.height, preview=info.preview)
+    return att, image_note(att, info)
+
+
 # ---------------------------------------------------------------------------- the turn's text
 
 
