@@ -285,6 +285,41 @@ def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int
     return att, image_note(att, info)
 
 
+REPLY_FILES_MAX = 3  # files a reply may send along
+_REPLY_FILE = re.compile(r"(?<![\w/.])files/[\w.\-/]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyFile:
+    """A file under files/ that a reply names, to be sent after its text."""
+
+    path: Path
+    name: str
+    size: int
+    is_image: bool
+
+
+def reply_files(workspace: Path, text: str) -> list[ReplyFile]:
+    """The files under the scope's files/ that `text` names and that exist, in order,
+    at most REPLY_FILES_MAX. Runs in a worker thread."""
+    out: list[ReplyFile] = []
+    seen: set[Path] = set()
+    for found in _REPLY_FILE.finditer(text):
+        rel = found.group(0).rstrip(".")  # a sentence's full stop is not part of the name
+        try:
+            path = resolve_in_workspace(workspace, rel)
+            if path in seen or not path.is_file():
+                continue
+            size = path.stat().st_size
+        except (PathNotAllowed, OSError):
+            continue
+        seen.add(path)
+        out.append(ReplyFile(path, path.name, size, path.suffix.lower() in _MIME_OF_EXT))
+        if len(out) == REPLY_FILES_MAX:
+            break
+    return out
+
+
 # ---------------------------------------------------------------------------- the turn's text
 
 
