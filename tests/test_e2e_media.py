@@ -325,6 +325,25 @@ async def test_slack_files_images_and_voice_clips(
     assert big["id"] not in fake_slack.downloads
 
 
+async def test_slack_sends_files_a_reply_names_after_its_text(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack
+) -> None:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=slack(fake_slack))
+    await fake_slack.wait_connected()
+    files = workspace(gw, "slack:user:U5") / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    png = make_image(64, 48, fmt="PNG")
+    (files / "chart.png").write_bytes(png)
+    (files / "notes.txt").write_bytes(b"the notes")
+    fake_model.reply("See files/chart.png and files/notes.txt.")
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U5", "text": "the chart?",
+                                 "ts": "100.1", "channel": "D5"})
+    await fake_slack.wait_for(lambda: len(fake_slack.uploads) == 2)
+    assert [(u["channel"], u["name"], u["data"]) for u in fake_slack.uploads] == [
+        ("D5", "chart.png", png), ("D5", "notes.txt", b"the notes")]
+    assert fake_slack.visible("D5") == ["See files/chart.png and files/notes.txt."]
+
+
 async def test_a_strangers_slack_clip_is_never_fetched(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                       fake_slack: FakeSlack) -> None:
     await make_gateway(admins=["slack:U1"], access={"dm_policy": "allowlist"}, channels=slack(fake_slack))
