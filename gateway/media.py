@@ -308,7 +308,9 @@ def reply_files(workspace: Path, text: str) -> list[ReplyFile]:
         rel = found.group(0).rstrip(".")  # a sentence's full stop is not part of the name
         try:
             path = resolve_in_workspace(workspace, rel)
-            if path in seen or not path.is_file():
+            # Only what lies under files/: "files/../memory/…" names no file to send.
+            if path in seen or not path.is_relative_to(resolve_in_workspace(workspace, FILES_DIR)) \
+                    or not path.is_file():
                 continue
             size = path.stat().st_size
         except (PathNotAllowed, OSError):

@@ -110,8 +110,9 @@ async def test_files_a_reply_names_are_sent_after_its_text(
     (files / "huge.bin").write_bytes(b"\0" * (telegram_server.DOCUMENT_MAX_BYTES + 1))  # over Telegram's limit
     for n in range(4):
         (files / f"extra_{n}.txt").write_bytes(b"x")
-    fake_model.reply("Here: files/chart.png, files/missing.png, files/notes.txt and files/huge.bin, "
-                     "files/chart.png again; files/extra_0.txt files/extra_1.txt.")
+    (files.parent / "MEMORY.md").write_text("private")  # in the workspace, but not under files/
+    fake_model.reply("Here: files/../MEMORY.md, files/chart.png, files/missing.png, files/notes.txt and "
+                     "files/huge.bin, files/chart.png again; files/extra_0.txt files/extra_1.txt.")
     fake_telegram.push_message(chat_id=5, user_id=5, text="the chart?")
     await fake_telegram.wait_call("sendDocument")
     assert [(m, name) for m, name, _ in fake_telegram.uploads] == [("sendPhoto", "chart.png"),
