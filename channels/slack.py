@@ -27,7 +27,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,11 +57,20 @@ from channels.slack_stream import error_code as _error_code
 from channels.slack_stream import retry_after as _retry_after
 from gateway.config import SlackConfig
 from gateway.http import JsonBodyError, JsonTooDeep, parse_json_body
-from gateway.media import FileRefused, discard_saved, kind_of, safe_file_name, save_download, too_large
+from gateway.media import (
+    FileRefused,
+    ReplyFile,
+    discard_saved,
+    kind_of,
+    safe_file_name,
+    save_download,
+    too_large,
+)
 from gateway.types import Attachment, AttachmentKind, Inbound
 from gateway.workspace import PathNotAllowed
 
 log = logging.getLogger(__name__)
+FILE_MAX_BYTES = 50 * 1024 * 1024  # files a reply names: read whole into memory, so kept modest (Slack takes 1 GB)
 
 SLASH_COMMANDS = ("/context", "/config", "/compact", "/help", "/new")
 WORKING_REACTION = "hourglass_flowing_sand"
@@ -645,6 +654,27 @@ class SlackChannel:
         thread_ts = reply_thread(inbound)
         for chunk in chunks:
             await self._post_chunk(inbound.chat_id, chunk, thread_ts)
+
+    async def send_files(self, inbound: Inbound, files: Sequence[ReplyFile]) -> None:
+        """Files a reply names, after its text, in one files_upload_v2 call into the
+        reply's thread; files over FILE_MAX_BYTES are skipped. Not for slash commands
+        (their replies are ephemeral)."""
+        if self._client is None or inbound.extra.get("command"):
+            return
+        uploads: list[dict[str, Any]] = []
+        for file in files:
+            if file.size > FILE_MAX_BYTES:
+                log.info("slack: %s is too large to send (%d bytes)", file.name, file.size)
+                continue
+            data = await asyncio.to_thread(file.path.read_bytes)
+            uploads.append({"content": data, "filename": file.name, "title": file.name})
+        if not uploads:
+            return
+        try:
+            await self._client.files_upload_v2(file_uploads=uploads, channel=inbound.chat_id,
+                                               thread_ts=reply_thread(inbound))
+        except SlackApiError as exc:
+            log.warning("slack: files not sent: %s", exc.response.get("error"))
 
     def stream(
         self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None, resume_ref: str | None = None

@@ -50,6 +50,7 @@ from gateway.config import TelegramConfig, usable_webhook_secret
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.media import (
     FileRefused,
+    ReplyFile,
     discard_saved,
     kind_of,
     local_chunks,
@@ -69,6 +70,8 @@ DOWNLOAD_READ_TIMEOUT_S = 30.0
 TYPING_INTERVAL_S = 4.0  # Telegram shows "typing" for ~5 s
 TYPING_DELAY_S = 0.5  # the indicator starts once a turn takes longer than this
 SEND_ATTEMPTS = 5
+PHOTO_MAX_BYTES = 10 * 1024 * 1024  # Bot API: photos a bot uploads
+DOCUMENT_MAX_BYTES = 50 * 1024 * 1024  # Bot API: other files a bot uploads
 HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after this
 READY_SLACK_S = 15.0
 POLL_READ_SLACK_S = 10.0  # HTTP read timeout beyond the long-poll timeout
@@ -668,6 +671,29 @@ class TelegramChannel:
         reply_to = _int_or_none(inbound.message_id) if inbound.is_group else None
         for i, chunk in enumerate(chunks):
             chat = await self._send_chunk(bot, chat, chunk, thread, reply_to if i == 0 else None)
+
+    async def send_files(self, inbound: Inbound, files: Sequence[ReplyFile]) -> None:
+        """Files a reply names, after its text: images as photos (as documents when too
+        large for one or refused as one), others as documents; a file over Telegram's
+        limits, or refused, is logged and skipped."""
+        bot = self._require_bot()
+        chat: int | str = _chat_ref(inbound.chat_id)
+        thread = _int_or_none(inbound.thread_id)
+        for file in files:
+            if file.size > DOCUMENT_MAX_BYTES:
+                log.info("telegram: %s is too large to send (%d bytes)", file.name, file.size)
+                continue
+            data = await asyncio.to_thread(file.path.read_bytes)
+            try:
+                if file.is_image and len(data) <= PHOTO_MAX_BYTES:
+                    try:
+                        await bot.send_photo(chat_id=chat, photo=data, filename=file.name, message_thread_id=thread)
+                        continue
+                    except BadRequest as exc:  # Telegram takes it as a photo only within its rules
+                        log.info("telegram: %s refused as a photo (%s); sending it as a file", file.name, exc)
+                await bot.send_document(chat_id=chat, document=data, filename=file.name, message_thread_id=thread)
+            except TelegramError as exc:
+                log.warning("telegram: file %s not sent: %s", file.name, exc)
 
     async def _send_chunk(
         self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None

@@ -18,10 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from gateway.types import Message
+from gateway.types import Attachment, Message
 
 from .budget import Budget
-from .images import IMAGE_HISTORY_TURNS, images_of, images_tokens, with_images, with_placeholders
+from .images import (
+    IMAGE_HISTORY_TURNS,
+    images_of,
+    images_tokens,
+    tool_images_message,
+    with_images,
+    with_placeholders,
+)
 from .stats import ContextStats, format_context_stats  # format_context_stats: re-exported
 from .summary import injection_text
 from .tokens import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, TokenCounter
@@ -136,7 +143,7 @@ class _Turn:
         default_factory=dict
     )
     stage2_seen: bool = False
-    images: bool = False  # its user message carries images (SPEC §5.4)
+    images: bool = False  # its user message or a tool result carries images (SPEC §5.4)
 
     @property
     def raw(self) -> list[Message]:
@@ -208,6 +215,7 @@ class SessionContext:
         else:
             turn = self._turns[-1]
             turn.messages.append(msg)
+            turn.images = turn.images or bool(images_of(msg))
             if turn.original is not None:
                 turn.original.append(msg)
             turn.changed()
@@ -463,7 +471,7 @@ class _Request:
             content = with_placeholders(content, images)
         shown = msg if content is msg.content else replace(msg, content=content)
         d, tokens = to_openai(msg, content), self.counter.count_message(shown)
-        if images and show == "parts":
+        if images and show == "parts" and msg.role == "user":  # a tool's images follow its step's results
             d["content"] = with_images(content, images)
             tokens += images_tokens(images)
         rendered = (d, tokens)
@@ -484,12 +492,19 @@ class _Request:
                 return turn.hist
         dicts: list[dict[str, Any]] = []
         tokens = saved = 0
+        shown: list[Attachment] = []  # images of this step's tool results, sent after the last one
         for msg in pair_tool_messages(turn.messages):
+            if shown and msg.role != "tool":
+                tokens += self._tool_images(dicts, shown)
             d, t = self._message(turn, msg, historical, show)
             dicts.append(d)
             tokens += t
             if historical and d["content"] is not msg.content and msg.role == "tool":
                 saved += self._message(turn, msg, False, show)[1] - t
+            if show == "parts" and msg.role == "tool":
+                shown.extend(images_of(msg))
+        if shown:
+            tokens += self._tool_images(dicts, shown)
         rendered = _Rendered(dicts, tokens, saved)
         if historical:
             turn.hist_key, turn.hist = key, rendered
@@ -498,6 +513,13 @@ class _Request:
                 turn.stage2_seen = True
                 self.stage2_saved += saved
         return rendered
+
+    def _tool_images(self, dicts: list[dict[str, Any]], images: list[Attachment]) -> int:
+        """Append the user message showing `images` (emptied after); its tokens."""
+        d = tool_images_message(tuple(images))
+        images.clear()
+        dicts.append(d)
+        return self.counter.count_dict(d)
 
     def _injection(self, first: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """The first kept user message with the summary in front, and the extra tokens."""
@@ -676,7 +698,7 @@ class _Request:
         return total <= self.limit
 
     def _current_images_shown(self, cur: _Turn) -> bool:
-        return self.image_mode(cur) == "parts" and any(images_of(m) for m in cur.messages if starts_turn(m))
+        return self.image_mode(cur) == "parts" and any(images_of(m) for m in cur.messages)
 
     def _kept_chars(self, msg: Message) -> int:
         kept = excerpt_length(msg.content, msg.truncation if msg.role == "tool" else None)

@@ -6,6 +6,9 @@ file (`"url": "workspace:<path>"`, with the image's size for counting), and the 
 turns that reference into the provider's data URL just before sending
 (`gateway.media.resolve_images`). The stored message keeps only metadata (path, size).
 
+Images a tool returned (an MCP server's) are stored with the tool message and shown the
+same way, as a user message right after that step's tool results (`tool_images_message`).
+
 The rule, like stage 2 for tool results: images are shown in the current turn and the
 last `IMAGE_HISTORY_TURNS` historical turns when the model has vision; in older turns
 each image becomes a placeholder line naming its file. Without vision nothing is added:
@@ -25,11 +28,21 @@ IMAGE_REF_PREFIX = "workspace:"  # an image part's url before the shell resolves
 IMAGE_DETAIL = "high"
 
 
+TOOL_IMAGES_TEXT = "The images the tool results above returned:"
+
+
 def images_of(msg: Message) -> tuple[Attachment, ...]:
-    """The images of a user message that can be shown (saved and measured)."""
-    if msg.role != "user" or not msg.attachments:
+    """The images of a user message or a tool result that can be shown (saved and measured)."""
+    if msg.role not in ("user", "tool") or not msg.attachments:
         return ()
     return tuple(a for a in msg.attachments if a.is_image)
+
+
+def tool_images_message(images: tuple[Attachment, ...]) -> dict[str, Any]:
+    """The images of one step's tool results as a user message placed right after those
+    results: OpenAI chat format takes image parts only in user messages, and a message
+    after the last result keeps every call paired with its result."""
+    return {"role": "user", "content": with_images(TOOL_IMAGES_TEXT, images)}
 
 
 def image_part(att: Attachment) -> dict[str, Any]:

@@ -23,13 +23,14 @@ from context.truncate import cut_tool_result
 from gateway.clock import local_day
 from gateway.config import Config, atomic_write_text
 from gateway.live import LiveSession
+from gateway.media import FileRefused, save_tool_image
 from gateway.model import ModelError, ModelReply
 from gateway.services import Services
 from gateway.streaming import StepFeed, clean_reply
 from gateway.summarizer import Summarizer
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
-from gateway.types import Message, ToolCall
+from gateway.types import Attachment, Message, ToolCall
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
 if TYPE_CHECKING:
@@ -244,10 +245,12 @@ class Agent:
 
     async def _run_tool(self, live: LiveSession, cfg: Config, call: ToolCall) -> None:
         output, outcome = await self._execute(live, cfg, call)
+        saved = await self._save_images(live, cfg, output)
         self.s.metrics.tool_calls.labels(call.name if self.s.tools.get(call.name) else "unknown", outcome).inc()
         # Providers reuse ids like "call_0"; the saved file name must stay unique in the scope.
         file_id = f"{hashlib.sha1(live.key.encode()).hexdigest()[:8]}_t{live.ctx.current_turn}_{call.id}"
-        cut = cut_tool_result(output.text, call_id=file_id, limit=cfg.tool_result_max_chars,
+        text = "\n".join(t for t in (output.text, *(line for _, line in saved)) if t)
+        cut = cut_tool_result(text, call_id=file_id, limit=cfg.tool_result_max_chars,
                               file_ref=output.file_ref, save_over=cfg.history_tool_result_max_chars)
         if cut.save is not None:
             try:
@@ -256,7 +259,23 @@ class Agent:
             except (OSError, PathNotAllowed) as err:
                 log.error("cannot save a tool result", extra={"session": live.key, "error": str(err)})
         await self.store(live, Message(role="tool", content=cut.content, turn=live.ctx.current_turn,
-                                       tool_call_id=call.id, tool_name=call.name, truncation=cut.truncation))
+                                       tool_call_id=call.id, tool_name=call.name, truncation=cut.truncation,
+                                       attachments=tuple(att for att, _ in saved if att is not None)))
+
+    async def _save_images(self, live: LiveSession, cfg: Config,
+                           output: ToolOutput) -> list[tuple[Attachment | None, str]]:
+        """Each image the tool returned, saved under files/ (SPEC §5.2): the attachment
+        (shown to a model with vision, context/images.py) and the line naming the file."""
+        out: list[tuple[Attachment | None, str]] = []
+        for image in output.images:
+            try:
+                att, line = await asyncio.to_thread(save_tool_image, live.workspace, image.name, image.mime,
+                                                    image.data, cfg.limits.max_inbound_file_bytes)
+            except (FileRefused, PathNotAllowed, OSError) as err:
+                out.append((None, f"[image from the tool, not saved: {err}]"))
+                continue
+            out.append((att if att.is_image else None, line))
+        return out
 
     async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
         tool = self.s.tools.get(call.name)

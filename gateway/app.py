@@ -30,7 +30,7 @@ from gateway.config import (
 from gateway.http import HttpServer, build_app
 from gateway.keys import memory_scope, session_key, workspace_dir
 from gateway.logs import REDACTOR, set_log_level
-from gateway.media import Media
+from gateway.media import Media, ReplyFile
 from gateway.metrics import Metrics
 from gateway.model import ModelClient
 from gateway.router import Router
@@ -172,7 +172,7 @@ class Gateway:
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)
         self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
-                                       stream=self.stream)
+                                       stream=self.stream, send_files=self.send_files)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems)
@@ -441,6 +441,13 @@ class Gateway:
             log.warning("reply for a channel that is not running", extra={"channel": inbound.channel})
             return
         await channel.send(inbound, text)
+
+    async def send_files(self, inbound: Inbound, files: list[ReplyFile]) -> None:
+        """Files a reply names, through the channel when it can send files (else nothing)."""
+        channel = self.channels.get(inbound.channel)
+        send = getattr(channel, "send_files", None)
+        if send is not None:
+            await send(inbound, files)
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None:

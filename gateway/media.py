@@ -257,6 +257,71 @@ def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> 
         return None
 
 
+def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int) -> tuple[Attachment, str]:
+    """Decode an image a tool returned (base64), save it under files/ and measure it like
+    a person's (a scaled copy when too large). The attachment and the line the tool
+    result gets. Raises FileRefused (too large, not base64). Runs in a worker thread."""
+    if len(data) * 3 // 4 > limit + 3:  # checked before decoding: base64 is 4/3 of the bytes
+        raise too_large(limit)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise FileRefused("it is not valid base64") from None
+    if len(raw) > limit:
+        raise too_large(limit)
+    target, rel = _claim(workspace, name)
+    try:
+        with _open_part(target) as fh:
+            fh.write(raw)
+            _finish(fh, target)
+    except BaseException:
+        _discard(None, target)
+        raise
+    att = Attachment(name=name, path=rel, mime=mime, size=len(raw), kind="image")
+    info = prepare_image(workspace, rel)
+    if info is None:
+        return replace(att, kind="file"), f"[file from the tool: {rel}, {describe_size(len(raw))}, not an image]"
+    att = replace(att, width=info.width, height=info.height, preview=info.preview)
+    return att, image_note(att, info)
+
+
+REPLY_FILES_MAX = 3  # files a reply may send along
+_REPLY_FILE = re.compile(r"(?<![\w/.])files/[\w.\-/]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyFile:
+    """A file under files/ that a reply names, to be sent after its text."""
+
+    path: Path
+    name: str
+    size: int
+    is_image: bool
+
+
+def reply_files(workspace: Path, text: str) -> list[ReplyFile]:
+    """The files under the scope's files/ that `text` names and that exist, in order,
+    at most REPLY_FILES_MAX. Runs in a worker thread."""
+    out: list[ReplyFile] = []
+    seen: set[Path] = set()
+    for found in _REPLY_FILE.finditer(text):
+        rel = found.group(0).rstrip(".")  # a sentence's full stop is not part of the name
+        try:
+            path = resolve_in_workspace(workspace, rel)
+            # Only what lies under files/: "files/../memory/…" names no file to send.
+            if path in seen or not path.is_relative_to(resolve_in_workspace(workspace, FILES_DIR)) \
+                    or not path.is_file():
+                continue
+            size = path.stat().st_size
+        except (PathNotAllowed, OSError):
+            continue
+        seen.add(path)
+        out.append(ReplyFile(path, path.name, size, path.suffix.lower() in _MIME_OF_EXT))
+        if len(out) == REPLY_FILES_MAX:
+            break
+    return out
+
+
 # ---------------------------------------------------------------------------- the turn's text
 
 

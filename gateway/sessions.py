@@ -28,7 +28,7 @@ from context.restore import restore_messages
 from gateway.agent import Agent, TurnResult
 from gateway.keys import workspace_dir
 from gateway.live import LiveSession
-from gateway.media import Intake, plain_intake
+from gateway.media import Intake, ReplyFile, plain_intake, reply_files
 from gateway.services import Services
 from gateway.streaming import TypingUntilShown
 from gateway.types import Inbound, Message
@@ -42,6 +42,8 @@ log = logging.getLogger("gateway.sessions")
 
 Deliver = Callable[[Inbound, str], Awaitable[None]]
 Typing = Callable[[Inbound], AbstractAsyncContextManager[Any]]
+SendFiles = Callable[[Inbound, list[ReplyFile]], Awaitable[None]]
+SEND_FILES_TIMEOUT_S = 120.0  # for the files a reply names, all of them
 
 
 class OpenStream(Protocol):
@@ -107,8 +109,9 @@ def _log_turn(live: LiveSession, started: float, outcome: str) -> None:
 
 class SessionManager:
     def __init__(self, services: Services, agent: Agent, *, deliver: Deliver, typing: Typing | None = None,
-                 stream: OpenStream | None = None) -> None:
+                 stream: OpenStream | None = None, send_files: SendFiles | None = None) -> None:
         self.s = services
+        self.send_files = send_files
         self.agent = agent
         self.deliver = deliver
         self.typing = typing or (lambda _inbound: nullcontext())
@@ -317,12 +320,26 @@ class SessionManager:
             delivered = await self._send(inbound, result.text)
         else:
             delivered = await self._end_stream(inbound, stream, result.text, failed=result.outcome != "ok")
+        if delivered and result.outcome == "ok":
+            await self._send_named_files(live, inbound, result.text)
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
         # The turn counts against the person's daily usage in the same statement.
         usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
         await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
                              usage=usage)
         return result.outcome if delivered else "undelivered"
+
+    async def _send_named_files(self, live: LiveSession, inbound: Inbound, text: str) -> None:
+        """The files under files/ the reply names, sent after its text where the channel can."""
+        if self.send_files is None or "files/" not in text:
+            return
+        try:
+            files = await asyncio.to_thread(reply_files, live.workspace, text)
+            if files:
+                async with asyncio.timeout(SEND_FILES_TIMEOUT_S):
+                    await self.send_files(inbound, files)
+        except Exception:  # the text is delivered; a file that could not follow is only logged
+            log.exception("files named in a reply could not be sent", extra={"channel": inbound.channel})
 
     async def _intake(self, live: LiveSession, inbound: Inbound) -> Intake:
         if not inbound.attachments:

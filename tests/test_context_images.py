@@ -8,7 +8,7 @@ import pytest
 from context import Budget, SessionContext, TokenCounter, compact, injection_text, prepare
 from context.images import IMAGE_REF_PREFIX, placeholder
 from context.tokens import IMAGE_TOKENS, MESSAGE_OVERHEAD, image_tokens
-from gateway.types import Attachment, Message
+from gateway.types import Attachment, Message, ToolCall
 
 SYSTEM = "You are a helpful assistant."
 
@@ -163,3 +163,67 @@ def test_an_image_that_does_not_fit_the_budget_is_left_out_before_the_text(count
     roomy = prepare(SessionContext("t:2", [msg]), system_prompt=SYSTEM, tools=[],
                     budget=budget(text_only + 2 * 765 + 50), counter=counter)
     assert len(user_dicts(roomy.messages)[0]["content"]) == 3  # text and both images
+
+
+# -- images a tool returned --------------------------------------------------------------------
+
+
+def tool_step(turn: int, *images: Attachment, calls: int = 2) -> list[Message]:
+    """An assistant message with `calls` tool calls and their results; the first result carries `images`."""
+    ids = [f"c{turn}_{i}" for i in range(calls)]
+    ask = Message("assistant", "", turn=turn, tool_calls=tuple(ToolCall(i, "shot", "{}") for i in ids))
+    results = [Message("tool", f"result {i}" + "".join(f"\n[image: {a.path}, {a.width}×{a.height}]" for a in images)
+                       if n == 0 else f"result {i}", turn=turn, tool_call_id=i, tool_name="shot",
+                       attachments=images if n == 0 else ()) for n, i in enumerate(ids)]
+    return [ask, *results]
+
+
+def test_a_tools_image_follows_its_steps_results_as_a_user_message(counter: TokenCounter) -> None:
+    shot = photo(9, 512, 512)
+    msgs = [Message("user", "take a screenshot", turn=1), *tool_step(1, shot)]
+    ctx = SessionContext("t:1", msgs)
+    p = prepare(ctx, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    roles = [m["role"] for m in p.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "user"]  # after the last result: pairs stay valid
+    assert p.messages[3]["content"] == msgs[2].content  # the result keeps its text (it names the file)
+    images = p.messages[5]["content"]
+    assert images[0]["type"] == "text"
+    assert images[1]["image_url"]["url"] == "workspace:files/photo_9.jpg"
+    without = prepare(SessionContext("t:2", msgs), system_prompt=SYSTEM, tools=[], budget=budget(vision=False),
+                      counter=counter)
+    assert [m["role"] for m in without.messages] == ["system", "user", "assistant", "tool", "tool"]
+    # Counted: the image and the message that carries it.
+    assert p.tokens - without.tokens == counter.count_dict(p.messages[5]) > image_tokens(512, 512)
+
+    # The model answers after seeing it; the next step's request still has it in place.
+    ctx.append(Message("assistant", "", turn=1, tool_calls=(ToolCall("c1_x", "read", "{}"),)))
+    ctx.append(Message("tool", "more", turn=1, tool_call_id="c1_x", tool_name="read"))
+    p2 = prepare(ctx, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    assert [m["role"] for m in p2.messages] == ["system", "user", "assistant", "tool", "tool", "user", "assistant",
+                                                "tool"]
+
+
+def test_a_tools_image_ages_like_a_persons(counter: TokenCounter) -> None:
+    msgs: list[Message] = [Message("user", "shoot", turn=1), *tool_step(1, photo(1)), answer(1)]
+    for turn in range(2, 5):
+        msgs += [Message("user", f"question {turn}", turn=turn), answer(turn)]
+    msgs.pop()  # turn 4 is the current one: turn 1 is three turns back
+    ctx = SessionContext("t:1", msgs)
+    p = prepare(ctx, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    assert not any(isinstance(m["content"], list) for m in p.messages)  # no image part left
+    tool = next(m for m in p.messages if m["role"] == "tool")
+    assert tool["content"].endswith(placeholder(photo(1)))
+    assert [m["role"] for m in p.messages].count("user") == 4  # no image message either
+
+    recent = SessionContext("t:2", [*msgs[:-4], Message("user", "next", turn=2)])
+    shown = prepare(recent, system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    assert sum(isinstance(m["content"], list) for m in shown.messages) == 1  # still shown one turn later
+
+
+def test_a_tools_image_that_does_not_fit_becomes_a_placeholder(counter: TokenCounter) -> None:
+    msgs = [Message("user", "shoot", turn=1), *tool_step(1, photo(1, 2000, 800))]
+    whole = prepare(SessionContext("t:1", msgs), system_prompt=SYSTEM, tools=[], budget=budget(), counter=counter)
+    tight = prepare(SessionContext("t:2", msgs), system_prompt=SYSTEM, tools=[],
+                    budget=budget(whole.tokens - 200), counter=counter)
+    assert not any(isinstance(m["content"], list) for m in tight.messages)
+    assert next(m for m in tight.messages if m["role"] == "tool")["content"].endswith(placeholder(photo(1, 2000, 800)))

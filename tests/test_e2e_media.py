@@ -98,6 +98,34 @@ async def test_a_telegram_photo_reaches_the_model_as_an_image(
     assert first.endswith(f"\n[earlier image, no longer shown: files/photo_{mid}.jpg]")
 
 
+async def test_files_a_reply_names_are_sent_after_its_text(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
+) -> None:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=telegram(fake_telegram))
+    files = workspace(gw, "telegram:user:5") / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    png = make_image(64, 48, fmt="PNG")
+    (files / "chart.png").write_bytes(png)
+    (files / "notes.txt").write_bytes(b"the notes")
+    (files / "huge.bin").write_bytes(b"\0" * (telegram_server.DOCUMENT_MAX_BYTES + 1))  # over Telegram's limit
+    for n in range(4):
+        (files / f"extra_{n}.txt").write_bytes(b"x")
+    (files.parent / "MEMORY.md").write_text("private")  # in the workspace, but not under files/
+    fake_model.reply("Here: files/../MEMORY.md, files/chart.png, files/missing.png, files/notes.txt and "
+                     "files/huge.bin, files/chart.png again; files/extra_0.txt files/extra_1.txt.")
+    fake_telegram.push_message(chat_id=5, user_id=5, text="the chart?")
+    await fake_telegram.wait_call("sendDocument")
+    assert [(m, name) for m, name, _ in fake_telegram.uploads] == [("sendPhoto", "chart.png"),
+                                                                   ("sendDocument", "notes.txt")]
+    assert fake_telegram.uploads[0][2] == png
+    methods = [h[0] for h in fake_telegram.history]
+    assert methods.index("sendPhoto") > methods.index("sendMessage")  # after the text
+    # At most three files per reply: huge.bin took the third place and was skipped.
+    fake_telegram.push_message(chat_id=5, user_id=5, text="thanks")
+    await fake_telegram.wait_shown(5, lambda shown: shown[-1] == "echo: thanks")
+    assert len(fake_telegram.uploads) == 2
+
+
 async def test_without_vision_the_model_is_told_where_the_image_is(
     make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
 ) -> None:
@@ -296,6 +324,25 @@ async def test_slack_files_images_and_voice_clips(
     assert answer.startswith(f"echo: two files\n[file: files/minutes.pdf, {len(pdf)} bytes]\n"
                              "[file: video.mp4, not saved: it is larger than 512 KB")
     assert big["id"] not in fake_slack.downloads
+
+
+async def test_slack_sends_files_a_reply_names_after_its_text(
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack
+) -> None:
+    gw = await make_gateway(access={"dm_policy": "open"}, channels=slack(fake_slack))
+    await fake_slack.wait_connected()
+    files = workspace(gw, "slack:user:U5") / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    png = make_image(64, 48, fmt="PNG")
+    (files / "chart.png").write_bytes(png)
+    (files / "notes.txt").write_bytes(b"the notes")
+    fake_model.reply("See files/chart.png and files/notes.txt.")
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U5", "text": "the chart?",
+                                 "ts": "100.1", "channel": "D5"})
+    await fake_slack.wait_for(lambda: len(fake_slack.uploads) == 2)
+    assert [(u["channel"], u["name"], u["data"]) for u in fake_slack.uploads] == [
+        ("D5", "chart.png", png), ("D5", "notes.txt", b"the notes")]
+    assert fake_slack.visible("D5") == ["See files/chart.png and files/notes.txt."]
 
 
 async def test_a_strangers_slack_clip_is_never_fetched(make_gateway: GatewayFactory, fake_model: FakeModel,

@@ -5,6 +5,7 @@ HTTP on 127.0.0.1. The fake model calls their tools through the running gateway.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from gateway.tools.base import ToolContext, ToolError
 from gateway.tools.mcp import TOOL_NAME, fitted_name, normalized_schema
 from tests.conftest import GatewayFactory, chat, post_chat
 from tests.fakes.openai_server import FakeModel
-from tests.mcp_servers.echo_server import big_text
+from tests.mcp_servers.echo_server import PNG, big_text
 
 ECHO = Path(__file__).resolve().parent / "mcp_servers" / "echo_server.py"
 ECHO_TOOLS = ["announce", "big", "crash", "document", "echo", "fail", "getenv", "header", "odd.name/with spaces",
@@ -212,7 +213,8 @@ async def test_stdio_and_http_tools_end_to_end(make_gateway: GatewayFactory, fak
     assert results[1] == "tok-123"  # a ${ENV} reference in env, expanded
     assert results[2] == "<unset>"  # nothing of the gateway's environment leaks to a server
     assert results[3] == "error: Error executing tool fail: boom"
-    assert re.fullmatch(r"\[image from echo__picture: image/png, [\d,]+ bytes\]", results[4])
+    assert results[4] == "[image: files/mcp_echo_picture_1.png, 1×1]"  # saved; this model has no vision
+    assert not any(isinstance(m["content"], list) for m in fake_model.requests[-1]["messages"])
     assert json.loads(results[5]) == {"city": "Paris", "population": 1234, "tags": ["a", "b"]}
     assert results[6] == "[resource file:///notes/readme.txt]\nthe resource's text"
     assert results[7] == "odd"
@@ -238,6 +240,26 @@ async def test_stdio_and_http_tools_end_to_end(make_gateway: GatewayFactory, fak
     assert "not in chat" in refused
     assert "evil" not in json.loads((tmp_path / "config.json").read_text())["mcp"]["servers"]
     assert "not in chat" in await chat(gw, "boss", "/config mcp.servers.echo.command /bin/sh")
+
+
+async def test_a_tools_image_is_saved_and_shown_to_a_model_with_vision(make_gateway: GatewayFactory,
+                                                                       fake_model: FakeModel) -> None:
+    gw = await make_gateway(mcp={"servers": {"echo": stdio()}},
+                            model=fake_model.model_settings(max_retries=2, timeout_s=10, vision=True))
+    await ready(gw, "echo")
+    fake_model.tool_calls([("echo__picture", {}), ("echo__echo", {"text": "hi"})])
+    fake_model.reply("a dot")
+    assert await chat(gw, "eve", "draw") == "a dot"
+    sent = fake_model.requests[-1]["messages"]
+    roles = [m["role"] for m in sent]
+    assert roles[-4:] == ["assistant", "tool", "tool", "user"]  # the image after the step's results
+    assert sent[-3]["content"] == "[image: files/mcp_echo_picture_1.png, 1×1]"
+    parts = sent[-1]["content"]
+    assert parts[1]["type"] == "image_url"
+    assert parts[1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(PNG).decode()
+    assert gw.services is not None
+    saved = list(gw.services.data_dir.rglob("files/mcp_echo_picture_1.png"))
+    assert len(saved) == 1 and saved[0].read_bytes() == PNG
 
 
 async def test_a_server_that_dies_comes_back_with_the_same_tools(make_gateway: GatewayFactory,

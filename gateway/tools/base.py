@@ -28,9 +28,20 @@ class ToolContext:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolImage:
+    """An image a tool returned, still base64 as it came: the agent decodes and saves it
+    under files/ off the loop (SPEC §5.2)."""
+
+    name: str  # the file name to save it as, e.g. mcp_echo_picture_1.png
+    mime: str
+    data: str  # base64
+
+
+@dataclass(frozen=True, slots=True)
 class ToolOutput:
     text: str
     file_ref: FileRef | None = None
+    images: tuple[ToolImage, ...] = ()
 
 
 class ToolError(Exception):

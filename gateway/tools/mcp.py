@@ -38,7 +38,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 
 from gateway.config import McpConfig, McpServerConfig
-from gateway.tools.base import ToolContext, ToolError, ToolOutput
+from gateway.tools.base import ToolContext, ToolError, ToolImage, ToolOutput
 
 if TYPE_CHECKING:
     from gateway.metrics import Metrics
@@ -137,16 +137,30 @@ def _size(data: str) -> str:
     return f"{n:,} bytes"
 
 
+_IMAGE_EXT = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif"}
+
+
 def result_text(result: types.CallToolResult, tool: str) -> str:
-    """A tool result as text for the model: text content as is, other content as readable
-    lines. An `isError` result raises ToolError (the model reads "error: …")."""
+    """A tool result as text alone (images as placeholder lines)."""
+    return result_output(result, tool).text
+
+
+def result_output(result: types.CallToolResult, tool: str, server: str = "", remote: str = "") -> ToolOutput:
+    """A tool result for the model: text content as is, other content as readable lines,
+    images handed on to be saved (the agent adds a line naming each saved file). An
+    `isError` result raises ToolError (the model reads "error: …")."""
     parts: list[str] = []
+    images: list[ToolImage] = []
     for item in result.content:
         if isinstance(item, types.TextContent):
             parts.append(item.text)
         elif isinstance(item, types.ImageContent):
-            # Images reach the model once the agent sends tool images (media work); until then a placeholder.
-            parts.append(f"[image from {tool}: {item.mimeType}, {_size(item.data)}]")
+            ext = _IMAGE_EXT.get(item.mimeType.lower())
+            if ext is None or not server:
+                parts.append(f"[image from {tool}: {item.mimeType}, {_size(item.data)}]")
+            else:
+                stem = _NOT_IN_NAME.sub("_", f"mcp_{server}_{remote}")[:80]
+                images.append(ToolImage(f"{stem}_{len(images) + 1}{ext}", item.mimeType, item.data))
         elif isinstance(item, types.AudioContent):
             parts.append(f"[audio from {tool}: {item.mimeType}, {_size(item.data)}]")
         elif isinstance(item, types.EmbeddedResource):
@@ -163,7 +177,7 @@ def result_text(result: types.CallToolResult, tool: str) -> str:
     text = "\n".join(parts)
     if result.isError:
         raise ToolError(text or f"{tool} reported an error without saying which")
-    return text or "(no output)"
+    return ToolOutput(text or ("" if images else "(no output)"), images=tuple(images))
 
 
 # -- one server ------------------------------------------------------------------------------
@@ -481,7 +495,7 @@ class _Server:
                 try:
                     result = await session.call_tool(call.remote, call.args,
                                                      read_timeout_seconds=timedelta(seconds=self.cfg.timeout_s))
-                    call.settle(ToolOutput(result_text(result, call.shown)))
+                    call.settle(result_output(result, call.shown, self.name, call.remote))
                 except ToolError as err:
                     call.settle(err)
                 except McpError as err:

@@ -138,6 +138,8 @@ class FakeSlack:
         self.violations: list[str] = []  # calls that came back before their Retry-After
         self._buckets: dict[tuple[str, str, str], _Bucket] = {}
         self._files: dict[str, tuple[bytes, str]] = {}
+        self._pending_uploads: dict[str, tuple[str, int, bytes | None]] = {}  # file id -> (name, length, bytes)
+        self.uploads: list[dict[str, Any]] = []  # files shared by files.completeUploadExternal, in order
         self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
         self._sockets: list[web.WebSocketResponse] = []
         self._changed = asyncio.Condition()
@@ -152,6 +154,7 @@ class FakeSlack:
         app.router.add_get("/socket", self._socket)
         app.router.add_get("/files/{file_id}/{name:.*}", self._file)
         app.router.add_post("/response/{hook}", self._response_url)
+        app.router.add_post("/upload/{file_id}", self._upload)
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -339,6 +342,35 @@ class FakeSlack:
         finally:
             await self._notify()
 
+    async def _upload(self, request: web.Request) -> web.Response:
+        """Step 2 of files_upload_v2: the bytes, exactly as long as announced."""
+        file_id = request.match_info["file_id"]
+        pending = self._pending_uploads.get(file_id)
+        if pending is None:
+            return web.Response(status=404, text="unknown upload")
+        data = await request.read()
+        if len(data) != pending[1]:
+            return web.Response(status=400, text="length mismatch")
+        self._pending_uploads[file_id] = (pending[0], pending[1], data)
+        return web.Response(text="OK - " + str(len(data)))
+
+    def _complete_upload(self, params: dict[str, Any]) -> dict[str, Any]:
+        files = params.get("files")
+        listed = json.loads(files) if isinstance(files, str) else files
+        if not isinstance(listed, list) or not listed:
+            return {"ok": False, "error": "invalid_arguments"}
+        done: list[dict[str, Any]] = []
+        for entry in listed:
+            pending = self._pending_uploads.get(str(entry.get("id")))
+            if pending is None or pending[2] is None:
+                return {"ok": False, "error": "file_not_found"}
+            done.append({"id": entry["id"], "title": entry.get("title") or pending[0], "name": pending[0]})
+        for entry in done:
+            name, _length, data = self._pending_uploads.pop(entry["id"])
+            self.uploads.append({"channel": params.get("channel_id"), "thread_ts": params.get("thread_ts"),
+                                 "name": name, "data": data})
+        return {"ok": True, "files": done}
+
     def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         if method == "auth.test":
             return {
@@ -349,6 +381,15 @@ class FakeSlack:
             return {"ok": True, "url": f"ws://127.0.0.1:{self.root_url.rsplit(':', 1)[1]}/socket?ticket=t1"}
         if method == "chat.postMessage":
             return self._post(params)
+        if method == "files.getUploadURLExternal":
+            length = int(params.get("length") or 0)
+            if not params.get("filename") or length <= 0 or length > FILE_MAX_BYTES:
+                return {"ok": False, "error": "invalid_arguments"}
+            file_id = f"F{next(self._ids):06d}"
+            self._pending_uploads[file_id] = (str(params["filename"]), length, None)
+            return {"ok": True, "upload_url": f"{self.root_url}/upload/{file_id}", "file_id": file_id}
+        if method == "files.completeUploadExternal":
+            return self._complete_upload(params)
         if method in ("chat.startStream", "chat.appendStream", "chat.stopStream", "chat.update", "chat.delete"):
             return self._edit(method, params)
         if method == "assistant.threads.setStatus":
@@ -549,6 +590,9 @@ class FakeSlack:
 def _ts_key(ts: str) -> tuple[int, int]:
     seconds, _, micros = ts.partition(".")
     return int(seconds or 0), int(micros or 0)
+
+
+FILE_MAX_BYTES = 1024 * 1024 * 1024  # Slack: files up to 1 GB
 
 
 async def _params(request: web.Request) -> dict[str, Any]:

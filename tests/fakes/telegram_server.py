@@ -86,6 +86,7 @@ class FakeTelegram:
         self.bot_username = bot_username
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.sent: list[dict[str, Any]] = []  # sendMessage params that succeeded, in order
+        self.uploads: list[tuple[str, str, bytes]] = []  # (method, file name, bytes) of sendPhoto/sendDocument
         self.confirmed_offset = 0  # highest offset a getUpdates call confirmed
         self.commands: list[dict[str, Any]] = []  # what setMyCommands stored
         self.webhook: dict[str, Any] | None = None  # setWebhook params, None when deleted
@@ -333,7 +334,10 @@ class FakeTelegram:
         elif request.method == "POST":
             form = await request.post()
             for key, value in form.items():
-                params[key] = _form_value(key, value) if isinstance(value, str) else str(value)
+                if isinstance(value, web.FileField):  # an uploaded file: its name and bytes
+                    params[key] = {"filename": value.filename, "data": value.file.read()}
+                else:
+                    params[key] = _form_value(key, value) if isinstance(value, str) else str(value)
         return params
 
     async def _on_method(self, request: web.Request) -> web.Response:
@@ -429,6 +433,30 @@ class FakeTelegram:
         if params.get("message_thread_id") is not None:
             message["message_thread_id"] = params["message_thread_id"]
         return _ok(message)
+
+    async def _api_sendphoto(self, params: dict[str, Any]) -> web.Response:
+        return self._upload("sendPhoto", "photo", params, PHOTO_MAX_BYTES)
+
+    async def _api_senddocument(self, params: dict[str, Any]) -> web.Response:
+        return self._upload("sendDocument", "document", params, DOCUMENT_MAX_BYTES)
+
+    def _upload(self, method: str, field: str, params: dict[str, Any], limit: int) -> web.Response:
+        """Telegram's limits for files a bot uploads: photos 10 MB, other files 50 MB."""
+        file = params.get(field)
+        if not isinstance(file, dict):
+            return _error(400, f"Bad Request: there is no {field} in the request")
+        if len(file["data"]) > limit:
+            return _error(413, "Request Entity Too Large")
+        chat_id = params["chat_id"]
+        message_id = self._new_message_id()
+        self.uploads.append((method, file["filename"], file["data"]))
+        self.history.append((method, chat_id, message_id, file["filename"]))
+        self._notify()
+        return _ok({"message_id": message_id, "date": int(time.time()),
+                    "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+                    "from": self.bot_user(), field: {"file_id": f"up{message_id}", "file_unique_id": f"u{message_id}"}
+                    if field == "document" else [{"file_id": f"up{message_id}", "file_unique_id": f"u{message_id}",
+                                                  "width": 1, "height": 1}]})
 
     async def _api_editmessagetext(self, params: dict[str, Any]) -> web.Response:
         text = params.get("text")
@@ -552,6 +580,10 @@ class FakeTelegram:
         size = self._reported_sizes.get(file_id, len(content))
         return _ok({"file_id": file_id, "file_unique_id": f"u-{file_id}",
                     "file_size": size, "file_path": path})
+
+
+PHOTO_MAX_BYTES = 10 * 1024 * 1024
+DOCUMENT_MAX_BYTES = 50 * 1024 * 1024
 
 
 def _form_value(key: str, value: str) -> Any:
