@@ -455,7 +455,7 @@ class Store:
         rows = await self._rows(
             "SELECT * FROM messages WHERE session_key=? AND turn>=? AND turn<=(SELECT coalesce(max(turn), -1) "
             "FROM (SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn BETWEEN ? AND ? "
-            "ORDER BY turn LIMIT ?)) ORDER BY turn, seq, id",
+            "ORDER BY turn LIMIT ?) t) ORDER BY turn, seq, id",
             (key, from_turn, key, from_turn, to_turn, max_turns),
         )
         return [_row_to_message(r) for r in rows]

@@ -29,17 +29,13 @@ from gateway.store import (
     JobRun,
     PendingEvent,
     PendingPairing,
-    SessionRow,
     SessionSummary,
     Store,
-    StoredSummary,
     StoreError,
     StoreStats,
-    UsageDay,
     _attachments_to_json,
     _count,
     _row_to_message,
-    _session_row,
     _truncation_to_json,
     like_pattern,
 )
@@ -361,8 +357,30 @@ class PgStore:
             checkpoints=0, wal_frames=0, wal_restarts=0,
         )
 
-    def _grouped(self) -> tuple[tuple[str, GroupInsert], ...]:
-        return (("messages", self._messages), ("events", self._events), ("turn_ends", self._turn_ends))
+    # Statements that read the same on both databases (`_rows` numbers the placeholders):
+    # the SQLite store's own methods serve here too.
+    _grouped = Store._grouped
+    run = Store.run
+    run_many = Store.run_many
+    ensure_session = Store.ensure_session
+    get_session = Store.get_session
+    set_context_start = Store.set_context_start
+    count_sessions = Store.count_sessions
+    messages = Store.messages
+    recent_messages = Store.recent_messages
+    turn_messages = Store.turn_messages
+    last_turn = Store.last_turn
+    record_event = Store.record_event
+    retry_busy_event = Store.retry_busy_event
+    end_turn = Store.end_turn
+    set_reply_ref = Store.set_reply_ref
+    reply_ref = Store.reply_ref
+    event_status = Store.event_status
+    add_summary = Store.add_summary
+    latest_summary = Store.latest_summary
+    finish_job_run = Store.finish_job_run
+    forget_job_run = Store.forget_job_run
+    usage_since = Store.usage_since
 
     async def close(self) -> None:
         done: list[str] = []
@@ -396,21 +414,6 @@ class PgStore:
         elif _storage_error(err):
             self.write_failure = str(err) or type(err).__name__
 
-    async def run(self, sql: str, args: tuple[Any, ...] = ()) -> list[asyncpg.Record]:
-        """For modules with their own tables: one portable statement (`?` placeholders)."""
-        return await self._rows(sql, args)
-
-    async def run_many(self, insert_sql: str, rows: list[tuple[Any, ...]], *, batch: int = 200) -> None:
-        head, _, values = insert_sql.rpartition("VALUES")
-        if not head or not rows:
-            if rows:
-                raise ValueError("run_many needs an INSERT ... VALUES (...) statement")
-            return
-        for start in range(0, len(rows), batch):
-            chunk = rows[start:start + batch]
-            sql = f"{head}VALUES " + ", ".join([values.strip()] * len(chunk))
-            await self._rows(sql, tuple(v for row in chunk for v in row))
-
     async def schema_version(self) -> int:
         rows = await self._rows(
             "SELECT CASE WHEN to_regclass('schema_version') IS NULL THEN 0 "
@@ -431,27 +434,6 @@ class PgStore:
         return None
 
     # -- sessions ---------------------------------------------------------------------
-
-    async def ensure_session(self, key: str, scope: str, channel: str) -> SessionRow:
-        now = time.time()
-        rows = await self._rows(
-            "INSERT INTO sessions(key, scope, channel, created_at, updated_at) VALUES (?,?,?,?,?) "
-            "ON CONFLICT(key) DO UPDATE SET updated_at=excluded.updated_at, scope=excluded.scope RETURNING *",
-            (key, scope, channel, now, now),
-        )
-        return _session_row(rows[0])
-
-    async def get_session(self, key: str) -> SessionRow | None:
-        rows = await self._rows("SELECT * FROM sessions WHERE key=?", (key,))
-        return _session_row(rows[0]) if rows else None
-
-    async def set_context_start(self, key: str, turn: int) -> None:
-        await self._rows("UPDATE sessions SET context_start_turn=?, updated_at=? WHERE key=?",
-                         (turn, time.time(), key))
-
-    async def count_sessions(self) -> int:
-        rows = await self._rows("SELECT count(*) FROM sessions")
-        return int(rows[0][0]) if rows else 0
 
     # -- messages ---------------------------------------------------------------------
 
@@ -477,29 +459,6 @@ class PgStore:
             attachments=msg.attachments,
         )
 
-    async def messages(self, key: str, *, from_turn: int = 1) -> list[Message]:
-        rows = await self._rows(
-            "SELECT * FROM messages WHERE session_key=? AND turn>=? ORDER BY turn, seq, id", (key, from_turn))
-        return [_row_to_message(r) for r in rows]
-
-    async def turn_messages(self, key: str, *, from_turn: int, to_turn: int, max_turns: int) -> list[Message]:
-        rows = await self._rows(
-            "SELECT * FROM messages WHERE session_key=? AND turn>=? AND turn<=(SELECT coalesce(max(turn), -1) "
-            "FROM (SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn BETWEEN ? AND ? "
-            "ORDER BY turn LIMIT ?) t) ORDER BY turn, seq, id",
-            (key, from_turn, key, from_turn, to_turn, max_turns),
-        )
-        return [_row_to_message(r) for r in rows]
-
-    async def recent_messages(self, key: str, *, turns: int, from_turn: int = 1) -> list[Message]:
-        found = [r[0] for r in await self._rows(
-            "SELECT DISTINCT turn FROM messages WHERE session_key=? AND turn>=? ORDER BY turn DESC LIMIT ?",
-            (key, from_turn, turns),
-        )]
-        if not found:
-            return []
-        return await self.messages(key, from_turn=min(found))
-
     async def chat_history(self, key: str, *, limit: int) -> list[Message]:
         rows = await self._rows(
             "SELECT * FROM (SELECT * FROM messages WHERE session_key=? AND injected=0 "
@@ -508,10 +467,6 @@ class PgStore:
             (key, limit),
         )
         return [_row_to_message(r) for r in rows]
-
-    async def last_turn(self, key: str) -> int:
-        rows = await self._rows("SELECT max(turn) FROM messages WHERE session_key=?", (key,))
-        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
     async def count_messages(self, key: str | None = None) -> int:
         if key is None:
@@ -522,48 +477,12 @@ class PgStore:
 
     # -- platform events (dedup, exactly once) ------------------------------------------
 
-    async def record_event(
-        self, channel: str, event_id: str, *, session_key: str | None, inbound: dict[str, Any] | None,
-        status: str = "accepted",
-    ) -> bool:
-        fresh = await self._events.submit((channel, event_id), (
-            channel, event_id, session_key, status,
-            json.dumps(inbound, ensure_ascii=False) if inbound is not None else None, time.time(),
-        ))
-        return fresh is not None
-
-    async def retry_busy_event(self, channel: str, event_id: str, *, session_key: str,
-                               inbound: dict[str, Any]) -> bool:
-        rows = await self._rows(
-            "UPDATE events SET status='accepted', session_key=?, inbound=?, created_at=?, answered_at=NULL "
-            "WHERE channel=? AND event_id=? AND status='busy' RETURNING 1",
-            (session_key, json.dumps(inbound, ensure_ascii=False), time.time(), channel, event_id),
-        )
-        return bool(rows)
-
     async def mark_event(self, channel: str, event_id: str, status: str, *, turn: int | None = None) -> None:
         await self._rows(
             "UPDATE events SET status=?, answered_at=?, turn=coalesce(CAST(? AS BIGINT), turn) "
             "WHERE channel=? AND event_id=?",
             (status, time.time(), turn, channel, event_id),
         )
-
-    async def end_turn(self, channel: str, event_id: str, status: str, *,
-                       usage: tuple[str, str, int] | None = None) -> None:
-        identity, day, tokens = usage if usage is not None else (None, None, 0)
-        await self._turn_ends.submit((channel, event_id),
-                                     (channel, event_id, status, time.time(), identity, day, tokens))
-
-    async def set_reply_ref(self, channel: str, event_id: str, ref: str) -> None:
-        await self._rows("UPDATE events SET reply_ref=? WHERE channel=? AND event_id=?", (ref, channel, event_id))
-
-    async def reply_ref(self, channel: str, event_id: str) -> str | None:
-        rows = await self._rows("SELECT reply_ref FROM events WHERE channel=? AND event_id=?", (channel, event_id))
-        return rows[0][0] if rows else None
-
-    async def event_status(self, channel: str, event_id: str) -> str | None:
-        rows = await self._rows("SELECT status FROM events WHERE channel=? AND event_id=?", (channel, event_id))
-        return rows[0][0] if rows else None
 
     async def pending_events(self, statuses: Iterable[str] = ("accepted", "running")) -> list[PendingEvent]:
         rows = await self._rows("SELECT * FROM events WHERE status = ANY(?::text[]) ORDER BY created_at",
@@ -575,21 +494,6 @@ class PgStore:
 
     # -- summaries ----------------------------------------------------------------------
 
-    async def add_summary(self, key: str, scope: str, *, upto_turn: int, reason: str, text: str) -> None:
-        await self._rows(
-            "INSERT INTO summaries(session_key, scope, upto_turn, reason, text, created_at) VALUES (?,?,?,?,?,?)",
-            (key, scope, upto_turn, reason, text, time.time()),
-        )
-
-    async def latest_summary(self, key: str) -> StoredSummary | None:
-        rows = await self._rows(
-            "SELECT * FROM summaries WHERE session_key=? ORDER BY upto_turn DESC, id DESC LIMIT 1", (key,))
-        if not rows:
-            return None
-        row = rows[0]
-        return StoredSummary(text=row["text"], upto_turn=row["upto_turn"], reason=row["reason"],
-                             created_at=row["created_at"])
-
     # -- job runs -----------------------------------------------------------------------
 
     async def start_job_run(self, job: str, slot: str) -> bool:
@@ -598,13 +502,6 @@ class PgStore:
             (job, slot, time.time()),
         )
         return len(rows) == 1
-
-    async def finish_job_run(self, job: str, slot: str, outcome: str, detail: str | None = None) -> None:
-        await self._rows("UPDATE job_runs SET ended_at=?, outcome=?, detail=? WHERE job=? AND slot=?",
-                         (time.time(), outcome, detail, job, slot))
-
-    async def forget_job_run(self, job: str, slot: str) -> None:
-        await self._rows("DELETE FROM job_runs WHERE job=? AND slot=?", (job, slot))
 
     async def job_runs(self, job: str | None = None, limit: int = 10) -> list[JobRun]:
         sql = "SELECT * FROM job_runs" + (" WHERE job=?" if job else "") + " ORDER BY id DESC LIMIT ?"
@@ -638,13 +535,6 @@ class PgStore:
             "WHERE approved_at IS NULL AND expires_at > ? ORDER BY created_at DESC LIMIT ?", (float(now), limit))
         return [PendingPairing(code=r["code"], identity=r["identity"], created_at=r["created_at"],
                                expires_at=r["expires_at"]) for r in rows]
-
-    async def usage_since(self, first_day: str, *, limit: int = 5000) -> list[UsageDay]:
-        rows = await self._rows(
-            "SELECT identity, day, turns, tokens FROM usage WHERE day >= ? ORDER BY day DESC, tokens DESC LIMIT ?",
-            (first_day, limit))
-        return [UsageDay(identity=r["identity"], day=r["day"], turns=int(r["turns"]), tokens=int(r["tokens"]))
-                for r in rows]
 
     # -- purge (SPEC §7): small statements, each its own transaction -------------------
 
