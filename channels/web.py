@@ -32,12 +32,12 @@ from aiohttp import hdrs, web
 
 from channels.base import InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from gateway.http import JsonBodyError, parse_json_body
+from gateway.same_site import foreign_host, foreign_origin, server_names
 from gateway.types import Inbound
 
 log = logging.getLogger("channels.web")
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # fullmatch: `$` would let "alice\n" through
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HEARTBEAT_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
 STUCK_WRITE_S = 5.0  # past the reply's deadline, how long a write may wait for a client that does not read
 HISTORY_DEFAULT, HISTORY_MAX = 50, 200
@@ -133,9 +133,7 @@ class WebChannel:
                  observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.handler = handler
         self.token = token
-        # Host names this server answers to without a token: the configured one and loopback's.
-        configured = f"[{http_host}]" if ":" in http_host else http_host
-        self._names = frozenset(name.lower() for name in (configured, *LOOPBACK_NAMES))
+        self._names = server_names(http_host)  # what a tokenless request's Host may name
         self.max_chars = max_chars
         self.reply_timeout_s = reply_timeout_s
         self.history = history
@@ -270,17 +268,7 @@ class WebChannel:
         With a token there is nothing to fear: a browser never sends one cross-site."""
         if self.token:
             return None
-        host = request.headers.get(hdrs.HOST, "").strip().lower()
-        port = _local_port(request)
-        allowed = {f"{name}:{port}" for name in self._names}
-        if port == 80:
-            allowed |= self._names
-        if host not in allowed:
-            return f"the Host header must name this server (such as 127.0.0.1:{port}); other names are refused"
-        origin = request.headers.get(hdrs.ORIGIN)
-        if origin is not None and origin.strip().lower() != f"http://{host}":
-            return "cross-site requests are refused (Origin is not this server)"
-        return None
+        return foreign_host(request, self._names) or foreign_origin(request)
 
     async def api_chat(self, request: web.Request) -> web.Response:
         refused = self._cross_site(request)
@@ -403,13 +391,6 @@ def _wants_stream(request: web.Request, body: dict[str, Any]) -> bool:
 def _sse(event: str, data: dict[str, str]) -> bytes:
     # json.dumps escapes newlines, so the data is always one `data:` line.
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-def _local_port(request: web.Request) -> int | None:
-    """The port this connection came in on (the configured one may be 0: any free port)."""
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport is not None else None
-    return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else None
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -29,6 +29,7 @@ from gateway.config import LOOPBACK_HOSTS, Config, secret_text
 from gateway.cron import zone
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.logs import REDACTOR, Redactor
+from gateway.same_site import foreign_host, foreign_origin, server_names
 from gateway.store import Store
 
 log = logging.getLogger("gateway.admin")
@@ -40,7 +41,6 @@ SESSIONS_DEFAULT, SESSIONS_MAX = 50, 200
 RECENT_RUNS = 20
 READY_TIMEOUT_S = 10.0
 APPROVED_BY = "admin-page"
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 STATIC_FILES = {"admin.js": "text/javascript", "admin.css": "text/css", "favicon.svg": "image/svg+xml"}
 # Everything the page shows is set as text by its own script; nothing else may run or load.
 ADMIN_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -137,32 +137,19 @@ class RecentErrors(logging.Handler):
 # ------------------------------------------------------------------------- the API
 
 
-def _local_port(request: web.Request) -> int | None:
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport is not None else None
-    return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else None
-
-
 def cross_site_problem(request: web.Request, http_host: str) -> str | None:
     """Why this request may come from another site (None when it cannot)."""
     fetch_site = request.headers.get("Sec-Fetch-Site")
     if fetch_site is not None and fetch_site.strip().lower() not in ("same-origin", "none"):
         return "cross-site requests are refused (Sec-Fetch-Site is not same-origin)"
-    host = request.headers.get(hdrs.HOST, "").strip().lower()
     if http_host in LOOPBACK_HOSTS:
         # Only this machine can connect, so only its names are right: another name is a
         # site that rebound its DNS name to 127.0.0.1. (On other addresses the names are
         # a proxy's or the LAN's; the token and the Origin check guard those.)
-        port = _local_port(request)
-        configured = f"[{http_host}]" if ":" in http_host else http_host
-        names = {configured, *LOOPBACK_NAMES}
-        allowed = {f"{name}:{port}" for name in names} | (names if port == 80 else set())
-        if host not in allowed:
-            return f"the Host header must name this server (such as 127.0.0.1:{port}); other names are refused"
-    origin = request.headers.get(hdrs.ORIGIN)
-    if origin is not None and origin.strip().lower() not in (f"http://{host}", f"https://{host}"):
-        return "cross-site requests are refused (Origin is not this server)"
-    return None
+        refused = foreign_host(request, server_names(http_host))
+        if refused is not None:
+            return refused
+    return foreign_origin(request)
 
 
 def _error(status: int, message: str) -> web.Response:
