@@ -454,9 +454,9 @@ def reply_from_json(data: object) -> ModelReply:
                       model=model if isinstance(model, str) else None)
 
 
-def reply_from_response(raw: RawResponse) -> ModelReply:
-    """A whole HTTP response of the completions endpoint: a reply, or the ModelError its
-    status and body stand for (the same kinds the SDK's exceptions map to)."""
+def _decoded(raw: RawResponse) -> tuple[str, object]:
+    """A response's text and JSON (None when it is not JSON); raises the ModelError an
+    error status and its body stand for."""
     text = raw.body.decode("utf-8", errors="replace")
     try:
         data: object = json.loads(text)
@@ -470,6 +470,13 @@ def reply_from_response(raw: RawResponse) -> ModelReply:
         kind, limit = classify_error(raw.status, body, message)
         raise ModelError(kind, _detail(body, message), status=raw.status, provider_limit=limit,
                          retry_after=parse_retry_after(raw.headers), code=_code(body))
+    return text, data
+
+
+def reply_from_response(raw: RawResponse) -> ModelReply:
+    """A whole HTTP response of the completions endpoint: a reply, or the ModelError its
+    status and body stand for (the same kinds the SDK's exceptions map to)."""
+    text, data = _decoded(raw)
     if data is None:
         snippet = " ".join(text.split())[:200]
         raise ModelError("invalid_response", f"the response is not JSON: {snippet!r}")
@@ -840,21 +847,14 @@ class TranscriptionSettings:
 
 def transcript_from_response(raw: RawResponse) -> str:
     """The text of an `/audio/transcriptions` answer, or the ModelError it stands for."""
-    text = raw.body.decode("utf-8", errors="replace")
     try:
-        data: object = json.loads(text)
-    except ValueError:
-        data = None
-    if raw.status >= 400:
-        body: object = data if data is not None else text.strip()[:2000]
-        if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
-            body = body["error"]
-        message = f"HTTP {raw.status}: {' '.join(text.split())[:500]}"
-        kind, _ = classify_error(raw.status, body, message)
-        if kind == "overflow":  # an audio file too large for the service: no context to trim
-            kind = "bad_request"
-        raise ModelError(kind, _detail(body, message), status=raw.status,
-                         retry_after=parse_retry_after(raw.headers), code=_code(body))
+        text, data = _decoded(raw)
+    except ModelError as err:
+        if err.kind != "overflow":
+            raise
+        # An audio file too large for the service: there is no context to trim.
+        raise ModelError("bad_request", err.detail, status=err.status, retry_after=err.retry_after,
+                         code=err.code) from None
     if isinstance(data, Mapping) and isinstance(data.get("text"), str):
         return data["text"].strip()
     if data is None and text.strip() and raw.headers.get("Content-Type", "").startswith("text/plain"):

@@ -275,3 +275,19 @@ def test_the_pdf_helper_makes_real_pages() -> None:
 
     reader = PdfReader(io.BytesIO(make_pdf(["a line"], "T", pages=2)))
     assert [p.extract_text() for p in reader.pages] == ["a line (page 1)", "a line (page 2)"]
+
+
+def test_a_transcription_error_is_classified_like_a_model_error_but_never_as_overflow() -> None:
+    from gateway.model import transcript_from_response
+    from gateway.model_http import RawResponse
+
+    too_large = RawResponse(413, {}, b'{"error": {"message": "Maximum content size limit exceeded", '
+                                     b'"type": "invalid_request_error"}}')
+    with pytest.raises(ModelError) as caught:
+        transcript_from_response(too_large)
+    assert caught.value.kind == "bad_request" and caught.value.status == 413  # no context to trim
+    limited = RawResponse(429, {"Retry-After": "3"}, b'{"error": {"message": "slow down"}}')
+    with pytest.raises(ModelError) as caught:
+        transcript_from_response(limited)
+    assert caught.value.kind == "rate_limit" and caught.value.retry_after == 3
+    assert transcript_from_response(RawResponse(200, {}, b'{"text": " hello "}')) == "hello"
