@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
+import asyncpg
+
 from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
 from gateway.agent import Agent
+from gateway.cluster import open_leases
 from gateway.commands import BOT_COMMANDS, Commands
 from gateway.config import (
     Config,
@@ -156,13 +159,19 @@ class Gateway:
             store = await open_store(secret_text(cfg.store.url), data_dir)
         except StoreError as err:
             raise StartupError(str(err)) from None
+        leases = open_leases(store)
+        try:
+            await leases.start()
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+            await store.close()
+            raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         metrics = Metrics()
         metrics.watch_store(store.write_stats)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
             tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
-            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls),
+            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases,
         )
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
         services.memory = self._memory(services)
@@ -195,6 +204,7 @@ class Gateway:
             except OSError as err:
                 self.http = None
                 self.services = None  # nothing else started yet: stop() has nothing left to do
+                await leases.stop()
                 await store.close()
                 self.recent_errors.uninstall()
                 raise StartupError(listen_problem(cfg.http.host, cfg.http.port, err)) from None
@@ -546,6 +556,7 @@ class Gateway:
         for client in s.models.values():
             await client.close()
         await s.media.close()
+        await s.leases.stop()  # last before the store: other gateways take over from here
         await s.store.close()
         self.services = None
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.background import Background
+from gateway.cluster import Leases, SoloLeases
 from gateway.config import Config
 from gateway.metrics import Metrics
 from gateway.slots import ModelSlots
@@ -51,6 +52,8 @@ class Services:
     media: Any = None  # gateway.media.Media: files people send (SPEC §5.4)
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
+    # Shared with other gateways on PostgreSQL (SPEC §10); a lone gateway holds every lease.
+    leases: Leases = field(default_factory=SoloLeases)
 
     @property
     def cfg(self) -> Config:
