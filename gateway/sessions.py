@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from context.engine import SessionContext
 from context.restore import restore_messages
 from gateway.agent import Agent, TurnResult
+from gateway.fence import FencedOut
 from gateway.keys import workspace_dir
 from gateway.live import LiveSession
 from gateway.media import Intake, ReplyFile, plain_intake, reply_files
@@ -403,8 +404,8 @@ class SessionManager:
         except TimeoutError:
             log.warning("turn timed out", extra={"session": live.key})
             return TurnResult(TIMEOUT_REPLY, "timeout")
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, FencedOut):
+            raise  # a gateway that lost the session's lease says nothing more in it
         except Exception:
             log.exception("turn failed", extra={"session": live.key})
             return TurnResult(CRASH_REPLY, "crash")
