@@ -74,6 +74,10 @@ class ClusterSessionManager(SessionManager):
         self._wake_again: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._alive: tuple[float, set[str]] = (0.0, set())
+        # What the session looked like in the store when this gateway last let it go: the
+        # cached session is still good when nobody wrote to it since.
+        self._left_at: dict[str, tuple[int, int]] = {}
+        self.restore_whole = True
 
     # -- intake -------------------------------------------------------------------------
 
@@ -130,6 +134,7 @@ class ClusterSessionManager(SessionManager):
                     continue
                 try:
                     progressed = await self._hold(key, scope, channel, name, token, events)
+                    self._left_at[key] = await self.s.store.session_mark(key)
                 except FencedOut:
                     # This gateway stalled and another took the session over: it runs the rest.
                     log.warning("session handed over while running", extra={"session": key})
@@ -156,8 +161,9 @@ class ClusterSessionManager(SessionManager):
         first = events[0] if events else None
         if scope is None or channel is None:
             scope, channel = await self._scope_of(key, first)
-        # Another gateway may have run turns since this one last did: rebuild.
-        self._forget(key)
+        # Another gateway may have run turns since this one last did: then rebuild.
+        if key not in self.live or self._left_at.pop(key, None) != await self.s.store.session_mark(key):
+            self._forget(key)
         live = await self.get_live(key, scope, channel)
         live.worker = asyncio.current_task()
         FENCE.set((key, token))
@@ -269,9 +275,9 @@ class ClusterSessionManager(SessionManager):
         raise RuntimeError(f"session {key} has no stored scope")
 
     def _forget(self, key: str) -> None:
-        live = self.live.pop(key, None)
-        if live is not None:
-            self._last_turns.pop(key, None)
+        self.live.pop(key, None)
+        self._last_turns.pop(key, None)
+        self._left_at.pop(key, None)
 
     # -- sweeping and stopping ----------------------------------------------------------------
 

@@ -63,6 +63,17 @@ async def post_update(gw: Gateway, update_id: int, text: str, chat: int = 7) -> 
             return resp.status
 
 
+async def session_let_go(gw: Gateway, timeout: float = 5) -> None:
+    """Wait until no gateway holds a session lease (the next message may go anywhere)."""
+    assert gw.services is not None
+    store: Any = gw.services.store
+    async with asyncio.timeout(timeout):
+        while True:
+            if not await store.lease_holders("session:"):
+                return
+            await asyncio.sleep(0.02)
+
+
 def history_of(request: dict[str, Any]) -> list[str]:
     return [str(m.get("content")) for m in request["messages"] if m.get("role") == "user"]
 
@@ -127,3 +138,19 @@ async def test_a_message_taken_while_another_gateway_holds_the_session_is_not_le
     assert await post_update(b, 401, "two") == 200  # A holds the session: B leaves it to A
     sent = await fake_telegram.wait_sent(2, timeout=10)
     assert [s["text"] for s in sent] == ["first", "second"]
+
+
+async def test_a_session_handed_between_gateways_keeps_its_whole_context(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    fake_model.respond_with(lambda body: Reply(text=f"echo {last_user_text(body)}"))
+    texts = [f"turn {i}" for i in range(7)]
+    for i, text in enumerate(texts):
+        # One message at a time, each to the other gateway: every turn is a hand-over.
+        assert await post_update(b if i % 2 else a, 500 + i, text) == 200
+        await fake_telegram.wait_sent(i + 1, timeout=10)
+        await session_let_go(a)
+    # The last turn saw all six before it, not the few turns a restart brings back.
+    assert history_of(fake_model.requests[-1]) == texts
+    assistant = [m["content"] for m in fake_model.requests[-1]["messages"] if m["role"] == "assistant"]
+    assert assistant == [f"echo {t}" for t in texts[:-1]]
