@@ -168,6 +168,7 @@ class Gateway:
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         metrics = Metrics()
         metrics.watch_store(store.write_stats)
+        metrics.leases_held.set_function(leases.held)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
@@ -496,15 +497,21 @@ class Gateway:
     def ready_details(self) -> dict[str, Any]:
         """What /readyz shows besides its checks: MCP servers' states, which never make the
         gateway unready (a server that is down only removes its tools)."""
-        if self.mcp is None:
-            return {}
-        return {"mcp": {status.name: status.as_json() for status in self.mcp.statuses()}}
+        details: dict[str, Any] = {}
+        if self.services is not None and self.services.leases.shared:
+            leases = self.services.leases
+            details["cluster"] = {"instance": leases.instance, "leases": leases.held()}
+        if self.mcp is not None:
+            details["mcp"] = {status.name: status.as_json() for status in self.mcp.statuses()}
+        return details
 
     async def ready(self) -> dict[str, str | None]:
         """Each check's problem (None when fine), for /readyz."""
         checks: dict[str, str | None] = {}
         if self.services is not None:
             checks["database"] = await self.services.store.write_problem()
+            if self.services.leases.shared:
+                checks["cluster"] = self.services.leases.problem()
         for name, channel in list(self.channels.items()):
             try:
                 ok = bool(channel.is_ready())

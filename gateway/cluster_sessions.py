@@ -253,6 +253,8 @@ class ClusterSessionManager(SessionManager):
             log.warning("unreadable waiting event", extra={"event": ev.event_id})
             await store.mark_event(ev.channel, ev.event_id, "failed")
             return None
+        if ev.instance not in (None, self.leases.instance) and ev.instance not in await self._alive_instances():
+            self.s.metrics.takeovers.inc()  # its gateway died or stalled with the turn waiting
         if ev.status == "running":
             return TurnJob(inbound, resume_turn=ev.turn)
         if ev.status == "accepted":

@@ -18,7 +18,7 @@ import pytest_asyncio
 from gateway.app import Gateway
 from gateway.cluster import ClusterLeases
 from gateway.config import load_config
-from tests.conftest import write_config
+from tests.conftest import chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel, Reply, last_user_text
 from tests.fakes.telegram_server import FakeTelegram
@@ -154,3 +154,42 @@ async def test_a_session_handed_between_gateways_keeps_its_whole_context(
     assert history_of(fake_model.requests[-1]) == texts
     assistant = [m["content"] for m in fake_model.requests[-1]["messages"] if m["role"] == "assistant"]
     assert assistant == [f"echo {t}" for t in texts[:-1]]
+
+
+async def test_web_chat_is_answered_by_the_gateway_that_holds_the_request(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel) -> None:
+    a, b = pair
+    fake_model.respond_with(lambda body: Reply(text=f"echo {last_user_text(body)}", delay=0.1))
+    # The same web session through both gateways at once: each request gets its own
+    # answer (it waits where it was sent), and the turns still run one at a time.
+    replies = await asyncio.gather(*(chat(a if i % 2 == 0 else b, "alice", f"w{i}") for i in range(4)))
+    assert replies == [f"echo w{i}" for i in range(4)]
+    users = [history_of(r)[-1] for r in fake_model.requests]
+    assert sorted(users) == [f"w{i}" for i in range(4)]
+    for i, r in enumerate(fake_model.requests):
+        assert history_of(r) == users[: i + 1]  # one conversation, in the order it ran
+
+
+async def test_a_gateway_whose_leases_lapsed_is_not_ready_and_counts_what_it_took_over(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None and a.http is not None
+    fake_model.reply("stalled", delay=TTL_S * 3)
+    fake_model.reply("taken over")
+    assert await post_update(a, 600, "hello") == 200
+    await fake_model.wait_requests(1, timeout=10)
+    leases_a = a.services.leases
+    assert isinstance(leases_a, ClusterLeases) and leases_a._renewer is not None
+    leases_a._renewer.cancel()
+    await fake_telegram.wait_sent(1, timeout=TTL_S * 4 + 10)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{a.http.port}/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 503 and "leases not renewed" in body["reasons"][0]
+        assert b.http is not None
+        async with http.get(f"http://127.0.0.1:{b.http.port}/readyz") as resp:
+            assert resp.status == 200
+        async with http.get(f"http://127.0.0.1:{b.http.port}/metrics") as resp:
+            metrics = await resp.text()
+    assert "gateway_turns_taken_over_total 1.0" in metrics
+    assert "gateway_leases_held 1.0" in metrics  # its own liveness; the session is let go
