@@ -169,6 +169,7 @@ class ClusterSessionManager(SessionManager):
         FENCE.set((key, token))
         lost = self.leases.lost(name)
         ran = False
+        tried: set[tuple[str, str]] = set()
         while not self._stopping:
             events = await self.s.store.session_events(key)
             if not events:
@@ -185,6 +186,13 @@ class ClusterSessionManager(SessionManager):
                 continue
             if not await self._may_run(ev):
                 return ran
+            if (ev.channel, ev.event_id) in tried:
+                # It ran and its turn did not end (a crash or a storage error, already told
+                # to the person): do not run it again and again; a restart would not either.
+                log.error("turn did not end; marked failed", extra={"session": key, "event": ev.event_id})
+                await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
+                continue
+            tried.add((ev.channel, ev.event_id))
             job = await self._job_for(ev)
             if job is None:
                 ran = True

@@ -193,3 +193,25 @@ async def test_a_gateway_whose_leases_lapsed_is_not_ready_and_counts_what_it_too
             metrics = await resp.text()
     assert "gateway_turns_taken_over_total 1.0" in metrics
     assert "gateway_leases_held 1.0" in metrics  # its own liveness; the session is let go
+
+
+async def test_a_turn_that_cannot_be_closed_is_not_run_again_and_again(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None
+
+    async def disk_full(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    for gw in (a, b):  # the write that ends the turn fails, wherever it runs
+        assert gw.services is not None
+        monkeypatch.setattr(gw.services.store, "end_turn", disk_full)
+    fake_model.reply("the answer")
+    assert await post_update(a, 700, "question") == 200
+    await fake_telegram.wait_sent(2, timeout=10)
+    await asyncio.sleep(2.5)  # a sweep or two later: nothing more is sent
+    texts = [s["text"] for s in fake_telegram.sent]
+    assert texts[0] == "the answer" and "could not save" in texts[1] and len(texts) == 2
+    assert len(fake_model.requests) == 1
+    assert await a.services.store.event_status("telegram", "700") == "failed"
