@@ -186,7 +186,8 @@ class Gateway:
         if leases.shared:
             self.sessions = ClusterSessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                                   stream=self.stream, send_files=self.send_files,
-                                                  keys=lambda inbound: self.router.keys(inbound))
+                                                  keys=lambda inbound: self.router.keys(inbound),
+                                                  can_deliver=lambda channel: channel in self.channels)
         else:
             self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                            stream=self.stream, send_files=self.send_files)

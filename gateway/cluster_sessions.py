@@ -64,10 +64,12 @@ LeftoverCommand = Callable[[Inbound], Awaitable[None]]
 class ClusterSessionManager(SessionManager):
     """SessionManager whose queue is the shared database and whose turns run under a lease."""
 
-    def __init__(self, *args: Any, keys: Keys, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keys: Keys, can_deliver: Callable[[str], bool] = lambda _channel: True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.leases = self.s.leases
         self.keys = keys
+        self.can_deliver = can_deliver  # `gateway chat` runs the terminal only
         self.on_leftover_command: LeftoverCommand | None = None
         self._workers: dict[str, asyncio.Task[Any]] = {}
         self._commands: dict[str, list[CommandJob]] = {}
@@ -240,6 +242,8 @@ class ClusterSessionManager(SessionManager):
                 _log_turn(live, started, outcome)
 
     async def _may_run(self, ev: QueuedEvent) -> bool:
+        if not self.can_deliver(ev.channel):
+            return False  # a gateway running that channel answers it
         if ev.channel not in LOCAL_CHANNELS or ev.instance == self.leases.instance:
             return True
         # Another gateway's web/terminal message: its request waits there, unless that

@@ -215,3 +215,36 @@ async def test_a_turn_that_cannot_be_closed_is_not_run_again_and_again(
     assert texts[0] == "the answer" and "could not save" in texts[1] and len(texts) == 2
     assert len(fake_model.requests) == 1
     assert await a.services.store.event_status("telegram", "700") == "failed"
+
+
+async def test_a_gateway_without_the_channel_leaves_its_sessions_alone(
+        tmp_path: Path, fake_model: FakeModel, fake_telegram: FakeTelegram, pg_server: PgServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_LEASE_TTL_S", str(TTL_S))
+    url = await create_database(pg_server)
+    telegram = {"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                             "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
+                             "webhook_url": "https://bot.example/telegram/webhook", "webhook_secret": SECRET,
+                             "streaming": "off"}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "c").mkdir()
+    data = str(tmp_path / "data")
+    path_a = write_config(tmp_path / "a", fake_model, store={"url": url}, data_dir=data,
+                          access={"allow_from": ["*"]}, channels=telegram)
+    path_c = write_config(tmp_path / "c", fake_model, store={"url": url}, data_dir=data)  # web only
+    a = Gateway(load_config(path_a), config_path=path_a)
+    c = Gateway(load_config(path_c), config_path=path_c)
+    await a.start()
+    await c.start()
+    try:
+        fake_model.hang(30)
+        assert await post_update(a, 800, "hello") == 200
+        await fake_model.wait_requests(1, timeout=10)
+        await a.stop(timeout=0.2)  # the turn is cut; it waits for a gateway that runs Telegram
+        await asyncio.sleep(TTL_S * 2)
+        assert c.services is not None
+        assert [ev.event_id for ev in await c.services.store.pending_events()] == ["800"]
+        assert len(fake_model.requests) == 1 and fake_telegram.sent == []
+    finally:
+        await a.stop(timeout=1)
+        await c.stop(timeout=1)
