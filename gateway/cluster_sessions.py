@@ -128,6 +128,8 @@ class ClusterSessionManager(SessionManager):
                     if key in self._wake_again:
                         continue
                     return
+                if not mine and not await self._may_run(events[0]):
+                    return  # the next turn is for another gateway to run
                 token = await self.leases.acquire(name)
                 if token is None:
                     if not mine:

@@ -189,6 +189,7 @@ async def test_a_gateway_whose_leases_lapsed_is_not_ready_and_counts_what_it_too
         assert b.http is not None
         async with http.get(f"http://127.0.0.1:{b.http.port}/readyz") as resp:
             assert resp.status == 200
+        await session_let_go(b)
         async with http.get(f"http://127.0.0.1:{b.http.port}/metrics") as resp:
             metrics = await resp.text()
     assert "gateway_turns_taken_over_total 1.0" in metrics
