@@ -393,7 +393,8 @@ class TaskStore:
     async def claim_run(self, task_id: str, slot: str, *, outcome: str = "running") -> bool:
         """Claim a slot; False when it ran (or was recorded) already."""
         rows = await self.store.run(
-            "INSERT OR IGNORE INTO task_runs(task_id, slot, started_at, outcome) VALUES (?,?,?,?) RETURNING 1",
+            "INSERT INTO task_runs(task_id, slot, started_at, outcome) VALUES (?,?,?,?) "
+            "ON CONFLICT DO NOTHING RETURNING 1",
             (task_id, slot, time.time(), outcome))
         return bool(rows)
 
