@@ -10,17 +10,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 import gateway.tasks
 from gateway.app import Gateway
+from gateway.cluster import ClusterLeases
+from gateway.config import Config, ModelConfig
+from gateway.memory import Memory
+from gateway.model import ModelClient
+from gateway.scheduler import Scheduler
 from gateway.store_pg import PgStore
 from gateway.tasks import task_text
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import Clock, GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel, last_user_text
 from tests.pg import PgServer, create_database
 
@@ -106,3 +113,98 @@ async def test_a_task_runs_once_per_slot_on_two_gateways_and_outlives_its_maker(
     gaps = [datetime.fromisoformat(y).timestamp() - datetime.fromisoformat(x).timestamp()
             for x, y in itertools.pairwise(slots)]
     assert all(g >= 1 for g in gaps)
+
+
+# -- purge and consolidation: one run per slot ------------------------------------------------
+
+ALICE = "web:alice"
+SLOT = "2026-11-28T00:00:00+00:00"
+
+
+@pytest.fixture
+async def model(fake_model: FakeModel) -> AsyncIterator[ModelClient]:
+    client = ModelClient(ModelConfig(name="fake", base_url=fake_model.base_url, api_key=SecretStr("k"),
+                                     max_retries=0))
+    yield client
+    await client.close()
+
+
+class Node:
+    """One gateway's part in the race: its own pool on the shared database, its leases, its
+    scheduler; the data dir is shared."""
+
+    def __init__(self, store: PgStore, leases: ClusterLeases, scheduler: Scheduler) -> None:
+        self.store, self.leases, self.scheduler = store, leases, scheduler
+
+    async def close(self) -> None:
+        await self.scheduler.stop()
+        await self.leases.stop()
+        await self.store.close()
+
+
+@pytest.fixture
+async def make_node(cluster_url: str, tmp_path: Path, model: ModelClient) -> AsyncIterator[Callable[..., Any]]:
+    nodes: list[Node] = []
+    clock = Clock(datetime(2026, 11, 28, 1, 0, tzinfo=UTC))
+
+    async def make() -> Node:
+        store = await PgStore.open(cluster_url)
+        leases = ClusterLeases(store)
+        await leases.start()
+        memory = Memory(tmp_path / "data", tz=UTC, store=store, clock=clock)
+        cfg = Config(timezone="UTC", memory_consolidation_cron="0 0 * * *")
+        node = Node(store, leases, Scheduler(cfg, store=store, memory=memory, model=model, live_references=set,
+                                             clock=clock, leases=leases))
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        await node.close()
+
+
+async def test_two_gateways_racing_for_a_slot_run_it_once(make_node: Callable[..., Any],
+                                                          fake_model: FakeModel) -> None:
+    a, b = await make_node(), await make_node()
+    memory = a.scheduler._memory
+    await memory.append_daily(ALICE, "Alice adopted a cat named Miso.")
+    fake_model.default = "# Alice\n- cat: Miso"
+    results = await asyncio.gather(a.scheduler.run_consolidation(SLOT), b.scheduler.run_consolidation(SLOT))
+    assert sorted(map(len, results)) == [0, 1]  # one ran every scope, the other skipped the slot
+    assert len(fake_model.requests) == 1
+    assert len(await b.store.job_runs("memory_consolidation")) == 1
+
+    # The purge: the effect once (one expired session deleted, by one of them), one record.
+    for key in ("web:old1", "web:old2"):
+        await a.store.ensure_session(key, key, "web")
+    await a.store.run("UPDATE sessions SET updated_at=?", (time.time() - 90 * 86400,))
+    reports = await asyncio.gather(a.scheduler.run_purge(SLOT), b.scheduler.run_purge(SLOT))
+    assert sorted(r.sessions for r in reports) == [0, 2]
+    (run,) = await a.store.job_runs("purge")
+    assert run.outcome == "ok" and run.detail is not None and run.detail.startswith("2 sessions")
+
+
+async def test_an_unfinished_consolidation_is_taken_over_only_from_a_dead_gateway(
+        make_node: Callable[..., Any], fake_model: FakeModel) -> None:
+    fake_model.default = "- merged"
+    a = await make_node()
+    await a.scheduler._memory.append_daily(ALICE, "a note")
+    # A is consolidating the 28th's slot now: it holds the slot's lease and its run is open.
+    assert await a.leases.acquire(f"job:memory_consolidation:{SLOT}") is not None
+    assert await a.store.start_job_run("memory_consolidation", SLOT)
+
+    b = await make_node()
+    await b.scheduler.start()  # B starts: the open run is A's, alive; it is left alone
+    assert await b.scheduler.wait_idle(5)
+    await b.scheduler.stop()
+    assert fake_model.requests == []
+    run = await b.store.job_run("memory_consolidation", SLOT)
+    assert run is not None and run.ended_at is None
+
+    await a.leases.stop()  # A dies (its leases go); the next start takes the run over, once
+    starts = [await make_node(), await make_node()]
+    await asyncio.gather(*(n.scheduler.start() for n in starts))
+    assert all([await n.scheduler.wait_idle(5) for n in starts])
+    assert len(fake_model.requests) == 1
+    run = await b.store.job_run("memory_consolidation", SLOT)
+    assert run is not None and run.outcome == "ok" and run.ended_at is not None
