@@ -32,7 +32,7 @@ from gateway.consolidate import CompletionModel, Consolidator
 from gateway.cron import cron_trigger, last_fire_time, zone
 from gateway.memory import Memory
 from gateway.purge import PurgeReport, purge
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.scheduler")
 
@@ -74,7 +74,7 @@ def slot_words(slot: str) -> str:
 
 class Scheduler:
     def __init__(
-        self, cfg: Config, *, store: Store, memory: Memory, model: CompletionModel,
+        self, cfg: Config, *, store: StoreBackend, memory: Memory, model: CompletionModel,
         live_references: Callable[[], set[Path]], clock: Callable[[], datetime] | None = None,
         metrics: Callable[[str, str], None] | None = None, leases: Leases | None = None,
     ) -> None:

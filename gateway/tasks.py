@@ -48,7 +48,7 @@ from gateway.config import Config
 from gateway.cron import cron_trigger, last_fire_time, zone
 from gateway.services import Services
 from gateway.sessions import SessionManager, TurnJob
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.types import Inbound, inbound_to_dict
 
 log = logging.getLogger("gateway.tasks")
@@ -349,7 +349,7 @@ def _task(row: Any) -> Task:
 class TaskStore:
     """The `tasks` and `task_runs` tables; one statement per call."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreBackend) -> None:
         self.store = store
 
     async def insert(self, task: Task, *, limit: int) -> Literal["ok", "full", "taken"]:
