@@ -309,7 +309,7 @@ class Gateway:
         self.scheduler = Scheduler(
             s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s),
             live_references=self.live_tool_results,
-            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(),
+            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(), leases=s.leases,
         )
         await self.scheduler.start()
 

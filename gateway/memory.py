@@ -29,7 +29,7 @@ from typing import Any
 
 from gateway.config import atomic_write_text
 from gateway.keys import scope_dirname, workspace_dir
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
 
 log = logging.getLogger("gateway.memory")
@@ -257,7 +257,7 @@ class Memory:
     """Per-scope workspaces, their memory files and their full-text index."""
 
     def __init__(
-        self, data_dir: Path, *, tz: tzinfo, store: Store, clock: Callable[[], datetime] | None = None
+        self, data_dir: Path, *, tz: tzinfo, store: StoreBackend, clock: Callable[[], datetime] | None = None
     ) -> None:
         self._data_dir = data_dir
         self._tz = tz

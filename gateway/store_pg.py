@@ -45,6 +45,7 @@ from gateway.store import (
     _row_to_message,
     _truncation_to_json,
     like_pattern,
+    storable_args,
 )
 from gateway.types import Message
 
@@ -489,7 +490,8 @@ class PgStore:
         """One statement on a pooled connection (its own transaction)."""
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                rows = await conn.fetch(to_postgres(sql), *args)
+                # Text from tools, files and models may hold NUL, which TEXT cannot.
+                rows = await conn.fetch(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise
@@ -710,7 +712,7 @@ class PgStore:
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                status = await conn.execute(to_postgres(sql), *args)
+                status = await conn.execute(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise
