@@ -402,9 +402,10 @@ class SlackChannel:
             await self.stop_receiving()
             raise RuntimeError(f"slack: socket mode connect failed: {_describe(err)}")
 
-    async def stop_receiving(self) -> None:
+    async def stop_receiving(self, *, lost: bool = False) -> None:
         """Close the Socket Mode connection: Slack sends what comes next to the connection
-        another gateway opens; an event not yet acknowledged here is redelivered there."""
+        another gateway opens; an event not yet acknowledged here is redelivered there.
+        `lost` (the lead went to another gateway) changes nothing here."""
         connect, self._connect_task = self._connect_task, None
         if connect is not None and not connect.done():
             connect.cancel()

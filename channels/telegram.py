@@ -423,12 +423,12 @@ class TelegramChannel:
         self._receiving = True
         self._poller = asyncio.create_task(self._receive(), name="telegram-poll")
 
-    async def stop_receiving(self, *, confirm: bool = True) -> None:
+    async def stop_receiving(self, *, lost: bool = False) -> None:
         """Stop polling: an update being handled finishes (bounded), an idle long poll is
-        cancelled. With `confirm`, what the router recorded is confirmed to Telegram so
-        nobody is handed it again; without (the lead was lost, another gateway polls now)
-        nothing is confirmed, and the new poller re-reads what is unconfirmed (the dedup
-        ledger drops what was already taken)."""
+        cancelled. What the router recorded is confirmed to Telegram so nobody is handed
+        it again, unless the lead was `lost` (another gateway may poll already: a second
+        getUpdates would cut its long poll); the new poller then re-reads what is
+        unconfirmed and the dedup ledger drops what was already taken."""
         self._receiving = False
         task, self._poller = self._poller, None
         if task is None:
@@ -439,7 +439,7 @@ class TelegramChannel:
         if not done:
             task.cancel()
             await asyncio.wait({task}, timeout=1)
-        if confirm and self._offset > self._polled_offset and self._bot is not None:
+        if not lost and self._offset > self._polled_offset and self._bot is not None:
             # Confirm what the router already recorded, so a restart is not redelivered it.
             try:
                 await asyncio.wait_for(self._bot.fetch_raw_updates(offset=self._offset, wait_s=0), 2)
