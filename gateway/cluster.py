@@ -27,6 +27,9 @@ import asyncpg
 log = logging.getLogger("gateway.cluster")
 
 LEASE_TTL_S = 6.0  # a dead gateway's sessions and polling move on within this
+# Overrides LEASE_TTL_S for every gateway of a cluster (tests, operators who want a faster
+# fail-over and can renew that often): seconds, 0.5 to 300. All gateways must agree.
+LEASE_TTL_ENV = "GATEWAY_LEASE_TTL_S"
 RENEW_TIMEOUT_S = 2.0
 
 

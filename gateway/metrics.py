@@ -47,6 +47,8 @@ class Metrics:
         )
         self.mcp_server_up = Gauge("gateway_mcp_server_up", "MCP server connected (1) or not (0)", ["server"],
                                    registry=r)
+        self.leader = Gauge("gateway_leader", "This gateway receives for the role (1) or another gateway of "
+                            "the cluster does (0): Telegram polling, Slack Socket Mode", ["role"], registry=r)
         self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
                                     "(each is retried with backoff)", ["server"], registry=r)
 
