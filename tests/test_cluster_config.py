@@ -186,6 +186,19 @@ async def test_each_gateways_own_address_stays_its_own(cluster: Cluster, fake_mo
     assert [c.key for c in await a.services.store.config_changes()] == ["agent_max_steps"]
 
 
+async def test_a_change_the_database_does_not_take_changes_nothing(cluster: Cluster) -> None:
+    path_a = cluster.config("a", admins=["web:boss"])
+    a = await cluster.start(path_a)
+    assert a.services is not None
+    before = path_a.read_text()
+    await a.services.store.run("ALTER TABLE config_changes RENAME TO config_changes_gone")  # a real failure
+    reply = await chat(a, "boss", "/config agent_max_steps 3")
+    assert reply.startswith("Not changed: the database did not take it"), reply
+    assert path_a.read_text() == before and a.cfg.agent_max_steps != 3
+    await a.services.store.run("ALTER TABLE config_changes_gone RENAME TO config_changes")
+    assert "saved" in await chat(a, "boss", "/config agent_max_steps 3")
+
+
 async def test_a_lone_sqlite_gateway_keeps_its_file_only_behaviour(
         tmp_path: Path, fake_model: FakeModel) -> None:
     path = write_config(tmp_path, fake_model, admins=["web:boss"])
