@@ -30,7 +30,7 @@ from gateway.cron import zone
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.logs import REDACTOR, Redactor
 from gateway.same_site import foreign_host, foreign_origin, server_names
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.admin")
 
@@ -161,7 +161,7 @@ def _ok(body: dict[str, Any]) -> web.Response:
 
 
 class AdminApi:
-    def __init__(self, *, config: Callable[[], Config], store: Store, pairing: Pairing, ready: ReadyCheck,
+    def __init__(self, *, config: Callable[[], Config], store: StoreBackend, pairing: Pairing, ready: ReadyCheck,
                  next_runs: Callable[[], dict[str, datetime | None]],
                  tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str) -> None:
         self.config = config

@@ -175,6 +175,7 @@ class Gateway:
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         metrics = Metrics()
         metrics.watch_store(store.write_stats)
+        metrics.leases_held.set_function(leases.held)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
@@ -192,7 +193,8 @@ class Gateway:
         if leases.shared:
             self.sessions = ClusterSessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                                   stream=self.stream, send_files=self.send_files,
-                                                  keys=lambda inbound: self.router.keys(inbound))
+                                                  keys=lambda inbound: self.router.keys(inbound),
+                                                  can_deliver=lambda channel: channel in self.channels)
         else:
             self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                            stream=self.stream, send_files=self.send_files)
@@ -316,7 +318,7 @@ class Gateway:
         self.scheduler = Scheduler(
             s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s),
             live_references=self.live_tool_results,
-            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(),
+            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(), leases=s.leases,
         )
         await self.scheduler.start()
 
@@ -505,15 +507,21 @@ class Gateway:
     def ready_details(self) -> dict[str, Any]:
         """What /readyz shows besides its checks: MCP servers' states, which never make the
         gateway unready (a server that is down only removes its tools)."""
-        if self.mcp is None:
-            return {}
-        return {"mcp": {status.name: status.as_json() for status in self.mcp.statuses()}}
+        details: dict[str, Any] = {}
+        if self.services is not None and self.services.leases.shared:
+            leases = self.services.leases
+            details["cluster"] = {"instance": leases.instance, "leases": leases.held()}
+        if self.mcp is not None:
+            details["mcp"] = {status.name: status.as_json() for status in self.mcp.statuses()}
+        return details
 
     async def ready(self) -> dict[str, str | None]:
         """Each check's problem (None when fine), for /readyz."""
         checks: dict[str, str | None] = {}
         if self.services is not None:
             checks["database"] = await self.services.store.write_problem()
+            if self.services.leases.shared:
+                checks["cluster"] = self.services.leases.problem()
         for name, channel in list(self.channels.items()):
             try:
                 ok = bool(channel.is_ready())

@@ -50,6 +50,11 @@ class Metrics:
         self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
                                     "(each is retried with backoff)", ["server"], registry=r)
 
+        self.leases_held = Gauge("gateway_leases_held", "Leases this gateway holds on the shared database "
+                                 "(sessions running here, polling, its own liveness)", registry=r)
+        self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
+                                 "and this one ran after that gateway died or stalled", registry=r)
+
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""
         def observe(event: str) -> None:

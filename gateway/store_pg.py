@@ -13,6 +13,7 @@ text works); without the extension the same ILIKE queries run unindexed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -21,7 +22,8 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from gateway.store import (
     _row_to_message,
     _truncation_to_json,
     like_pattern,
+    storable_args,
 )
 from gateway.types import Message
 
@@ -51,6 +54,8 @@ log = logging.getLogger("gateway.store")
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_S = 30
 POOL_MAX = 10
+LOCK_POOL_MAX = 4
+SCOPE_LOCK_TIMEOUT_S = 60  # a memory write waits this long for another gateway's
 WRITES = ("INSERT", "UPDATE", "DELETE")
 QUEUED = ("accepted", "queued", "running")  # an event whose turn is not over yet
 
@@ -357,6 +362,7 @@ class PgStore:
         self._pool = pool
         self.url = url
         self.instance = instance
+        self._lock_pool: asyncpg.Pool | None = None  # for scope_lock, made on first use
         self.path: Path | None = None  # no file: a server
         self.write_failure: str | None = None
         self.trigram = False  # whether pg_trgm indexes back memory_search
@@ -460,7 +466,29 @@ class PgStore:
     config_changes = Store.config_changes
     last_config_change = Store.last_config_change
 
+    @asynccontextmanager
+    async def scope_lock(self, scope: str) -> AsyncIterator[None]:
+        """One writer of a scope's memory files at a time across gateways: an advisory lock,
+        on a connection from a small pool of its own (a holder that writes the search index
+        meanwhile never waits for a connection held by another holder). A gateway that dies
+        holding it loses its connection, and the lock with it."""
+        if self._lock_pool is None:
+            self._lock_pool = await asyncpg.create_pool(
+                self.url, min_size=0, max_size=LOCK_POOL_MAX, timeout=CONNECT_TIMEOUT_S,
+                command_timeout=STATEMENT_TIMEOUT_S, server_settings={"application_name": self.instance},
+            )
+        async with self._lock_pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
+            async with asyncio.timeout(SCOPE_LOCK_TIMEOUT_S):
+                await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 7313))", scope)
+            try:
+                yield
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended($1, 7313))", scope)
+
     async def close(self) -> None:
+        if self._lock_pool is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lock_pool.close(), timeout=5)
         done: list[str] = []
         for name, batched in self._grouped():
             await batched.close()
@@ -477,7 +505,8 @@ class PgStore:
         """One statement on a pooled connection (its own transaction)."""
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                rows = await conn.fetch(to_postgres(sql), *args)
+                # Text from tools, files and models may hold NUL, which TEXT cannot.
+                rows = await conn.fetch(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise
@@ -588,6 +617,13 @@ class PgStore:
             instance=r["instance"],
         ) for r in rows]
 
+    async def session_mark(self, key: str) -> tuple[int, int]:
+        """(last message id, context start): changes whenever any gateway writes the session."""
+        rows = await self._rows(
+            "SELECT coalesce((SELECT max(id) FROM messages WHERE session_key=?), 0), "
+            "coalesce((SELECT context_start_turn FROM sessions WHERE key=?), 0)", (key, key))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+
     async def unleased_sessions(self, *, settle_s: float, limit: int = 200) -> list[str]:
         """Sessions with turns waiting and no live lease: their holder died, or released
         the lease just as a message came. An event still only accepted counts once it is
@@ -691,7 +727,7 @@ class PgStore:
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                status = await conn.execute(to_postgres(sql), *args)
+                status = await conn.execute(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise
