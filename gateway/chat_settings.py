@@ -38,6 +38,7 @@ from gateway.config import (
 
 if TYPE_CHECKING:
     from gateway.services import ConfigHolder
+    from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.chat_settings")
 
@@ -101,7 +102,7 @@ class Setting:
 
 
 class ChatSettings:
-    def __init__(self, store: Any, holder: ConfigHolder, *, check: Check, apply: Apply) -> None:
+    def __init__(self, store: StoreBackend, holder: ConfigHolder, *, check: Check, apply: Apply) -> None:
         self.store = store
         self.holder = holder
         self.check = check  # what this gateway could not run (Gateway.startup_problems)
