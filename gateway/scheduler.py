@@ -38,6 +38,9 @@ log = logging.getLogger("gateway.scheduler")
 
 JOB_CONSOLIDATION = "memory_consolidation"
 JOB_PURGE = "purge"
+CONSOLIDATION_LEASE = f"job:{JOB_CONSOLIDATION}"  # held by the one gateway consolidating now
+CONSOLIDATION_WAIT_S = 3600  # a slot waits this long for another gateway's run to end
+JOB_LEASE_RETRY_S = 1.0
 PURGE_CRON = "30 3 * * *"  # daily, at a quiet hour
 MISFIRE_GRACE_S = 6 * 3600  # a loop that was busy still runs the job late
 CONSOLIDATION_CONCURRENCY = 2
@@ -206,13 +209,31 @@ class Scheduler:
         slot = slot or f"manual:{self._now().isoformat()}"
         lease = f"job:{JOB_CONSOLIDATION}:{slot}"
         async with self._consolidating:
-            if await self._leases.acquire(lease) is None:
-                log.info("consolidation of %s runs on another gateway; skipped", slot_words(slot))
+            # One run at a time across gateways too: two slots merging at once would both
+            # read the same notes before either moved their watermarks.
+            if not await self._wait_for_lease(CONSOLIDATION_LEASE, CONSOLIDATION_WAIT_S):
+                log.warning("consolidation of %s skipped: another gateway's run lasted over %d s",
+                            slot_words(slot), CONSOLIDATION_WAIT_S)
                 return {}
             try:
-                return await self._consolidate(slot, unfinished=unfinished)
+                if await self._leases.acquire(lease) is None:
+                    log.info("consolidation of %s runs on another gateway; skipped", slot_words(slot))
+                    return {}
+                try:
+                    return await self._consolidate(slot, unfinished=unfinished)
+                finally:
+                    await self._leases.release(lease)
             finally:
-                await self._leases.release(lease)
+                await self._leases.release(CONSOLIDATION_LEASE)
+
+    async def _wait_for_lease(self, name: str, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while await self._leases.acquire(name) is None:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(JOB_LEASE_RETRY_S)
+        return True
 
     async def _consolidate(self, slot: str, *, unfinished: bool) -> dict[str, str]:
         if unfinished:
