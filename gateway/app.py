@@ -20,6 +20,7 @@ from gateway.access import Pairing
 from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
 from gateway.agent import Agent
 from gateway.cluster import open_leases
+from gateway.cluster_sessions import ClusterSessionManager
 from gateway.commands import BOT_COMMANDS, Commands
 from gateway.config import (
     Config,
@@ -159,10 +160,10 @@ class Gateway:
             store = await open_store(secret_text(cfg.store.url), data_dir)
         except StoreError as err:
             raise StartupError(str(err)) from None
-        leases = open_leases(store)
         try:
+            leases = open_leases(store)
             await leases.start()
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             await store.close()
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         metrics = Metrics()
@@ -180,8 +181,14 @@ class Gateway:
         self.services = services
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)
-        self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
-                                       stream=self.stream, send_files=self.send_files)
+        # On a shared database the session queue is the database and turns run under leases.
+        if leases.shared:
+            self.sessions = ClusterSessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
+                                                  stream=self.stream, send_files=self.send_files,
+                                                  keys=lambda inbound: self.router.keys(inbound))
+        else:
+            self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
+                                           stream=self.stream, send_files=self.send_files)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems)
@@ -215,10 +222,15 @@ class Gateway:
         await self.mcp.apply(cfg.mcp)
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
-        pending_commands = await self.router.resume_pending(set(self.channels))
+        # With other gateways, their waiting turns are theirs: this one's sweep takes over
+        # only sessions whose lease expired (gateway/cluster_sessions.py).
+        pending_commands = [] if leases.shared else await self.router.resume_pending(set(self.channels))
         for name, channel in list(self.channels.items()):
             await self._start_channel(name, channel)
         self.sessions.open.set()
+        if isinstance(self.sessions, ClusterSessionManager):
+            self.sessions.on_leftover_command = lambda inbound: self.router.answer_commands([inbound])
+            self.sessions.start_sweeping()
         await self.router.answer_commands(pending_commands)
         await self._start_scheduler()
         await self.tasks.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -278,8 +279,23 @@ class Leadership:
                 await self._try()
 
 
+def lease_ttl() -> float:
+    """LEASE_TTL_S, or GATEWAY_LEASE_TTL_S from the environment (tests shorten it; an
+    operator may lengthen it for a database far away: renewals must fit in a third)."""
+    raw = os.environ.get("GATEWAY_LEASE_TTL_S", "").strip()
+    if not raw:
+        return LEASE_TTL_S
+    try:
+        ttl = float(raw)
+    except ValueError:
+        raise ValueError(f"GATEWAY_LEASE_TTL_S must be a number of seconds, not {raw!r}") from None
+    if not 0.5 <= ttl <= 300:
+        raise ValueError(f"GATEWAY_LEASE_TTL_S must be between 0.5 and 300 seconds, not {ttl}")
+    return ttl
+
+
 def open_leases(store: object) -> Leases:
     """The leases for `store`: shared ones on a database several gateways use."""
     if getattr(store, "shared", False):
-        return ClusterLeases(store)  # type: ignore[arg-type]
+        return ClusterLeases(store, ttl_s=lease_ttl())  # type: ignore[arg-type]
     return SoloLeases()

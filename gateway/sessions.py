@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from context.engine import SessionContext
 from context.restore import restore_messages
 from gateway.agent import Agent, TurnResult
+from gateway.fence import FencedOut
 from gateway.keys import workspace_dir
 from gateway.live import LiveSession
 from gateway.media import Intake, ReplyFile, plain_intake, reply_files
@@ -98,6 +99,12 @@ def _close_open_turn(messages: list[Message]) -> list[Message]:
     return out
 
 
+def _last_turns(stored: list[Message], max_turns: int) -> list[Message]:
+    """The messages of the last `max_turns` turns of `stored`, in order."""
+    turns = sorted({m.turn for m in stored})[-max_turns:]
+    return [m for m in stored if turns and m.turn >= turns[0]]
+
+
 def _log_turn(live: LiveSession, started: float, outcome: str) -> None:
     """The one INFO line of a turn: what it cost and how it ended, never what was said."""
     log.info("turn ended", extra={
@@ -120,6 +127,9 @@ class SessionManager:
         self._loading: dict[str, asyncio.Lock] = {}
         self._last_turns: dict[str, int] = {}
         self._stopping = False
+        # A restart brings back a few turns (SPEC §4.5); gateways handing a session to each
+        # other bring back all of it (gateway/cluster_sessions.py).
+        self.restore_whole = False
         # Jobs queue from the start (turns resumed after a restart first, so they keep their
         # place before newer messages) but run only once the channels can deliver replies.
         self.open = asyncio.Event()
@@ -147,8 +157,18 @@ class SessionManager:
         store = self.s.store
         row = await store.ensure_session(key, scope, channel)
         start = row.context_start_turn
-        keep = max(3, cfg.agent_max_context_turns // 6)
-        stored = await store.recent_messages(key, turns=keep + 1, from_turn=start)
+        summary = await store.latest_summary(key)
+        if self.restore_whole:
+            # Handed over by another gateway: the context as it was there, tool chains and
+            # all — every turn its summary does not cover, up to the turn limit.
+            if summary is not None and summary.upto_turn >= start:
+                start_here = summary.upto_turn + 1
+            else:
+                start_here = start
+            stored = await store.recent_messages(key, turns=cfg.agent_max_context_turns + 1, from_turn=start_here)
+        else:
+            keep = max(3, cfg.agent_max_context_turns // 6)
+            stored = await store.recent_messages(key, turns=keep + 1, from_turn=start)
         # An interrupted turn (no final reply) comes back whole, to be resumed.
         open_turn: list[Message] = []
         if stored:
@@ -157,8 +177,10 @@ class SessionManager:
             if not _is_final_reply(tail[-1]):
                 open_turn = _close_open_turn(tail)
                 stored = [m for m in stored if m.turn != last]
-        restored = restore_messages(stored, cfg.agent_max_context_turns) + open_turn
-        summary = await store.latest_summary(key)
+        if self.restore_whole:
+            restored = _last_turns(stored, cfg.agent_max_context_turns) + open_turn
+        else:
+            restored = restore_messages(stored, cfg.agent_max_context_turns) + open_turn
         use_summary = summary is not None and summary.upto_turn >= start
         ctx = SessionContext(
             key, restored,
@@ -403,8 +425,8 @@ class SessionManager:
         except TimeoutError:
             log.warning("turn timed out", extra={"session": live.key})
             return TurnResult(TIMEOUT_REPLY, "timeout")
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, FencedOut):
+            raise  # a gateway that lost the session's lease says nothing more in it
         except Exception:
             log.exception("turn failed", extra={"session": live.key})
             return TurnResult(CRASH_REPLY, "crash")

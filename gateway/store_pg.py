@@ -573,6 +573,13 @@ class PgStore:
             instance=r["instance"],
         ) for r in rows]
 
+    async def session_mark(self, key: str) -> tuple[int, int]:
+        """(last message id, context start): changes whenever any gateway writes the session."""
+        rows = await self._rows(
+            "SELECT coalesce((SELECT max(id) FROM messages WHERE session_key=?), 0), "
+            "coalesce((SELECT context_start_turn FROM sessions WHERE key=?), 0)", (key, key))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+
     async def unleased_sessions(self, *, settle_s: float, limit: int = 200) -> list[str]:
         """Sessions with turns waiting and no live lease: their holder died, or released
         the lease just as a message came. An event still only accepted counts once it is

@@ -1,0 +1,156 @@
+"""Per-session order across gateways on one PostgreSQL (SPEC §10), in one process: two
+real `Gateway`s with Telegram in webhook mode against the fake Bot API, a message posted
+to either one. Order, take-over of a dead gateway's turn and fencing of a stalled one
+are judged by what Telegram shows and what the database holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from gateway.app import Gateway
+from gateway.cluster import ClusterLeases
+from gateway.config import load_config
+from tests.conftest import write_config
+from tests.fakes import telegram_server
+from tests.fakes.openai_server import FakeModel, Reply, last_user_text
+from tests.fakes.telegram_server import FakeTelegram
+from tests.pg import PgServer, create_database
+
+fake_telegram = telegram_server.fake_telegram  # the fixture
+
+SECRET = "cluster-secret-0123456789"
+TTL_S = 1.5
+
+
+@pytest_asyncio.fixture
+async def pair(tmp_path: Path, fake_model: FakeModel, fake_telegram: FakeTelegram, pg_server: PgServer,
+               monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Gateway, Gateway]]:
+    """Two gateways on one database and one data dir, Telegram by webhook."""
+    monkeypatch.setenv("GATEWAY_LEASE_TTL_S", str(TTL_S))
+    url = await create_database(pg_server)
+    path = write_config(
+        tmp_path, fake_model, store={"url": url}, access={"allow_from": ["*"]},
+        channels={"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                               "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
+                               "webhook_url": "https://bot.example/telegram/webhook",
+                               "webhook_secret": SECRET, "streaming": "off"}},
+    )
+    gateways = [Gateway(load_config(path), config_path=path) for _ in range(2)]
+    for gw in gateways:
+        await gw.start()
+    yield gateways[0], gateways[1]
+    for gw in gateways:
+        await gw.stop(timeout=5)
+
+
+async def post_update(gw: Gateway, update_id: int, text: str, chat: int = 7) -> int:
+    assert gw.http is not None
+    update = {"update_id": update_id, "message": {
+        "message_id": update_id, "date": 1_700_000_000, "text": text,
+        "chat": {"id": chat, "type": "private"}, "from": {"id": chat, "is_bot": False, "first_name": "P"}}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{gw.http.port}/telegram/webhook", data=json.dumps(update),
+                             headers={"X-Telegram-Bot-Api-Secret-Token": SECRET,
+                                      "Content-Type": "application/json"}) as resp:
+            return resp.status
+
+
+async def session_let_go(gw: Gateway, timeout: float = 5) -> None:
+    """Wait until no gateway holds a session lease (the next message may go anywhere)."""
+    assert gw.services is not None
+    store: Any = gw.services.store
+    async with asyncio.timeout(timeout):
+        while True:
+            if not await store.lease_holders("session:"):
+                return
+            await asyncio.sleep(0.02)
+
+
+def history_of(request: dict[str, Any]) -> list[str]:
+    return [str(m.get("content")) for m in request["messages"] if m.get("role") == "user"]
+
+
+async def test_one_sessions_turns_run_in_arrival_order_whichever_gateway_took_them(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+
+    def slow_echo(body: dict[str, Any]) -> Any:
+        return Reply(text=f"echo {last_user_text(body)}", delay=0.15)
+
+    fake_model.respond_with(slow_echo)
+    texts = [f"m{i}" for i in range(6)]
+    for i, text in enumerate(texts):
+        assert await post_update(a if i % 2 == 0 else b, 100 + i, text) == 200
+    sent = await fake_telegram.wait_sent(6, timeout=30)
+    assert [s["text"] for s in sent] == [f"echo {t}" for t in texts]
+    # Each turn saw every earlier one, in order: one conversation, not two interleaved.
+    requests = fake_model.requests
+    assert [history_of(r)[-1] for r in requests] == texts
+    for i, r in enumerate(requests):
+        assert history_of(r) == texts[: i + 1]
+    assert a.services is not None
+    assert await a.services.store.count_messages("telegram:dm:7") == 12
+    assert await a.services.store.pending_events() == []
+
+
+async def test_a_stalled_gateways_turn_is_taken_over_and_its_late_reply_is_refused(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None
+    leases_a = a.services.leases
+    assert isinstance(leases_a, ClusterLeases)
+    # A takes the turn, then freezes: its model call hangs and it stops renewing its leases
+    # (as a process paused by the OS or a long GC would).
+    fake_model.reply("late reply from the stalled gateway", delay=TTL_S * 4)
+    fake_model.reply("reply from the gateway that took over")
+    assert await post_update(a, 300, "are you there?") == 200
+    await fake_model.wait_requests(1, timeout=10)
+    assert leases_a._renewer is not None
+    leases_a._renewer.cancel()
+    # B's sweep finds the session without a live lease, takes it and answers once.
+    sent = await fake_telegram.wait_sent(1, timeout=TTL_S * 4 + 10)
+    assert sent[0]["text"] == "reply from the gateway that took over"
+    # A wakes up with its model answer: the database refuses what it writes under the old
+    # token, so it neither stores nor sends it.
+    await asyncio.sleep(TTL_S * 4)
+    assert [s["text"] for s in fake_telegram.sent] == ["reply from the gateway that took over"]
+    rows = await b.services.store.messages("telegram:dm:7")
+    assert [(m.role, m.content) for m in rows] == [
+        ("user", "are you there?"), ("assistant", "reply from the gateway that took over")]
+    assert await b.services.store.pending_events() == []
+
+
+async def test_a_message_taken_while_another_gateway_holds_the_session_is_not_left_behind(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    fake_model.reply("first", delay=0.5)
+    fake_model.reply("second")
+    assert await post_update(a, 400, "one") == 200
+    await fake_model.wait_requests(1, timeout=10)
+    assert await post_update(b, 401, "two") == 200  # A holds the session: B leaves it to A
+    sent = await fake_telegram.wait_sent(2, timeout=10)
+    assert [s["text"] for s in sent] == ["first", "second"]
+
+
+async def test_a_session_handed_between_gateways_keeps_its_whole_context(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    fake_model.respond_with(lambda body: Reply(text=f"echo {last_user_text(body)}"))
+    texts = [f"turn {i}" for i in range(7)]
+    for i, text in enumerate(texts):
+        # One message at a time, each to the other gateway: every turn is a hand-over.
+        assert await post_update(b if i % 2 else a, 500 + i, text) == 200
+        await fake_telegram.wait_sent(i + 1, timeout=10)
+        await session_let_go(a)
+    # The last turn saw all six before it, not the few turns a restart brings back.
+    assert history_of(fake_model.requests[-1]) == texts
+    assistant = [m["content"] for m in fake_model.requests[-1]["messages"] if m["role"] == "assistant"]
+    assert assistant == [f"echo {t}" for t in texts[:-1]]
