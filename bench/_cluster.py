@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
 from aiohttp import web
 
 from bench._procs import Child, gateway_config, start_gateway, wait_ready
@@ -476,3 +477,24 @@ def instance_pid(instance: str | None) -> int | None:
         return None
     parts = instance.rsplit("-", 2)
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+async def served_by(store_url: str, pid: int) -> dict[str, set[str]]:
+    """The waiting messages (by token) of the sessions gateway `pid` is serving: those it
+    accepted, and every waiting one of a session whose lease it holds."""
+    conn = await asyncpg.connect(store_url, timeout=10)
+    try:
+        waiting = await conn.fetch("SELECT session_key, instance, inbound FROM events "
+                                   "WHERE status IN ('accepted','queued','running')")
+        leased: set[str] = set()
+        with contextlib.suppress(asyncpg.UndefinedTableError):
+            leased = {str(r["name"]).removeprefix("session:") for r in await conn.fetch(
+                "SELECT name, holder FROM leases WHERE name LIKE 'session:%'") if instance_pid(r["holder"]) == pid}
+    finally:
+        await conn.close(timeout=5)
+    served: dict[str, set[str]] = {}
+    for r in waiting:
+        found = TOKEN.search(r["inbound"] or "")
+        if found and (instance_pid(r["instance"]) == pid or r["session_key"] in leased):
+            served.setdefault(r["session_key"], set()).add(found.group(0))
+    return served

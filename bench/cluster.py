@@ -46,8 +46,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
 from bench._cluster import (
     TOKEN,
     ChatSession,
@@ -59,7 +57,7 @@ from bench._cluster import (
     SeenReply,
     Senders,
     chat_sessions,
-    instance_pid,
+    served_by,
 )
 from bench._procs import CLOCK_TICKS, ROOT, cpu_seconds, model_times, start_fake_model
 from bench.gateway_load import percentile
@@ -86,6 +84,7 @@ class ConfigResult:
     cpu_ms_per_turn: float  # all gateway processes together
     cpu_ms_per_turn_instances: list[float]  # each instance's own
     db_cpu_ms_per_turn: float | None
+    driver_cpu_ms_per_turn: float  # this process: proxy, fakes and senders
     notes: list[str] = field(default_factory=list)
 
 
@@ -205,6 +204,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         # Back to back, for throughput and CPU.
         cpu0 = [g.cpu_seconds() for g in cluster.gateways]
         db0 = db_cpu_seconds(postmaster) if postmaster else None
+        driver0 = cpu_seconds(os.getpid())
         started = time.monotonic()
         deadline = started + seconds
         done: list[Timed] = []
@@ -225,6 +225,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         await asyncio.sleep(IDLE_SETTLE_S)  # background work the turns caused counts too
         cpu1 = [g.cpu_seconds() for g in cluster.gateways]
         db1 = db_cpu_seconds(postmaster) if postmaster else None
+        driver1 = cpu_seconds(os.getpid())
         turns = len(done)
         await model_times(stats_url)
 
@@ -273,7 +274,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         p99_e2e_ms=percentile([t.e2e_s * 1000 for t in paced], 0.99),
         cpu_ms_per_turn=sum(per_instance), cpu_ms_per_turn_instances=per_instance,
         db_cpu_ms_per_turn=(db1 - db0) * 1000 / max(1, turns) if db0 is not None and db1 is not None else None,
-        notes=notes,
+        driver_cpu_ms_per_turn=(driver1 - driver0) * 1000 / max(1, turns), notes=notes,
     )
 
 
@@ -312,7 +313,7 @@ async def run_failover(workdir: Path, *, store_url: str, sessions: list[ChatSess
         await asyncio.gather(*(two(s) for s in sessions))
         await asyncio.sleep(min(0.5, delay / 3))  # first turns are with the model now
         victim = cluster.gateways[1]
-        serving = await _served_by(store_url, victim.pid)
+        serving = await served_by(store_url, victim.pid)
         await cluster.kill(1)
         killed_at = time.monotonic()
         # The victim's messages answered before the kill (a race with the query) do not count.
@@ -349,32 +350,11 @@ async def run_failover(workdir: Path, *, store_url: str, sessions: list[ChatSess
                           max_s=max(waits) if waits else float("nan"), delay_ms=delay_ms, notes=notes)
 
 
-async def _served_by(store_url: str, pid: int) -> dict[str, set[str]]:
-    """The waiting messages (by token) of the sessions gateway `pid` is serving: those it
-    accepted, and every waiting one of a session whose lease it holds."""
-    conn = await asyncpg.connect(store_url, timeout=10)
-    try:
-        waiting = await conn.fetch("SELECT session_key, instance, inbound FROM events "
-                                   "WHERE status IN ('accepted','queued','running')")
-        leased: set[str] = set()
-        with contextlib.suppress(asyncpg.UndefinedTableError):
-            leased = {str(r["name"]).removeprefix("session:") for r in await conn.fetch(
-                "SELECT name, holder FROM leases WHERE name LIKE 'session:%'") if instance_pid(r["holder"]) == pid}
-    finally:
-        await conn.close(timeout=5)
-    served: dict[str, set[str]] = {}
-    for r in waiting:
-        found = TOKEN.search(r["inbound"] or "")
-        if found and (instance_pid(r["instance"]) == pid or r["session_key"] in leased):
-            served.setdefault(r["session_key"], set()).add(found.group(0))
-    return served
-
-
 # ---------------------------------------------------------------------------- report
 
 
 HEADER = (f"{'config':<16}{'turns/s':>9}{'×base':>7}{'p50 added':>11}{'p99 added':>11}{'×base':>7}"
-          f"{'CPU ms/turn':>13}{'×base':>7}  {'per instance':<20}{'PG ms/turn':>11}  notes")
+          f"{'CPU ms/turn':>13}{'×base':>7}  {'per instance':<20}{'PG ms/turn':>11}{'driver':>8}  notes")
 
 
 def row(r: ConfigResult, base: ConfigResult | None) -> str:
@@ -386,7 +366,7 @@ def row(r: ConfigResult, base: ConfigResult | None) -> str:
     return (f"{r.label:<16}{r.turns_per_s:>9.1f}{ratio(r.turns_per_s, base and base.turns_per_s):>7}"
             f"{r.p50_added_ms:>9.1f}ms{r.p99_added_ms:>9.1f}ms{ratio(r.p99_added_ms, base and base.p99_added_ms):>7}"
             f"{r.cpu_ms_per_turn:>13.2f}{ratio(r.cpu_ms_per_turn, base and base.cpu_ms_per_turn):>7}  "
-            f"{each:<20}{db:>11}  {'; '.join(r.notes)}")
+            f"{each:<20}{db:>11}{r.driver_cpu_ms_per_turn:>8.2f}  {'; '.join(r.notes)}")
 
 
 def chart(results: list[ConfigResult], failover: FailoverResult | None, target: Path) -> None:
@@ -401,7 +381,7 @@ def chart(results: list[ConfigResult], failover: FailoverResult | None, target: 
     panels = [
         ("turns/s (back to back)", [r.turns_per_s for r in results], None),
         ("added latency p99 (ms, paced)", [r.p99_added_ms for r in results], [r.p50_added_ms for r in results]),
-        ("CPU ms per turn", [r.cpu_ms_per_turn for r in results], None),
+        ("CPU ms per turn: gateways (+ PostgreSQL)", [r.cpu_ms_per_turn for r in results], None),
     ]
     for ax, (title, values, inner) in zip(axes, panels, strict=True):
         ax.bar(labels, values, color=colors)

@@ -45,6 +45,7 @@ from bench._cluster import (
     Senders,
     chat_sessions,
     instance_pid,
+    served_by,
 )
 from gateway.memory import Memory
 from gateway.store_pg import PgStore
@@ -66,6 +67,7 @@ class ClusterReport:
     deliveries: list[Delivery] = field(default_factory=list)
     killed_pid: int = 0
     killed_at: float = 0.0
+    taken_over: list[str] = field(default_factory=list)  # messages the killed gateway left waiting
     not_accepted: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     duplicate_replies: int = 0
@@ -85,6 +87,7 @@ class ClusterReport:
     def line(self) -> str:
         accepted = sum(d.accepted for d in self.deliveries)
         return (f"{len(self.deliveries)} messages, {accepted} accepted ({self.bad_gateway} proxy 502s), "
+                f"{len(self.taken_over)} left waiting by the killed gateway, "
                 f"{len(self.missing)} missing, {self.duplicate_replies} duplicate replies, "
                 f"{len(self.unexpected)} unexpected, {len(self.out_of_order)} out of order, "
                 f"{len(self.waiting_events)} events waiting, {len(self.duplicate_user_messages)} duplicate "
@@ -92,7 +95,7 @@ class ClusterReport:
 
 
 def _responder(calls: Counter[str], markers: list[str], rng: random.Random) -> Any:
-    """Echo every message, a third of them slowly; count the consolidation requests that
+    """Echo every message, half of them slowly; count the consolidation requests that
     carry each seeded note."""
     def respond(body: dict[str, Any]) -> Reply | None:
         first = str(body.get("messages", [{}])[0].get("content", ""))
@@ -101,7 +104,7 @@ def _responder(calls: Counter[str], markers: list[str], rng: random.Random) -> A
             calls.update(m for m in markers if m in text)
             return None  # the echo of the notes becomes MEMORY.md
         text = last_user_text(body)
-        return Reply(text=f"echo: {text}", delay=0.8 if rng.random() < 0.33 else 0.05)
+        return Reply(text=f"echo: {text}", delay=1.5 if rng.random() < 0.5 else 0.05)
     return respond
 
 
@@ -171,11 +174,14 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
             return out
 
         talks = [asyncio.create_task(converse(s, i * 0.04)) for i, s in enumerate(sessions)]
-        # The kill: once about a third of the messages are in, away from a minute boundary.
+        # The kill: once a sixth of the replies are out, away from a minute boundary.
         await log.wait(lambda: len(log.replies) >= len(sessions) * MESSAGES // 6, settle_timeout)
         await asyncio.sleep(_until_clear_of_minute_boundary(time.time()))
+        serving = await served_by(store_url, cluster.gateways[1].pid)
         victim = await cluster.kill(1)
         report.killed_pid, report.killed_at = victim.pid, time.monotonic()
+        answered = {found.group(0) for r in log.replies if (found := TOKEN.search(r.text))}
+        report.taken_over = sorted(t for tokens in serving.values() for t in tokens - answered)
         for talk in await asyncio.gather(*talks):
             report.deliveries += talk
         accepted = {d.token for d in report.deliveries if d.accepted}
@@ -276,6 +282,7 @@ async def test_three_gateways_one_killed_answer_every_message_once_in_order(
     report = await run_cluster_scenario(tmp_path, pg_server)
     print("\ncluster:", report.line())  # shown with -s
     assert sum(d.accepted for d in report.deliveries) >= len(report.deliveries) * 0.95, report.not_accepted[:10]
+    assert report.taken_over, "the killed gateway had nothing waiting: the kill proved nothing"
     assert report.missing == []
     assert report.unexpected == []
     assert report.out_of_order == []
