@@ -1,6 +1,6 @@
 """Benchmark: several gateways on one PostgreSQL against one gateway on SQLite.
 
-    python -m bench.cluster [--instances 1 2 3] [--sessions 60] [--seconds 8] [--rate 40]
+    python -m bench.cluster [--instances 1 2 3] [--sessions 60] [--seconds 10] [--rate 40]
                             [--failover-sessions 45] [--failover-delay-ms 2000] [--no-sqlite]
 
 In one run, the same workload through the same round-robin proxy (bench/_cluster.py)
@@ -80,6 +80,8 @@ class ConfigResult:
     paced_turns: int
     p50_added_ms: float
     p99_added_ms: float
+    p90_added_ms: float
+    max_added_ms: float
     p99_e2e_ms: float
     cpu_ms_per_turn: float  # all gateway processes together
     cpu_ms_per_turn_instances: list[float]  # each instance's own
@@ -271,6 +273,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         label=label, store="postgres" if store_url else "sqlite", instances=instances, turns=turns,
         seconds=elapsed, turns_per_s=turns / elapsed, errors=errors, paced_turns=len(paced),
         p50_added_ms=percentile(added, 0.5), p99_added_ms=percentile(added, 0.99),
+        p90_added_ms=percentile(added, 0.9), max_added_ms=max(added, default=float("nan")),
         p99_e2e_ms=percentile([t.e2e_s * 1000 for t in paced], 0.99),
         cpu_ms_per_turn=sum(per_instance), cpu_ms_per_turn_instances=per_instance,
         db_cpu_ms_per_turn=(db1 - db0) * 1000 / max(1, turns) if db0 is not None and db1 is not None else None,
@@ -369,6 +372,15 @@ def row(r: ConfigResult, base: ConfigResult | None) -> str:
             f"{each:<20}{db:>11}{r.driver_cpu_ms_per_turn:>8.2f}  {'; '.join(r.notes)}")
 
 
+def failover_line(f: FailoverResult) -> str:
+    model_s = f.delay_ms / 1000
+    line = (f"fail-over: 1 of 3 gateways SIGKILLed with {f.sessions} of its sessions waiting (model "
+            f"{f.delay_ms:.0f} ms a turn): answered again after {f.median_s:.2f} s median, {f.max_s:.2f} s max "
+            f"({f.answered}/{f.sessions}); without the model's {model_s:.1f} s for the resumed turn: "
+            f"{f.median_s - model_s:.2f} s median, {f.max_s - model_s:.2f} s max")
+    return line + "".join(f"; {note}" for note in f.notes)
+
+
 def chart(results: list[ConfigResult], failover: FailoverResult | None, target: Path) -> None:
     import matplotlib
 
@@ -438,10 +450,7 @@ async def run(args: argparse.Namespace, server: Any) -> tuple[list[ConfigResult]
                 fo_sessions = chat_sessions(args.failover_sessions - 2 * fo_third, fo_third, fo_third)
                 failover = await run_failover(workdir, store_url=await create_database(server),
                                               sessions=fo_sessions, delay_ms=args.failover_delay_ms)
-                print(f"\nfail-over: 1 of 3 gateways SIGKILLed with {failover.sessions} of its sessions waiting "
-                      f"(model {failover.delay_ms:.0f} ms): answered again after {failover.median_s:.2f} s median, "
-                      f"{failover.max_s:.2f} s max ({failover.answered}/{failover.sessions})"
-                      + (f"; {'; '.join(failover.notes)}" if failover.notes else ""), flush=True)
+                print("\n" + failover_line(failover), flush=True)
         finally:
             await model.stop()
     return results, failover
@@ -452,7 +461,7 @@ def main() -> int:
     parser.add_argument("--instances", type=int, nargs="+", default=[1, 2, 3], help="PostgreSQL cluster sizes")
     parser.add_argument("--sessions", type=int, default=60, help="sessions (1/3 Telegram, 1/3 Slack DMs, "
                         "1/3 Slack channels)")
-    parser.add_argument("--seconds", type=float, default=8.0, help="length of each timed run")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each timed run")
     parser.add_argument("--rate", type=float, default=40.0, help="turns/s in total in the paced run")
     parser.add_argument("--failover-sessions", type=int, default=45, help="0 skips the fail-over run")
     parser.add_argument("--failover-delay-ms", type=float, default=2000.0, help="the model's time per turn there")
