@@ -387,7 +387,7 @@ def chart(results: list[ConfigResult], failover: FailoverResult | None, target: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r.label.replace(" ", "\n", 1) for r in results]
+    labels = [r.label.replace("PostgreSQL", "PG") for r in results]
     colors = ["#888888" if r.store == "sqlite" else "#3b6ea8" for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     panels = [
