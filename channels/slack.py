@@ -343,7 +343,24 @@ class SlackChannel:
 
     # -- lifecycle
 
+    @property
+    def exclusive_receiver(self) -> bool:
+        """Whether receiving must run on one gateway of a cluster at a time (Socket Mode:
+        one connection, so each event reaches one gateway). HTTP events reach any gateway."""
+        return self._cfg.mode == "socket"
+
     async def start(self) -> None:
+        """Both sides at once (one gateway alone, and the tests)."""
+        await self.start_sending()
+        try:
+            await self.start_receiving()
+        except Exception:
+            await self.stop()
+            raise
+
+    async def start_sending(self) -> None:
+        """Sign in (auth.test) and build the Web API client: what replies need, on every
+        gateway; in HTTP mode also what receives events."""
         if self._running:
             return
         self._session = aiohttp.ClientSession()
@@ -360,10 +377,12 @@ class SlackChannel:
         self._app = self._build_app(self._client)
         self._running = True
         log.info("slack: signed in as %s (%s mode)", self.bot_user_id, self._cfg.mode)
-        if self._cfg.mode == "socket":
-            await self._start_socket()
 
-    async def _start_socket(self) -> None:
+    async def start_receiving(self) -> None:
+        """Open the Socket Mode connection (socket mode; HTTP mode needs nothing). Raises
+        when the connection is refused, so another gateway may try."""
+        if not self._running or self._socket is not None or self._cfg.mode != "socket":
+            return
         assert self._app is not None
         app_token = self._cfg.app_token.get_secret_value() if self._cfg.app_token else ""
         self._socket = SocketModeClient(
@@ -380,24 +399,33 @@ class SlackChannel:
             return
         err = self._connect_task.exception()
         if err is not None:
-            await self.stop()
+            await self.stop_receiving()
             raise RuntimeError(f"slack: socket mode connect failed: {_describe(err)}")
 
-    async def stop(self) -> None:
-        self._running = False
-        tasks = [t for t in (self._connect_task, *self._tasks) if t is not None and not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
-        self._tasks.clear()
-        self._connect_task = None
+    async def stop_receiving(self, *, lost: bool = False) -> None:
+        """Close the Socket Mode connection: Slack sends what comes next to the connection
+        another gateway opens; an event not yet acknowledged here is redelivered there.
+        `lost` (the lead went to another gateway) changes nothing here."""
+        connect, self._connect_task = self._connect_task, None
+        if connect is not None and not connect.done():
+            connect.cancel()
+            await asyncio.wait({connect}, timeout=5)
         if self._socket is not None:
             socket, self._socket = self._socket, None
             try:
                 await asyncio.wait_for(socket.close(), 5)
             except Exception as err:  # closing a dead socket must not stop the shutdown
                 log.debug("slack: socket close: %s", _describe(err))
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        self._tasks.clear()
+        await self.stop_receiving()
         await self._close_session()
         self._app = None
 
@@ -413,7 +441,8 @@ class SlackChannel:
         if self._cfg.mode == "http":
             return self.bot_user_id is not None
         if self._socket is None:
-            return False
+            # Standby: another gateway of the cluster holds the connection; replies go out from here.
+            return self.bot_user_id is not None
         client = self._socket
         ws = client.current_session
         if client.closed or client.stale or ws is None or ws.closed:

@@ -32,6 +32,7 @@ from telegram.constants import ChatAction
 from telegram.error import (
     BadRequest,
     ChatMigrated,
+    Conflict,
     Forbidden,
     InvalidToken,
     NetworkError,
@@ -344,7 +345,12 @@ class TelegramChannel:
         self._sleep = sleep  # waits while sending (flood control, retries); injectable for tests
         self._bot: _Bot | None = None
         self._me: BotIdentity | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._started = False
+        self._connected = asyncio.Event()
+        self._connector: asyncio.Task[None] | None = None  # retries a failed first connect
+        self._poller: asyncio.Task[None] | None = None  # the receiving side in polling mode
+        self._receiving = False
+        self._polled_offset = 0  # the offset the last successful getUpdates sent (confirmed below it)
         self._typing_tasks: set[asyncio.Task[None]] = set()
         self._typing_slots = asyncio.Semaphore(TYPING_CONNECTIONS)
         self._offset = 0
@@ -367,10 +373,23 @@ class TelegramChannel:
 
     # ------------------------------------------------------------ lifecycle
 
+    @property
+    def exclusive_receiver(self) -> bool:
+        """Whether receiving must run on one gateway of a cluster at a time: Telegram
+        answers a second concurrent getUpdates with 409. Webhooks reach any gateway."""
+        return self._cfg.mode == "polling"
+
     async def start(self) -> None:
-        """Create the bot and connect (getMe, webhook setup, commands). A bad token raises
-        InvalidToken; other failures are retried in the background."""
-        if self._task is not None:
+        """Both sides at once (one gateway alone, and the tests): `start_sending`, then
+        `start_receiving`."""
+        await self.start_sending()
+        await self.start_receiving()
+
+    async def start_sending(self) -> None:
+        """Create the bot and connect (getMe, webhook setup, commands): what replies need,
+        on every gateway. A bad token raises InvalidToken; other failures are retried in
+        the background."""
+        if self._started:
             return
         if self._cfg.mode == "webhook" and usable_webhook_secret(self._cfg) is None:
             raise ValueError(NO_WEBHOOK_SECRET)  # a config problem: retrying cannot fix it
@@ -386,47 +405,74 @@ class TelegramChannel:
             ),
         )
         self._stopping = False
-        connected = False
         try:
             await self._connect()
-            connected = True
         except InvalidToken:
             await self._close_bot()
             raise
         except Exception as exc:
             log.warning("telegram: cannot connect yet (%s); retrying in the background", exc)
-        self._task = asyncio.create_task(self._run(connected), name="telegram-channel")
+            self._connector = asyncio.create_task(self._keep_connecting(), name="telegram-connect")
+        self._started = True
+
+    async def start_receiving(self) -> None:
+        """Begin long polling (polling mode; webhooks need nothing). It waits for the
+        connection when that is still being retried."""
+        if not self._started or self._stopping or self._poller is not None or self._cfg.mode != "polling":
+            return
+        self._receiving = True
+        self._poller = asyncio.create_task(self._receive(), name="telegram-poll")
+
+    async def stop_receiving(self, *, lost: bool = False) -> None:
+        """Stop polling: an update being handled finishes (bounded), an idle long poll is
+        cancelled. What the router recorded is confirmed to Telegram so nobody is handed
+        it again, unless the lead was `lost` (another gateway may poll already: a second
+        getUpdates would cut its long poll); the new poller then re-reads what is
+        unconfirmed and the dedup ledger drops what was already taken."""
+        self._receiving = False
+        task, self._poller = self._poller, None
+        if task is None:
+            return
+        if not self._in_handler:
+            task.cancel()  # idle in a long poll: nothing to lose
+        done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+        if not done:
+            task.cancel()
+            await asyncio.wait({task}, timeout=1)
+        if not lost and self._offset > self._polled_offset and self._bot is not None:
+            # Confirm what the router already recorded, so a restart is not redelivered it.
+            try:
+                await asyncio.wait_for(self._bot.fetch_raw_updates(offset=self._offset, wait_s=0), 2)
+                self._polled_offset = self._offset
+            except Exception as exc:
+                log.debug("telegram: final offset confirmation failed: %s", exc)
+        self._last_poll_ok = None
 
     async def stop(self) -> None:
         self._stopping = True
-        task, self._task = self._task, None
         background = self._typing_tasks | self._stream_tasks
         for side_task in background:
             side_task.cancel()  # shutting down: the bot's connections close right after
         if background:
             await asyncio.wait(background, timeout=1)
-        if task is not None:
-            if not self._in_handler:
-                task.cancel()  # idle in a long poll: nothing to lose
-            done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
-            if not done:
-                task.cancel()
-                await asyncio.wait({task}, timeout=1)
-        if task is not None and self._cfg.mode == "polling" and self._offset and self._bot is not None:
-            # Confirm what the router already recorded, so a restart is not redelivered it.
-            try:
-                await asyncio.wait_for(self._bot.fetch_raw_updates(offset=self._offset, wait_s=0), 2)
-            except Exception as exc:
-                log.debug("telegram: final offset confirmation failed: %s", exc)
+        await self.stop_receiving()
+        connector, self._connector = self._connector, None
+        if connector is not None:
+            connector.cancel()
+            await asyncio.wait({connector}, timeout=1)
+        self._started = False
+        self._connected.clear()
         await self._close_bot()
         self._last_poll_ok = None
         self._webhook_ok = False
 
     def is_ready(self) -> bool:
-        if self._task is None or self._stopping or self._me is None:
+        if not self._started or self._stopping or self._me is None:
             return False
         if self._cfg.mode == "webhook":
             return self._webhook_ok
+        if self._poller is None:
+            return True  # standby: another gateway of the cluster polls; replies go out from here
         if self._last_poll_ok is None:
             return False
         return time.monotonic() - self._last_poll_ok <= 2 * self._cfg.poll_timeout_s + READY_SLACK_S
@@ -475,6 +521,7 @@ class TelegramChannel:
             )
             self._webhook_ok = True
         await self._sync_commands(bot)
+        self._connected.set()
         log.info("telegram: connected as @%s (%s mode)", self._me.username, self._cfg.mode)
 
     async def _sync_commands(self, bot: Bot) -> None:
@@ -490,42 +537,59 @@ class TelegramChannel:
         except TelegramError as exc:
             log.warning("telegram: cannot update the command list: %s", exc)
 
-    async def _run(self, connected: bool) -> None:
+    async def _keep_connecting(self) -> None:
         backoff = 1.0
-        while not connected and not self._stopping:
+        while not self._stopping:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 60.0)
             try:
                 await self._connect()
-                connected = True
+                return
             except Exception as exc:
                 log.warning("telegram: connect failed (%s); retrying in %.0f s", exc, backoff)
-        if self._cfg.mode == "polling":
-            await self._poll_forever()
+
+    async def _receive(self) -> None:
+        await self._connected.wait()  # the sending side connects (and retries) on its own
+        await self._poll_forever()
 
     # ------------------------------------------------------------ polling
 
     async def _poll_forever(self) -> None:
         bot = self._require_bot()
         backoff = 1.0
-        while not self._stopping:
+        conflicted = False  # logged once per run of 409s, not at every retry
+        while self._receiving:
+            offset = self._offset
             try:
-                batch = await bot.fetch_raw_updates(offset=self._offset, wait_s=self._cfg.poll_timeout_s)
+                batch = await bot.fetch_raw_updates(offset=offset, wait_s=self._cfg.poll_timeout_s)
             except asyncio.CancelledError:
                 raise
             except RetryAfter as exc:
                 await asyncio.sleep(_retry_seconds(exc))
                 continue
-            except Exception as exc:  # network down, 5xx, 409 conflict, revoked token …
+            except Conflict as exc:
+                # Another getUpdates for this bot: briefly during a hand-over between
+                # gateways, or a second deployment with the same token.
+                if not conflicted:
+                    log.warning("telegram: another poller is using this bot (%s); backing off", exc)
+                    conflicted = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            except Exception as exc:  # network down, 5xx, revoked token …
                 log.warning("telegram: getUpdates failed (%s); retrying in %.0f s", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
             self._last_poll_ok = time.monotonic()
+            self._polled_offset = max(self._polled_offset, offset)
+            if conflicted:
+                log.info("telegram: polling again without conflict")
+                conflicted = False
             backoff = 1.0
             start_offset, retry = self._offset, False
             for raw in batch:
-                if self._stopping:
+                if not self._receiving:
                     return
                 if not await self._consume(raw):
                     retry = True  # fetched again after the pause below

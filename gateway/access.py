@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.config import Config
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.types import Inbound
 
 log = logging.getLogger("gateway.access")
@@ -86,7 +86,7 @@ def new_code() -> str:
 
 
 class Pairing:
-    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: StoreBackend, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock  # wall-clock seconds; tests move it
 

@@ -30,7 +30,7 @@ from gateway.cron import zone
 from gateway.http import JsonBodyError, parse_json_body
 from gateway.logs import REDACTOR, Redactor
 from gateway.same_site import foreign_host, foreign_origin, server_names
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.admin")
 
@@ -161,9 +161,10 @@ def _ok(body: dict[str, Any]) -> web.Response:
 
 
 class AdminApi:
-    def __init__(self, *, config: Callable[[], Config], store: Store, pairing: Pairing, ready: ReadyCheck,
+    def __init__(self, *, config: Callable[[], Config], store: StoreBackend, pairing: Pairing, ready: ReadyCheck,
                  next_runs: Callable[[], dict[str, datetime | None]],
-                 tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str) -> None:
+                 tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str,
+                 receiving: Callable[[], dict[str, str]] | None = None) -> None:
         self.config = config
         self.store = store
         self.pairing = pairing
@@ -172,6 +173,8 @@ class AdminApi:
         self.tool_sources = tool_sources
         self.errors = errors
         self.http_host = http_host
+        # Channels received on one gateway of a cluster at a time: "leads" or "standby: …".
+        self.receiving = receiving or dict
         self._files: dict[str, tuple[bytes, str]] = {}  # static file → (bytes, etag)
 
     def routes(self) -> list[web.RouteDef]:
@@ -335,9 +338,12 @@ class AdminApi:
         except Exception as err:  # shown, like /readyz, never a failed page
             checks = {"readiness": f"readiness check failed: {type(err).__name__}: {err}"[:300]}
         channels, others = [], []
+        roles = self.receiving()
         for name, problem in checks.items():
             kind, _, label = name.partition(":")
             item = {"name": label or kind, "ok": problem is None, "detail": problem}
+            if kind == "channel" and label in roles:
+                item["role"] = roles[label]
             (channels if kind == "channel" else others).append(item)
         return _ok({"channels": channels, "checks": others, "tool_sources": self.tool_sources(),
                     "now": time.time()})

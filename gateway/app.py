@@ -19,7 +19,7 @@ from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
 from gateway.agent import Agent
-from gateway.cluster import open_leases
+from gateway.cluster import Leadership, open_leases
 from gateway.cluster_sessions import ClusterSessionManager
 from gateway.commands import BOT_COMMANDS, Commands
 from gateway.config import (
@@ -116,6 +116,8 @@ class Gateway:
         # `run` and `chat` follow edits of config.json (SPEC §2 hot reload); tests opt in.
         self.watch_config = watch_config and config_path is not None
         self.channels: dict[str, Any] = {}
+        # Channels whose receiving side runs on one gateway of a cluster at a time.
+        self.leaderships: dict[str, Leadership] = {}
         self.http: HttpServer | None = None
         self.services: Services | None = None
         self.scheduler: Any = None
@@ -168,6 +170,7 @@ class Gateway:
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         metrics = Metrics()
         metrics.watch_store(store.write_stats)
+        metrics.leases_held.set_function(leases.held)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
@@ -185,7 +188,8 @@ class Gateway:
         if leases.shared:
             self.sessions = ClusterSessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                                   stream=self.stream, send_files=self.send_files,
-                                                  keys=lambda inbound: self.router.keys(inbound))
+                                                  keys=lambda inbound: self.router.keys(inbound),
+                                                  can_deliver=lambda channel: channel in self.channels)
         else:
             self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                            stream=self.stream, send_files=self.send_files)
@@ -283,7 +287,7 @@ class Gateway:
         return AdminApi(config=lambda: self.cfg, store=services.store, pairing=self.pairing, ready=self.ready,
                         next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
                         tool_sources=self.tool_sources_state, errors=self.recent_errors,
-                        http_host=self.cfg.http.host)
+                        http_host=self.cfg.http.host, receiving=self.leader_roles)
 
     def tool_sources_state(self) -> list[ToolSourceState]:
         """Each tool source's state (MCP servers and the like) for the admin page."""
@@ -307,7 +311,7 @@ class Gateway:
         self.scheduler = Scheduler(
             s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s),
             live_references=self.live_tool_results,
-            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(),
+            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(), leases=s.leases,
         )
         await self.scheduler.start()
 
@@ -391,10 +395,48 @@ class Gateway:
 
     async def _start_channel(self, name: str, channel: Any) -> None:
         try:
-            await asyncio.wait_for(channel.start(), timeout=60)
+            if getattr(channel, "exclusive_receiver", False) and self.services is not None:
+                # Replies may go out from any gateway; receiving runs where the lead is.
+                await asyncio.wait_for(channel.start_sending(), timeout=60)
+                await self._lead(name, channel)
+            else:
+                await asyncio.wait_for(channel.start(), timeout=60)
         except Exception as err:
             # One broken channel must not take the others down; /readyz shows it.
             log.error("channel failed to start", extra={"channel": name, "error": str(err)[:300]})
+
+    async def _lead(self, name: str, channel: Any) -> None:
+        """Receive for `name` (Telegram polling, Slack Socket Mode) on one gateway of the
+        cluster at a time (SPEC §10); a gateway alone leads at once."""
+        assert self.services is not None
+        leases, gauge = self.services.leases, self.services.metrics.leader.labels(name)
+
+        async def start() -> None:
+            await asyncio.wait_for(channel.start_receiving(), timeout=60)
+            gauge.set(1)
+
+        async def stop() -> None:
+            gauge.set(0)
+            # Still held: a shutdown or restart hands over cleanly. Lost: another gateway
+            # may receive already.
+            await channel.stop_receiving(lost=not leases.holds(leadership.name))
+
+        leadership = Leadership(leases, name, start=start, stop=stop)
+        gauge.set(0)
+        self.leaderships[name] = leadership
+        await leadership.begin()
+
+    async def _stop_channel(self, name: str, channel: Any) -> None:
+        """Let go of the lead first (another gateway takes over at once), then stop."""
+        leadership = self.leaderships.pop(name, None)
+        if leadership is not None:
+            await leadership.end()
+        await channel.stop()
+
+    def leader_roles(self) -> dict[str, str]:
+        """For each channel received on one gateway at a time: whether this one does."""
+        return {name: "leads" if lead.leading else "standby: another gateway receives"
+                for name, lead in self.leaderships.items()}
 
     async def _apply_config_later(self) -> None:
         # Not inline: the change may come from a command inside a channel's own handler,
@@ -448,7 +490,7 @@ class Gateway:
                 continue
             log.info("restarting channel after a config change", extra={"channel": name})
             if current is not None:
-                await current.stop()
+                await self._stop_channel(name, current)
                 del self.channels[name]
             replacement = self._make_channel(name, cfg)
             if replacement is not None:
@@ -496,15 +538,23 @@ class Gateway:
     def ready_details(self) -> dict[str, Any]:
         """What /readyz shows besides its checks: MCP servers' states, which never make the
         gateway unready (a server that is down only removes its tools)."""
-        if self.mcp is None:
-            return {}
-        return {"mcp": {status.name: status.as_json() for status in self.mcp.statuses()}}
+        details: dict[str, Any] = {}
+        if self.services is not None and self.services.leases.shared:
+            leases = self.services.leases
+            details["cluster"] = {"instance": leases.instance, "leases": leases.held()}
+        if self.leaderships:
+            details["receiving"] = self.leader_roles()  # standby is never "not ready"
+        if self.mcp is not None:
+            details["mcp"] = {status.name: status.as_json() for status in self.mcp.statuses()}
+        return details
 
     async def ready(self) -> dict[str, str | None]:
         """Each check's problem (None when fine), for /readyz."""
         checks: dict[str, str | None] = {}
         if self.services is not None:
             checks["database"] = await self.services.store.write_problem()
+            if self.services.leases.shared:
+                checks["cluster"] = self.services.leases.problem()
         for name, channel in list(self.channels.items()):
             try:
                 ok = bool(channel.is_ready())
@@ -554,7 +604,7 @@ class Gateway:
             log.warning("turns cut by the shutdown; they resume at the next start", extra={"count": len(cut)})
         for name, channel in list(self.channels.items()):
             try:
-                await asyncio.wait_for(channel.stop(), timeout=10)
+                await asyncio.wait_for(self._stop_channel(name, channel), timeout=10)
             except Exception as err:
                 log.warning("channel did not stop cleanly", extra={"channel": name, "error": str(err)[:200]})
         if self.scheduler is not None:

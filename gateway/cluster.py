@@ -27,6 +27,9 @@ import asyncpg
 log = logging.getLogger("gateway.cluster")
 
 LEASE_TTL_S = 6.0  # a dead gateway's sessions and polling move on within this
+# Overrides LEASE_TTL_S for every gateway of a cluster (tests, operators who want a faster
+# fail-over and can renew that often): seconds, 0.5 to 300. All gateways must agree.
+LEASE_TTL_ENV = "GATEWAY_LEASE_TTL_S"
 RENEW_TIMEOUT_S = 2.0
 
 
@@ -52,6 +55,8 @@ class Leases(Protocol):
     async def release(self, name: str) -> None: ...
     def lost(self, name: str) -> asyncio.Event: ...
     def holds(self, name: str) -> bool: ...
+    def held(self) -> int: ...
+    def problem(self) -> str | None: ...
     async def alive_instances(self) -> set[str]: ...
 
 
@@ -82,6 +87,12 @@ class SoloLeases:
 
     def holds(self, name: str) -> bool:
         return name in self._lost
+
+    def held(self) -> int:
+        return len(self._lost)
+
+    def problem(self) -> str | None:
+        return None
 
     async def alive_instances(self) -> set[str]:
         return {self.instance}
@@ -162,6 +173,18 @@ class ClusterLeases:
 
     def holds(self, name: str) -> bool:
         return name in self._held
+
+    def held(self) -> int:
+        return len(self._held)
+
+    def problem(self) -> str | None:
+        """Why this gateway may no longer hold its leases (for /readyz), or None."""
+        if self._renewer is None:
+            return "cluster: not joined"
+        late = time.monotonic() - self._renewed_at
+        if late > self.ttl_s:
+            return f"cluster: leases not renewed for {late:.0f} s; other gateways run this one's sessions"
+        return None
 
     async def alive_instances(self) -> set[str]:
         holders = await self.store.lease_holders("instance:")

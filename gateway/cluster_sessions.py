@@ -64,10 +64,12 @@ LeftoverCommand = Callable[[Inbound], Awaitable[None]]
 class ClusterSessionManager(SessionManager):
     """SessionManager whose queue is the shared database and whose turns run under a lease."""
 
-    def __init__(self, *args: Any, keys: Keys, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keys: Keys, can_deliver: Callable[[str], bool] = lambda _channel: True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.leases = self.s.leases
         self.keys = keys
+        self.can_deliver = can_deliver  # `gateway chat` runs the terminal only
         self.on_leftover_command: LeftoverCommand | None = None
         self._workers: dict[str, asyncio.Task[Any]] = {}
         self._commands: dict[str, list[CommandJob]] = {}
@@ -126,6 +128,8 @@ class ClusterSessionManager(SessionManager):
                     if key in self._wake_again:
                         continue
                     return
+                if not mine and not await self._may_run(events[0]):
+                    return  # the next turn is for another gateway to run
                 token = await self.leases.acquire(name)
                 if token is None:
                     if not mine:
@@ -169,6 +173,7 @@ class ClusterSessionManager(SessionManager):
         FENCE.set((key, token))
         lost = self.leases.lost(name)
         ran = False
+        tried: set[tuple[str, str]] = set()
         while not self._stopping:
             events = await self.s.store.session_events(key)
             if not events:
@@ -185,6 +190,13 @@ class ClusterSessionManager(SessionManager):
                 continue
             if not await self._may_run(ev):
                 return ran
+            if (ev.channel, ev.event_id) in tried:
+                # It ran and its turn did not end (a crash or a storage error, already told
+                # to the person): do not run it again and again; a restart would not either.
+                log.error("turn did not end; marked failed", extra={"session": key, "event": ev.event_id})
+                await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
+                continue
+            tried.add((ev.channel, ev.event_id))
             job = await self._job_for(ev)
             if job is None:
                 ran = True
@@ -232,6 +244,8 @@ class ClusterSessionManager(SessionManager):
                 _log_turn(live, started, outcome)
 
     async def _may_run(self, ev: QueuedEvent) -> bool:
+        if not self.can_deliver(ev.channel):
+            return False  # a gateway running that channel answers it
         if ev.channel not in LOCAL_CHANNELS or ev.instance == self.leases.instance:
             return True
         # Another gateway's web/terminal message: its request waits there, unless that
@@ -253,6 +267,8 @@ class ClusterSessionManager(SessionManager):
             log.warning("unreadable waiting event", extra={"event": ev.event_id})
             await store.mark_event(ev.channel, ev.event_id, "failed")
             return None
+        if ev.instance not in (None, self.leases.instance) and ev.instance not in await self._alive_instances():
+            self.s.metrics.takeovers.inc()  # its gateway died or stalled with the turn waiting
         if ev.status == "running":
             return TurnJob(inbound, resume_turn=ev.turn)
         if ev.status == "accepted":

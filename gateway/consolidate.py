@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.memory import MEMORY_FILE, Memory, NoteFile
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.consolidate")
 
@@ -126,7 +126,7 @@ def take_within_budget(pending: Sequence[NoteDelta], budget: int) -> list[NoteDe
 
 class Consolidator:
     def __init__(
-        self, memory: Memory, store: Store, model: CompletionModel, *, concurrency: int = 2,
+        self, memory: Memory, store: StoreBackend, model: CompletionModel, *, concurrency: int = 2,
         target_tokens: int = 4000, timeout_s: float = 300, max_input_chars: int = MAX_INPUT_CHARS,
     ) -> None:
         self._memory = memory

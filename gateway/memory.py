@@ -20,7 +20,8 @@ import re
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, tzinfo
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 
 from gateway.config import atomic_write_text
 from gateway.keys import scope_dirname, workspace_dir
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
 
 log = logging.getLogger("gateway.memory")
@@ -256,7 +257,7 @@ class Memory:
     """Per-scope workspaces, their memory files and their full-text index."""
 
     def __init__(
-        self, data_dir: Path, *, tz: tzinfo, store: Store, clock: Callable[[], datetime] | None = None
+        self, data_dir: Path, *, tz: tzinfo, store: StoreBackend, clock: Callable[[], datetime] | None = None
     ) -> None:
         self._data_dir = data_dir
         self._tz = tz
@@ -289,13 +290,17 @@ class Memory:
     def today(self) -> str:
         return self.now().strftime("%Y-%m-%d")
 
-    def lock(self, scope: str) -> asyncio.Lock:
-        """The lock that serializes writes to one scope's memory."""
+    @asynccontextmanager
+    async def lock(self, scope: str) -> AsyncIterator[None]:
+        """Serializes writes to one scope's memory: in this process, and across gateways
+        sharing the data dir when the store offers a lock of its own (PostgreSQL)."""
         lock = self._locks.get(scope)
         if lock is None:
             lock = asyncio.Lock()
             self._locks[scope] = lock
-        return lock
+        shared = getattr(self._store, "scope_lock", None)
+        async with lock, (shared(scope) if shared is not None else nullcontext()):
+            yield
 
     def workspace(self, scope: str) -> Path:
         root = workspace_dir(self._data_dir, scope)

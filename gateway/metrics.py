@@ -47,8 +47,15 @@ class Metrics:
         )
         self.mcp_server_up = Gauge("gateway_mcp_server_up", "MCP server connected (1) or not (0)", ["server"],
                                    registry=r)
+        self.leader = Gauge("gateway_leader", "This gateway receives for the role (1) or another gateway of "
+                            "the cluster does (0): Telegram polling, Slack Socket Mode", ["role"], registry=r)
         self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
                                     "(each is retried with backoff)", ["server"], registry=r)
+
+        self.leases_held = Gauge("gateway_leases_held", "Leases this gateway holds on the shared database "
+                                 "(sessions running here, polling, its own liveness)", registry=r)
+        self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
+                                 "and this one ran after that gateway died or stalled", registry=r)
 
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiosqlite
 
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.tasks import TaskStore
 
 log = logging.getLogger("gateway.purge")
@@ -58,7 +58,7 @@ class PurgeReport:
 
 
 async def purge(
-    store: Store, data_dir: Path, *, now: float, session_retention_days: int, tool_result_ttl_days: int,
+    store: StoreBackend, data_dir: Path, *, now: float, session_retention_days: int, tool_result_ttl_days: int,
     live_references: Callable[[], set[Path]], batch: int = ROW_BATCH,
 ) -> PurgeReport:
     started = time.monotonic()
@@ -82,7 +82,7 @@ async def purge(
                        sent)
 
 
-async def _checkpoint(store: Store, attempts: int = 5) -> None:
+async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
     """Truncate the WAL; a chat's write caught between its statement and its commit makes
     the checkpoint fail ("table is locked"), so try again a moment later."""
     for attempt in range(1, attempts + 1):
@@ -96,7 +96,7 @@ async def _checkpoint(store: Store, attempts: int = 5) -> None:
             await asyncio.sleep(0.01 * attempt)
 
 
-async def _purge_sessions(store: Store, *, before: float, batch: int) -> tuple[int, int, int]:
+async def _purge_sessions(store: StoreBackend, *, before: float, batch: int) -> tuple[int, int, int]:
     sessions = messages = summaries = 0
     while keys := await store.expired_session_keys(before, limit=SESSION_BATCH):
         while (n := await store.delete_session_messages(keys, before=before, limit=batch)) > 0:
@@ -112,7 +112,7 @@ async def _purge_sessions(store: Store, *, before: float, batch: int) -> tuple[i
     return sessions, messages, summaries
 
 
-async def _purge_old_messages(store: Store, *, before: float, batch: int) -> int:
+async def _purge_old_messages(store: StoreBackend, *, before: float, batch: int) -> int:
     """Messages past retention in sessions that are still active (SPEC §4.5 purges both).
     Only the old front of the table is walked: ids below the first newer message."""
     newest_kept = await store.first_message_id_since(before)

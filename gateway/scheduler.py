@@ -5,6 +5,11 @@ handed to a task we own. Every run is recorded in `job_runs` under its slot (the
 scheduled fire time, ISO), claimed before it starts, so a restart neither repeats a slot
 nor skips one: at start, the most recent consolidation slot is caught up once when it has
 no run, or when its run never finished (the process died during it).
+
+Several gateways on one database (SPEC §10) all schedule both jobs; the claim in
+`job_runs` lets one of them run each slot. A consolidation runs under the lease
+`job:<job>:<slot>` as well, so a run that has not finished is taken over at start only
+when no live gateway holds it (its gateway died), and by one gateway.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from typing import Any
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from gateway.background import Background
+from gateway.cluster import Leases, SoloLeases
 from gateway.config import Config
 from gateway.consolidate import CompletionModel, Consolidator
 from gateway.cron import cron_trigger, last_fire_time, zone
 from gateway.memory import Memory
 from gateway.purge import PurgeReport, purge
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 log = logging.getLogger("gateway.scheduler")
 
@@ -68,11 +74,12 @@ def slot_words(slot: str) -> str:
 
 class Scheduler:
     def __init__(
-        self, cfg: Config, *, store: Store, memory: Memory, model: CompletionModel,
+        self, cfg: Config, *, store: StoreBackend, memory: Memory, model: CompletionModel,
         live_references: Callable[[], set[Path]], clock: Callable[[], datetime] | None = None,
-        metrics: Callable[[str, str], None] | None = None,
+        metrics: Callable[[str, str], None] | None = None, leases: Leases | None = None,
     ) -> None:
         self._cfg = cfg
+        self._leases: Leases = leases if leases is not None else SoloLeases()
         self._store = store
         self._memory = memory
         self._live_references = live_references
@@ -155,10 +162,7 @@ class Scheduler:
         slot = fire.isoformat()
         run = await self._store.job_run(JOB_CONSOLIDATION, slot)
         if run is not None and run.ended_at is None and slot not in self._claimed:
-            log.info("consolidation of %s never finished (restart during the run); running it again",
-                     slot_words(slot))
-            await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
-            await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
+            await self._guard(self.run_consolidation(slot, unfinished=True), JOB_CONSOLIDATION)
         elif run is None and await self._ran_before(fire):
             log.info("catching up the missed consolidation of %s", slot_words(slot))
             await self._guard(self.run_consolidation(slot), JOB_CONSOLIDATION)
@@ -195,32 +199,51 @@ class Scheduler:
 
     # -- the jobs --------------------------------------------------------------------------
 
-    async def run_consolidation(self, slot: str | None = None) -> dict[str, str]:
-        """Consolidate every scope once for `slot`; {} when that slot already ran."""
+    async def run_consolidation(self, slot: str | None = None, *, unfinished: bool = False) -> dict[str, str]:
+        """Consolidate every scope once for `slot`; {} when that slot already ran (or runs
+        on another gateway). With `unfinished`, a run of the slot that never finished is
+        run again, unless a live gateway is still running it."""
         slot = slot or f"manual:{self._now().isoformat()}"
+        lease = f"job:{JOB_CONSOLIDATION}:{slot}"
         async with self._consolidating:
-            if not await self._store.start_job_run(JOB_CONSOLIDATION, slot):
-                log.info("consolidation of %s already ran; skipped", slot_words(slot))
+            if await self._leases.acquire(lease) is None:
+                log.info("consolidation of %s runs on another gateway; skipped", slot_words(slot))
                 return {}
-            self._claimed.add(slot)
             try:
-                outcomes = await self._consolidator.run()
-            except asyncio.CancelledError:
-                # Stopped mid-run (shutdown): release the slot so the next start catches it up.
+                return await self._consolidate(slot, unfinished=unfinished)
+            finally:
+                await self._leases.release(lease)
+
+    async def _consolidate(self, slot: str, *, unfinished: bool) -> dict[str, str]:
+        if unfinished:
+            # Read again under the lease: another gateway may have finished it meanwhile.
+            run = await self._store.job_run(JOB_CONSOLIDATION, slot)
+            if run is not None and run.ended_at is None:
+                log.info("consolidation of %s never finished (its gateway stopped during the run); "
+                         "running it again", slot_words(slot))
                 await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
-                raise
-            except Exception as err:
-                await self._store.finish_job_run(JOB_CONSOLIDATION, slot, "error", repr(err)[:500])
-                self._metric(JOB_CONSOLIDATION, "error")
-                raise
-            failed = sorted(s for s, o in outcomes.items() if not o.startswith(("merged", "no new")))
-            outcome = "partial" if failed else "ok"
-            detail = json.dumps(outcomes, ensure_ascii=False)[:4000]
-            await self._store.finish_job_run(JOB_CONSOLIDATION, slot, outcome, detail)
-            self._metric(JOB_CONSOLIDATION, outcome)
-            log.info("consolidation of %s: %s (%d scopes, %d to retry)",
-                     slot_words(slot), outcome, len(outcomes), len(failed))
-            return outcomes
+        if not await self._store.start_job_run(JOB_CONSOLIDATION, slot):
+            log.info("consolidation of %s already ran; skipped", slot_words(slot))
+            return {}
+        self._claimed.add(slot)
+        try:
+            outcomes = await self._consolidator.run()
+        except asyncio.CancelledError:
+            # Stopped mid-run (shutdown): release the slot so the next start catches it up.
+            await self._store.forget_job_run(JOB_CONSOLIDATION, slot)
+            raise
+        except Exception as err:
+            await self._store.finish_job_run(JOB_CONSOLIDATION, slot, "error", repr(err)[:500])
+            self._metric(JOB_CONSOLIDATION, "error")
+            raise
+        failed = sorted(s for s, o in outcomes.items() if not o.startswith(("merged", "no new")))
+        outcome = "partial" if failed else "ok"
+        detail = json.dumps(outcomes, ensure_ascii=False)[:4000]
+        await self._store.finish_job_run(JOB_CONSOLIDATION, slot, outcome, detail)
+        self._metric(JOB_CONSOLIDATION, outcome)
+        log.info("consolidation of %s: %s (%d scopes, %d to retry)",
+                 slot_words(slot), outcome, len(outcomes), len(failed))
+        return outcomes
 
     async def run_purge(self, slot: str | None = None) -> PurgeReport:
         slot = slot or f"manual:{self._now().isoformat()}"

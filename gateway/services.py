@@ -11,7 +11,7 @@ from gateway.cluster import Leases, SoloLeases
 from gateway.config import Config
 from gateway.metrics import Metrics
 from gateway.slots import ModelSlots
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.tools.registry import ToolRegistry
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class ConfigHolder:
 class Services:
     config: ConfigHolder
     data_dir: Path
-    store: Store
+    store: StoreBackend
     metrics: Metrics
     counter: TokenCounter
     tools: ToolRegistry

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -34,6 +35,30 @@ log = logging.getLogger("gateway.store")
 
 CHECKPOINT_INTERVAL_S = 0.2
 WRITES = ("INSERT", "UPDATE", "DELETE", "REPLAC")  # how a statement that changes rows starts
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable_text(text: str, *, nul: bool) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate (from a JSON escape in a model's or
+    an MCP server's answer) becomes U+FFFD, and with `nul` so does NUL (PostgreSQL's TEXT
+    cannot hold it; SQLite's can)."""
+    if nul and "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        text = _LONE_SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def storable_args(args: Iterable[Any], *, nul: bool) -> tuple[Any, ...]:
+    """Statement arguments with every text (also inside a list argument) storable."""
+    out: list[Any] = []
+    for value in args:
+        if isinstance(value, str):
+            value = storable_text(value, nul=nul)
+        elif isinstance(value, list):
+            value = [storable_text(v, nul=nul) if isinstance(v, str) else v for v in value]
+        out.append(value)
+    return tuple(out)
 
 
 class StoreError(Exception):
@@ -337,7 +362,12 @@ class Store:
         thread uses the connection ("bad parameter or other API misuse")."""
         self._statements += 1
         try:
-            rows = list(await self._db.execute_fetchall(sql, args))
+            try:
+                rows = list(await self._db.execute_fetchall(sql, args))
+            except UnicodeEncodeError:
+                # A lone surrogate cannot be bound as UTF-8: store U+FFFD in its place
+                # (rare, so only this path pays for the scan).
+                rows = list(await self._db.execute_fetchall(sql, storable_args(args, nul=False)))
         except sqlite3.Error as err:
             self._wrote(sql, err)
             raise

@@ -13,6 +13,7 @@ text works); without the extension the same ILIKE queries run unindexed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -21,7 +22,8 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from gateway.store import (
     _row_to_message,
     _truncation_to_json,
     like_pattern,
+    storable_args,
 )
 from gateway.types import Message
 
@@ -51,6 +54,8 @@ log = logging.getLogger("gateway.store")
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_S = 30
 POOL_MAX = 10
+LOCK_POOL_MAX = 4
+SCOPE_LOCK_TIMEOUT_S = 60  # a memory write waits this long for another gateway's
 WRITES = ("INSERT", "UPDATE", "DELETE")
 QUEUED = ("accepted", "queued", "running")  # an event whose turn is not over yet
 
@@ -345,6 +350,7 @@ class PgStore:
         self._pool = pool
         self.url = url
         self.instance = instance
+        self._lock_pool: asyncpg.Pool | None = None  # for scope_lock, made on first use
         self.path: Path | None = None  # no file: a server
         self.write_failure: str | None = None
         self.trigram = False  # whether pg_trgm indexes back memory_search
@@ -445,7 +451,29 @@ class PgStore:
     forget_job_run = Store.forget_job_run
     usage_since = Store.usage_since
 
+    @asynccontextmanager
+    async def scope_lock(self, scope: str) -> AsyncIterator[None]:
+        """One writer of a scope's memory files at a time across gateways: an advisory lock,
+        on a connection from a small pool of its own (a holder that writes the search index
+        meanwhile never waits for a connection held by another holder). A gateway that dies
+        holding it loses its connection, and the lock with it."""
+        if self._lock_pool is None:
+            self._lock_pool = await asyncpg.create_pool(
+                self.url, min_size=0, max_size=LOCK_POOL_MAX, timeout=CONNECT_TIMEOUT_S,
+                command_timeout=STATEMENT_TIMEOUT_S, server_settings={"application_name": self.instance},
+            )
+        async with self._lock_pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
+            async with asyncio.timeout(SCOPE_LOCK_TIMEOUT_S):
+                await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 7313))", scope)
+            try:
+                yield
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtextextended($1, 7313))", scope)
+
     async def close(self) -> None:
+        if self._lock_pool is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lock_pool.close(), timeout=5)
         done: list[str] = []
         for name, batched in self._grouped():
             await batched.close()
@@ -462,7 +490,8 @@ class PgStore:
         """One statement on a pooled connection (its own transaction)."""
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                rows = await conn.fetch(to_postgres(sql), *args)
+                # Text from tools, files and models may hold NUL, which TEXT cannot.
+                rows = await conn.fetch(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise
@@ -683,7 +712,7 @@ class PgStore:
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-                status = await conn.execute(to_postgres(sql), *args)
+                status = await conn.execute(to_postgres(sql), *storable_args(args, nul=True))
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             self._wrote(sql, err)
             raise

@@ -8,12 +8,17 @@ its stored next run, so a run missed while the gateway was down is caught up onc
 otherwise.
 
 A firing claims its slot (the scheduled fire time) in `task_runs`, so a slot runs once,
-also across restarts. The run becomes a turn in the session that created the task, queued
-in the same FIFO as people's messages: an inbound rebuilt from the creating message's
-routing data, whose text is the task's prompt marked as the gateway's, stored as a user
-message with origin "task" (it starts a turn, but no person wrote it), under an event of
-its own (`task:<id>:<slot>`), so a turn cut by a crash is resumed like any other. The
-reply goes where the creating message was answered: the same chat, topic or thread.
+also across restarts. Several gateways on one database (SPEC §10) each schedule every
+active task, and sync their jobs with the table every SYNC_INTERVAL_S: a task made on
+another gateway is picked up, one ended there is dropped, and whichever gateway claims a
+slot first runs it, so a task goes on when the gateway that made it dies.
+
+The run becomes a turn in the session that created the task, queued in the same FIFO as
+people's messages: an inbound rebuilt from the creating message's routing data, whose
+text is the task's prompt marked as the gateway's, stored as a user message with origin
+"task" (it starts a turn, but no person wrote it), under an event of its own
+(`task:<id>:<slot>`), so a turn cut by a crash is resumed like any other. The reply goes
+where the creating message was answered: the same chat, topic or thread.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from gateway.config import Config
 from gateway.cron import cron_trigger, last_fire_time, zone
 from gateway.services import Services
 from gateway.sessions import SessionManager, TurnJob
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 from gateway.types import Inbound, inbound_to_dict
 
 log = logging.getLogger("gateway.tasks")
@@ -60,6 +65,9 @@ PREVIEW_CHARS = 60
 # A session whose queue is full: try again a few times before the run is recorded "busy".
 BUSY_RETRIES = 6
 BUSY_RETRY_S = 10.0
+SYNC_INTERVAL_S = 12.0  # shared database: how often the jobs follow tasks made or ended elsewhere
+SYNC_TIMEOUT_S = 30.0
+SAME_RUN_S = 1.0  # a job and its row disagree on the next run by more than this: follow the row
 # Routing data a task must not keep: a slash command's reply path is single-use.
 _DROPPED_EXTRA = frozenset({"command", "response_url"})
 
@@ -341,7 +349,7 @@ def _task(row: Any) -> Task:
 class TaskStore:
     """The `tasks` and `task_runs` tables; one statement per call."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreBackend) -> None:
         self.store = store
 
     async def insert(self, task: Task, *, limit: int) -> Literal["ok", "full", "taken"]:
@@ -393,7 +401,8 @@ class TaskStore:
     async def claim_run(self, task_id: str, slot: str, *, outcome: str = "running") -> bool:
         """Claim a slot; False when it ran (or was recorded) already."""
         rows = await self.store.run(
-            "INSERT OR IGNORE INTO task_runs(task_id, slot, started_at, outcome) VALUES (?,?,?,?) RETURNING 1",
+            "INSERT INTO task_runs(task_id, slot, started_at, outcome) VALUES (?,?,?,?) "
+            "ON CONFLICT DO NOTHING RETURNING 1",
             (task_id, slot, time.time(), outcome))
         return bool(rows)
 
@@ -436,7 +445,8 @@ class TaskScheduler:
     """Owns the task jobs of one gateway: creates, lists, cancels and runs tasks."""
 
     def __init__(self, services: Services, sessions: SessionManager, *, admits: Admits,
-                 can_deliver: Callable[[str], bool], clock: Callable[[], datetime] | None = None) -> None:
+                 can_deliver: Callable[[str], bool], clock: Callable[[], datetime] | None = None,
+                 sync_s: float | None = None) -> None:
         self.s = services
         self.sessions = sessions
         self.db = TaskStore(services.store)
@@ -446,6 +456,12 @@ class TaskScheduler:
         self._aps: AsyncIOScheduler | None = None
         self._work = Background("tasks")
         self._grace = services.cfg.tasks.misfire_grace_s
+        # Only a database other gateways share can change under us; a lone gateway's jobs
+        # change only here.
+        self._sync_every = sync_s if sync_s is not None else (
+            SYNC_INTERVAL_S if getattr(services.store, "shared", False) else None)
+        self._syncer: asyncio.Task[None] | None = None
+        self._running: set[str] = set()  # tasks with a run_due in progress here
 
     # -- lifecycle
 
@@ -465,8 +481,65 @@ class TaskScheduler:
                 log.exception("task could not be scheduled", extra={"task": task.id})
         if restored:
             log.info("scheduled tasks restored", extra={"count": restored})
+        if self._sync_every is not None:
+            self._syncer = asyncio.get_running_loop().create_task(self._sync_loop(self._sync_every),
+                                                                  name="tasks:sync")
+
+    async def _sync_loop(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.wait_for(self.sync(), SYNC_TIMEOUT_S)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as err:  # the database is away for a moment: the next sync retries
+                log.warning("tasks sync failed", extra={"error": str(err)[:200]})
+
+    async def sync(self) -> tuple[int, int]:
+        """Make this gateway's jobs match the active tasks in the database: schedule the
+        ones made elsewhere, drop those ended elsewhere, follow a next run moved elsewhere.
+        (added or moved, removed)."""
+        aps = self._aps
+        if aps is None or not aps.running:
+            return 0, 0
+        # Jobs that existed before the read: one made here while it runs is not dropped
+        # for missing from a snapshot taken before its row was written.
+        before = {job.id for job in aps.get_jobs()}
+        tasks = await self.db.active()
+        if self._aps is not aps or not aps.running:
+            return 0, 0
+        now = self._now().timestamp()
+        active = {_job_id(t.id) for t in tasks}
+        changed = removed = 0
+        for task in tasks:
+            job = aps.get_job(_job_id(task.id))
+            if task.next_run is None or task.id in self._running:
+                continue  # a run here moves it on itself
+            if job is None:
+                if _job_id(task.id) in before:
+                    continue  # gone since the read: ended or fired here (a one-shot's job ends)
+            elif job.next_run_time is not None and (
+                    abs(job.next_run_time.timestamp() - task.next_run) <= SAME_RUN_S or task.next_run <= now):
+                # In step, or the row still names the slot firing now (its run advances it).
+                continue
+            try:
+                self._schedule(task)
+                changed += 1
+            except Exception:
+                log.exception("task could not be scheduled", extra={"task": task.id})
+        for job_id in before - active:
+            if aps.get_job(job_id) is not None:
+                aps.remove_job(job_id)
+                removed += 1
+        if changed or removed:
+            log.info("tasks synced with the database", extra={"scheduled": changed, "removed": removed})
+        return changed, removed
 
     async def stop(self) -> None:
+        if self._syncer is not None:
+            self._syncer.cancel()
+            await asyncio.wait({self._syncer}, timeout=5)
+            self._syncer = None
         if self._aps is not None and self._aps.running:
             self._aps.shutdown(wait=False)
             await asyncio.sleep(0)  # APScheduler shuts down in a loop callback; let it run
@@ -492,6 +565,11 @@ class TaskScheduler:
         """The misfire grace the task's job runs with now (None: no job)."""
         job = self._aps.get_job(_job_id(task_id)) if self._aps is not None else None
         return job.misfire_grace_time if job is not None else None
+
+    def job_next_run(self, task_id: str) -> datetime | None:
+        """When the task's job fires next here (None: no job)."""
+        job = self._aps.get_job(_job_id(task_id)) if self._aps is not None else None
+        return job.next_run_time if job is not None else None
 
     def _now(self) -> datetime:
         return self._clock().astimezone(UTC)
@@ -597,6 +675,13 @@ class TaskScheduler:
 
     async def run_due(self, task_id: str) -> str | None:
         """Run the task's slot that is due now, once; the run's outcome (None: nothing ran)."""
+        self._running.add(task_id)
+        try:
+            return await self._run_due(task_id)
+        finally:
+            self._running.discard(task_id)
+
+    async def _run_due(self, task_id: str) -> str | None:
         task = await self.db.get(task_id)
         if task is None or not task.active:
             self._unschedule(task_id)

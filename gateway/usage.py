@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.access import is_admin
 from gateway.clock import local_day
 from gateway.config import Config
-from gateway.store import Store
+from gateway.store_api import StoreBackend
 
 
 def today(cfg: Config) -> str:
@@ -15,7 +15,7 @@ def today(cfg: Config) -> str:
 class Usage:
     """Reads today's counts; a turn is counted by `Store.end_turn` when it is answered."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreBackend) -> None:
         self.store = store
 
     async def get(self, cfg: Config, identity: str) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import pytest_asyncio
 from gateway.app import Gateway
 from gateway.cluster import ClusterLeases
 from gateway.config import load_config
-from tests.conftest import write_config
+from tests.conftest import chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel, Reply, last_user_text
 from tests.fakes.telegram_server import FakeTelegram
@@ -97,6 +97,7 @@ async def test_one_sessions_turns_run_in_arrival_order_whichever_gateway_took_th
     for i, r in enumerate(requests):
         assert history_of(r) == texts[: i + 1]
     assert a.services is not None
+    await session_let_go(a)  # the last turn's event is closed just after its reply is sent
     assert await a.services.store.count_messages("telegram:dm:7") == 12
     assert await a.services.store.pending_events() == []
 
@@ -154,3 +155,98 @@ async def test_a_session_handed_between_gateways_keeps_its_whole_context(
     assert history_of(fake_model.requests[-1]) == texts
     assistant = [m["content"] for m in fake_model.requests[-1]["messages"] if m["role"] == "assistant"]
     assert assistant == [f"echo {t}" for t in texts[:-1]]
+
+
+async def test_web_chat_is_answered_by_the_gateway_that_holds_the_request(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel) -> None:
+    a, b = pair
+    fake_model.respond_with(lambda body: Reply(text=f"echo {last_user_text(body)}", delay=0.1))
+    # The same web session through both gateways at once: each request gets its own
+    # answer (it waits where it was sent), and the turns still run one at a time.
+    replies = await asyncio.gather(*(chat(a if i % 2 == 0 else b, "alice", f"w{i}") for i in range(4)))
+    assert replies == [f"echo w{i}" for i in range(4)]
+    users = [history_of(r)[-1] for r in fake_model.requests]
+    assert sorted(users) == [f"w{i}" for i in range(4)]
+    for i, r in enumerate(fake_model.requests):
+        assert history_of(r) == users[: i + 1]  # one conversation, in the order it ran
+
+
+async def test_a_gateway_whose_leases_lapsed_is_not_ready_and_counts_what_it_took_over(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None and a.http is not None
+    fake_model.reply("stalled", delay=TTL_S * 3)
+    fake_model.reply("taken over")
+    assert await post_update(a, 600, "hello") == 200
+    await fake_model.wait_requests(1, timeout=10)
+    leases_a = a.services.leases
+    assert isinstance(leases_a, ClusterLeases) and leases_a._renewer is not None
+    leases_a._renewer.cancel()
+    await fake_telegram.wait_sent(1, timeout=TTL_S * 4 + 10)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{a.http.port}/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 503 and "leases not renewed" in body["reasons"][0]
+        assert b.http is not None
+        async with http.get(f"http://127.0.0.1:{b.http.port}/readyz") as resp:
+            assert resp.status == 200
+        await session_let_go(b)
+        async with http.get(f"http://127.0.0.1:{b.http.port}/metrics") as resp:
+            metrics = await resp.text()
+    assert "gateway_turns_taken_over_total 1.0" in metrics
+    assert "gateway_leases_held 1.0" in metrics  # its own liveness; the session is let go
+
+
+async def test_a_turn_that_cannot_be_closed_is_not_run_again_and_again(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None
+
+    async def disk_full(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    for gw in (a, b):  # the write that ends the turn fails, wherever it runs
+        assert gw.services is not None
+        monkeypatch.setattr(gw.services.store, "end_turn", disk_full)
+    fake_model.reply("the answer")
+    assert await post_update(a, 700, "question") == 200
+    await fake_telegram.wait_sent(2, timeout=10)
+    await asyncio.sleep(2.5)  # a sweep or two later: nothing more is sent
+    texts = [s["text"] for s in fake_telegram.sent]
+    assert texts[0] == "the answer" and "could not save" in texts[1] and len(texts) == 2
+    assert len(fake_model.requests) == 1
+    assert await a.services.store.event_status("telegram", "700") == "failed"
+
+
+async def test_a_gateway_without_the_channel_leaves_its_sessions_alone(
+        tmp_path: Path, fake_model: FakeModel, fake_telegram: FakeTelegram, pg_server: PgServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_LEASE_TTL_S", str(TTL_S))
+    url = await create_database(pg_server)
+    telegram = {"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                             "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
+                             "webhook_url": "https://bot.example/telegram/webhook", "webhook_secret": SECRET,
+                             "streaming": "off"}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "c").mkdir()
+    data = str(tmp_path / "data")
+    path_a = write_config(tmp_path / "a", fake_model, store={"url": url}, data_dir=data,
+                          access={"allow_from": ["*"]}, channels=telegram)
+    path_c = write_config(tmp_path / "c", fake_model, store={"url": url}, data_dir=data)  # web only
+    a = Gateway(load_config(path_a), config_path=path_a)
+    c = Gateway(load_config(path_c), config_path=path_c)
+    await a.start()
+    await c.start()
+    try:
+        fake_model.hang(30)
+        assert await post_update(a, 800, "hello") == 200
+        await fake_model.wait_requests(1, timeout=10)
+        await a.stop(timeout=0.2)  # the turn is cut; it waits for a gateway that runs Telegram
+        await asyncio.sleep(TTL_S * 2)
+        assert c.services is not None
+        assert [ev.event_id for ev in await c.services.store.pending_events()] == ["800"]
+        assert len(fake_model.requests) == 1 and fake_telegram.sent == []
+    finally:
+        await a.stop(timeout=1)
+        await c.stop(timeout=1)

@@ -129,3 +129,35 @@ def test_store_url_is_a_secret_with_env_expansion() -> None:
 
 def test_placeholders_are_numbered_for_postgres() -> None:
     assert to_postgres("SELECT ?, ? WHERE a = ANY(?::text[])") == "SELECT $1, $2 WHERE a = ANY($3::text[])"
+
+
+async def test_text_a_backend_cannot_hold_is_stored_as_replacement_characters(make_store: StoreFactory,
+                                                                              store_backend: str) -> None:
+    """A tool result, a file or a model's answer can carry NUL (PostgreSQL's TEXT cannot
+    hold it) or a lone surrogate from a JSON escape (not UTF-8 at all): the write succeeds,
+    with U+FFFD in their place where the backend needs it."""
+    store = await make_store()
+    await store.ensure_session("web:ann", "web:ann", "web")
+    fetched = "page\x00with a NUL byte"
+    await store.add_message("web:ann", Message(role="user", content="fetch it", turn=1), seq=0)
+    await store.add_message("web:ann", Message(role="tool", content=fetched, turn=1, tool_call_id="c1",
+                                               tool_name="web_fetch"), seq=1)
+    await store.add_message("web:ann", Message(role="assistant", content="odd \ud83d text", turn=1), seq=2)
+    await store.add_summary("web:ann", "web:ann", upto_turn=1, reason="overflow", text="sum\x00mary")
+    await store.run_many("INSERT INTO memory_chunks(scope, path, date, content) VALUES (?,?,?,?)",
+                         [("web:ann", "memory/x.md", "2026-01-01", "note\x00 with \udc80 both")])
+    await store.add_message("web:ann", Message(role="user", content="next", turn=2), seq=0)
+
+    stored = [m.content for m in await store.messages("web:ann")]
+    summary = await store.latest_summary("web:ann")
+    chunk = (await store.run("SELECT content FROM memory_chunks"))[0][0]
+    if store_backend == "postgres":
+        assert stored[1] == "page\ufffdwith a NUL byte" and summary.text == "sum\ufffdmary"  # type: ignore[union-attr]
+        assert chunk == "note\ufffd with \ufffd both"
+    else:  # SQLite keeps NUL as it is
+        assert stored[1] == fetched and summary.text == "sum\x00mary"  # type: ignore[union-attr]
+        assert chunk == "note\x00 with \ufffd both"
+    assert stored[2] == "odd \ufffd text"
+    found = await store.search_session_messages("web:ann", match='"page"', phrases=("page",), short_terms=(),
+                                                limit=5)
+    assert [(r[1], r[2]) for r in found] == [(1, "tool")]

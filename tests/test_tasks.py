@@ -27,7 +27,7 @@ from gateway.purge import purge
 from gateway.store import Store
 from gateway.tasks import Schedule, Task, TaskError, TaskStore, parse_duration, parse_schedule, task_text
 from gateway.types import Inbound
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, StoreFactory, chat
 from tests.fakes import slack_server, telegram_server
 from tests.fakes.openai_server import FakeModel, last_user_text
 from tests.fakes.slack_server import FakeSlack, event_callback, signed_event_request
@@ -173,7 +173,43 @@ def test_a_task_reply_in_the_terminal_is_printed_without_taking_the_prompt_s_pla
     assert terminal.replies.qsize() == 1 and terminal.replies.get_nowait() == ("the answer to hi", True)
 
 
-async def test_the_purge_forgets_old_runs_and_ended_tasks_only(store: Store, tmp_path: Path) -> None:
+def stored_task(task_id: str, *, scope: str = "web:alice", next_run: float | None = None) -> Task:
+    return Task(id=task_id, scope=scope, session_key=scope, routing={"channel": "web", "chat_id": "alice",
+                "user_id": "alice"}, prompt="p", schedule=schedule(every="1h"),
+                next_run=next_run if next_run is not None else time.time() + 60, created_by=scope,
+                created_at=time.time())
+
+
+async def test_the_task_store_on_either_backend(make_store: StoreFactory) -> None:
+    db = TaskStore(await make_store())
+    assert await db.insert(stored_task("aa11"), limit=2) == "ok"
+    assert await db.insert(stored_task("aa11"), limit=2) == "taken"  # the id is someone's already
+    assert await db.insert(stored_task("bb22"), limit=2) == "ok"
+    assert await db.insert(stored_task("cc33"), limit=2) == "full"
+    assert await db.insert(stored_task("cc33", scope="web:bob"), limit=2) == "ok"  # a scope of its own
+    assert await db.count_active("web:alice") == 2 and [t.id for t in await db.active("web:bob")] == ["cc33"]
+    got = await db.get("aa11")
+    assert got is not None and got.schedule == stored_task("aa11").schedule and got.routing["chat_id"] == "alice"
+
+    # A slot is claimed once; its outcome and its turn's event are kept with it.
+    assert await db.claim_run("aa11", "slot-1") and not await db.claim_run("aa11", "slot-1")
+    assert await db.claim_run("aa11", "slot-2", outcome="missed")
+    await db.finish_run("aa11", "slot-1", "queued", ("web", "task:aa11:slot-1"))
+    assert [(r.slot, r.outcome, r.reply_status) for r in await db.runs("aa11")] == [
+        ("slot-2", "missed", None), ("slot-1", "queued", None)]
+
+    following = datetime(2030, 1, 1, tzinfo=UTC)
+    await db.advance("aa11", following)
+    assert (await db.get("aa11")).next_run == following.timestamp()  # type: ignore[union-attr]
+    await db.advance("bb22", None)  # no run left: done
+    assert await db.end("cc33", "cancelled", by="web:bob") and not await db.end("cc33", "cancelled")
+    ended = await db.get("bb22")
+    assert ended is not None and ended.end_reason == "done" and ended.next_run is None
+    assert [t.id for t in await db.active()] == ["aa11"]
+
+
+async def test_the_purge_forgets_old_runs_and_ended_tasks_only(make_store: StoreFactory, tmp_path: Path) -> None:
+    store = await make_store()
     db = TaskStore(store)
     routing = {"channel": "web", "chat_id": "alice", "user_id": "alice"}
     for task_id in ("old1", "old2", "new1"):

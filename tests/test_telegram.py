@@ -767,3 +767,59 @@ def test_many_entities_are_spread_over_messages() -> None:
     assert len(chunks) >= 3
     assert all(len(c.entities) <= MAX_ENTITIES for c in chunks)
     assert sum(len(c.entities) for c in chunks) == 250
+
+
+# ---------------------------------------------------------------------------- one poller per bot
+
+
+async def _raw_poll(fake: FakeTelegram, timeout: int) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        url = f"{fake.base_url}{fake.token}/getUpdates"
+        async with http.post(url, json={"timeout": timeout, "limit": 1}) as resp:
+            return resp.status, await resp.json()
+
+
+async def test_fake_bot_api_terminates_the_older_long_poll_with_409() -> None:
+    fake = telegram_server.FakeTelegram(conflict_interval_s=0.2)
+    await fake.start()
+    try:
+        older = asyncio.create_task(_raw_poll(fake, 5))
+        await fake.wait_call("getUpdates")
+        newer = asyncio.create_task(_raw_poll(fake, 5))
+        status, body = await asyncio.wait_for(older, 3)
+        assert (status, body) == (409, {"ok": False, "error_code": 409, "description": (
+            "Conflict: terminated by other getUpdates request; make sure that only one bot instance is running")})
+        assert not newer.done(), "the newer request keeps waiting"
+        update_id = fake.push_message(chat_id=1, user_id=1, text="hi")
+        status, body = await asyncio.wait_for(newer, 3)
+        assert status == 200 and [u["update_id"] for u in body["result"]] == [update_id]
+        assert len(fake.conflicts) == 1
+    finally:
+        await fake.stop()
+
+
+async def test_poller_backs_off_on_409_and_logs_it_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fake = telegram_server.FakeTelegram(conflict_interval_s=0.1)
+    await fake.start()
+    recorder = Recorder()
+    channel = TelegramChannel(config(fake), recorder, workspace_for=workspace_for(tmp_path), sleep=SleepLog())
+    try:
+        await channel.start()
+        await fake.wait_call("getUpdates")
+        # Another instance polls for a while (as during a hand-over between gateways).
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 2.5
+        while loop.time() < until:
+            await _raw_poll(fake, 1)
+        ours = [c for c in fake.calls_of("getUpdates") if c.get("limit") != 1]
+        conflicts = [r for r in caplog.records if "another poller" in r.getMessage()]
+        assert len(fake.conflicts) >= 3, "both sides were terminated, more than once"
+        assert len(conflicts) == 1, "one warning per run of conflicts, not one per retry"
+        assert len(ours) <= 5, f"backing off, not hammering: {len(ours)} polls"
+        # Alone again: polling resumes and updates flow.
+        fake.push_message(chat_id=5, user_id=5, text="after the fight")
+        [inbound] = await recorder.wait(1, timeout=10)
+        assert inbound.text == "after the fight" and channel.is_ready()
+    finally:
+        await channel.stop()
+        await fake.stop()

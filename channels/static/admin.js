@@ -107,6 +107,7 @@
     for (const item of [...data.channels, ...data.checks]) {
       const chip = el("li", null, item.ok ? "chip ok" : "chip bad");
       chip.append(el("strong", item.name), el("span", item.ok ? "ready" : "not ready"));
+      if (item.role) chip.append(el("span", item.role, "why"));
       if (item.detail) chip.append(el("span", item.detail, "why"));
       list.append(chip);
     }

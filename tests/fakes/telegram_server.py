@@ -23,6 +23,16 @@ a call made before a 429's retry_after has passed (scripted with `fail_next` or 
 refused again. Every 429 the fake decides itself is listed in `rate_limited`.
 An edit that changes nothing is refused as "message is not modified", an edit or delete
 of a message that is gone as "message to edit/delete not found".
+
+One poller per bot, as the Bot API server does it (tdlib/telegram-bot-api, Client.cpp
+`do_get_updates` / `abort_long_poll` / `fail_query_conflict`): a getUpdates that is about
+to wait (a timeout and nothing pending) terminates the long poll already waiting, the
+*older* request, with HTTP 409 "Conflict: terminated by other getUpdates request; make
+sure that only one bot instance is running"; a getUpdates that answers at once (updates
+pending, or timeout 0) terminates nothing. At most one 409 goes out per
+`conflict_interval_s` (3 s there); a later one is held back that long first. Every 409
+is listed in `conflicts`. A long poll whose client hung up is gone (it terminates
+nothing and is not counted).
 """
 
 from __future__ import annotations
@@ -77,8 +87,13 @@ class FakeTelegram:
         edit_interval_s: float | None = 1.0,
         send_burst: int = 20,
         send_per_s: float | None = 1.0,
+        conflict_interval_s: float = 3.0,
     ) -> None:
         self.token = token
+        self.conflict_interval_s = conflict_interval_s
+        self.conflicts: list[float] = []  # monotonic time of every 409 a terminated getUpdates got
+        self._long_poll: asyncio.Future[None] | None = None  # done: terminated by a newer one
+        self._next_conflict_at = 0.0
         self.edit_interval_s = edit_interval_s  # None: edits are not rate limited
         self.send_burst = send_burst
         self.send_per_s = send_per_s  # None: sendMessage is not rate limited
@@ -361,6 +376,8 @@ class FakeTelegram:
             if failure.status == 429 and failure.retry_after and method.lower() in _PACED:
                 self._blocked_until[chat] = time.monotonic() + failure.retry_after
             return _error(failure.status, failure.description, failure.retry_after)
+        if method.lower() == "getupdates":
+            return await self._get_updates(params, request)
         handler = getattr(self, f"_api_{method.lower()}", None)
         if handler is None:
             return _error(404, "Not Found: method not found")
@@ -387,7 +404,7 @@ class FakeTelegram:
                                 "supports_inline_queries": False}
         return _ok(me)
 
-    async def _api_getupdates(self, params: dict[str, Any]) -> web.Response:
+    async def _get_updates(self, params: dict[str, Any], request: web.Request) -> web.Response:
         offset = params.get("offset")
         if isinstance(offset, int) and offset > 0:
             self._updates = [u for u in self._updates if u["update_id"] >= offset]
@@ -397,11 +414,50 @@ class FakeTelegram:
         timeout = params.get("timeout") or 0
         limit = params.get("limit") or 100
         if not self._updates and timeout > 0:
-            try:
-                await self._wait_for(lambda: bool(self._updates), float(timeout), "updates")
-            except TimeoutError:
-                pass
+            terminated = await self._long_poll_wait(float(timeout), request)
+            if terminated:
+                return await self._conflict()
         return _ok(self._updates[: int(limit)])
+
+    async def _long_poll_wait(self, timeout: float, request: web.Request) -> bool:
+        """Wait for updates as the one long poll of this bot; True when a newer getUpdates
+        terminated this one."""
+        older = self._long_poll
+        if older is not None and not older.done():
+            older.set_result(None)  # the older request gets the 409
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._long_poll = mine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while not self._updates and not self._closing and not mine.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return False  # the client hung up: its long poll is gone
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    # Short slices: a hang-up is only seen by looking.
+                    await asyncio.wait({changed, mine}, timeout=min(remaining, 0.05))
+                finally:
+                    changed.cancel()
+            return mine.done()
+        finally:
+            if self._long_poll is mine:
+                self._long_poll = None
+
+    async def _conflict(self) -> web.Response:
+        now = time.monotonic()
+        if now < self._next_conflict_at:
+            await asyncio.sleep(self.conflict_interval_s)  # the Bot API holds back a 409 this soon
+        else:
+            self._next_conflict_at = now + self.conflict_interval_s
+        self.conflicts.append(time.monotonic())
+        self._notify()
+        return _error(409, "Conflict: terminated by other getUpdates request; "
+                           "make sure that only one bot instance is running")
 
     async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         chat_id = params["chat_id"]
