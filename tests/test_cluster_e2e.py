@@ -13,9 +13,12 @@ Checked: every message a gateway accepted (2xx through the proxy) is answered, o
 save the known window of a kill between a platform's send and the "answered" mark
 (counted and bounded as in tests/test_reliability_crash.py); each session's replies come
 in the order of its messages; the database agrees (no event left waiting, each user
-message stored once); and scheduled jobs ran once per slot across the cluster: the
-consolidation cron fires every minute and the test lasts past one, and every seeded
-daily note reached the model exactly once.
+message stored once); and scheduled jobs ran once per slot across the cluster, on both
+paths a slot takes: caught up at start (the database says a gateway ran before the last
+slot; the first gateway is still consolidating, slowly, when the other two start and
+look at the same slot), and fired by the cron (every minute here; the test lasts past
+one) on all three at once. Each daily note written before either slot reached the model
+exactly once.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import secrets
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,11 @@ pytestmark = pytest.mark.cluster  # several processes on PostgreSQL: `-m cluster
 GATEWAYS = 3
 MESSAGES = 3
 CONCURRENT_MODEL_CALLS = 8  # per gateway: bounds the turns a kill can catch mid-send
-SEEDED_SCOPES = 6  # sessions with a daily note waiting for the consolidation
+SEEDED_SCOPES = 6  # sessions with a daily note waiting for each consolidation slot
+# Each consolidation call's time: with 6 scopes, 2 at a time, a run lasts about three of
+# these, long enough for the other gateways to start during the first one's catch-up.
+CONSOLIDATION_DELAY_S = 2.0
+EARLIER_START = "start:{}:seeded"  # the purge slot of a gateway that ran an hour ago
 CONSOLIDATION_PROMPT = "You maintain MEMORY.md"
 WAITING = ("accepted", "queued", "running")
 
@@ -78,6 +85,7 @@ class ClusterReport:
     unstored: list[str] = field(default_factory=list)
     job_rows: list[tuple[str, str, int, str]] = field(default_factory=list)  # job, slot, rows, outcome
     consolidation_slots: list[str] = field(default_factory=list)
+    start_purges: int = 0  # purge rows of this run's gateway starts
     consolidation_calls: Counter[str] = field(default_factory=Counter)  # seeded marker → model calls
     exit_codes: list[int] = field(default_factory=list)
     error_lines: list[str] = field(default_factory=list)
@@ -102,17 +110,24 @@ def _responder(calls: Counter[str], markers: list[str], rng: random.Random) -> A
         if first.startswith(CONSOLIDATION_PROMPT):
             text = str(body["messages"])
             calls.update(m for m in markers if m in text)
-            return None  # the echo of the notes becomes MEMORY.md
+            return Reply(text=f"echo: {last_user_text(body)}", delay=CONSOLIDATION_DELAY_S)
         text = last_user_text(body)
         return Reply(text=f"echo: {text}", delay=1.5 if rng.random() < 0.5 else 0.05)
     return respond
 
 
-async def _seed_notes(store_url: str, data_dir: Path, sessions: list[ChatSession]) -> list[str]:
+async def _seed_notes(store_url: str, data_dir: Path, sessions: list[ChatSession], *,
+                      ran_before: bool = False) -> list[str]:
     """A daily note in each of some sessions' scopes, as the summarizer would have left
-    them, for the consolidation to merge. Returns the marker word of each."""
+    them, for the consolidation to merge; returns the marker word of each. With
+    `ran_before`, also the purge record of a gateway that started an hour ago, so the
+    last consolidation slot counts as missed and every gateway catches it up at start."""
     store = await PgStore.open(store_url)
     try:
+        if ran_before:
+            slot = EARLIER_START.format((datetime.now(UTC) - timedelta(hours=1)).isoformat())
+            assert await store.start_job_run("purge", slot)
+            await store.finish_job_run("purge", slot, "ok")
         memory = Memory(data_dir, tz=UTC, store=store)
         markers = []
         for session in sessions:
@@ -124,7 +139,8 @@ async def _seed_notes(store_url: str, data_dir: Path, sessions: list[ChatSession
         await store.close()
 
 
-def _until_clear_of_minute_boundary(now: float, margin_before: float = 4, margin_after: float = 8) -> float:
+def _until_clear_of_minute_boundary(now: float, margin_before: float = 4,
+                                    margin_after: float = 3 * CONSOLIDATION_DELAY_S + 6) -> float:
     """Seconds until `now` is not just before or after a whole minute: a kill there could
     cut the consolidation that minute's slot runs (its run then never finishes, by
     design, until a restart)."""
@@ -148,7 +164,7 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
     store_url = await create_database(server)
     sessions = chat_sessions(telegram_sessions, slack_dms, slack_channels)
     data_dir = workdir / "data"
-    markers = await _seed_notes(store_url, data_dir, sessions[:SEEDED_SCOPES])
+    markers = await _seed_notes(store_url, data_dir, sessions[:SEEDED_SCOPES], ran_before=True)
     log = ReplyLog()
     telegram, slack, model = LoggedTelegram(log), LoggedSlack(log), FakeModel()
     await telegram.start()
@@ -160,9 +176,16 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
                       limits={"max_concurrent_model_calls": CONCURRENT_MODEL_CALLS})
     senders: Senders | None = None
     salt = secrets.token_hex(3)
+    owned: list[asyncio.Task[Any]] = []
     try:
         await cluster.start()
         senders = Senders(cluster.proxy.url, telegram_give_up_s=60)
+
+        async def notes_for_the_cron() -> frozenset[str]:
+            """Once the catch-up took the first notes, more for the cron's slot."""
+            caught_up = await _wait_consolidation(store_url, wall_start, report, markers, timeout=30)
+            markers.extend(await _seed_notes(store_url, data_dir, sessions[SEEDED_SCOPES:2 * SEEDED_SCOPES]))
+            return caught_up
 
         async def converse(session: ChatSession, delay: float) -> list[Delivery]:
             await asyncio.sleep(delay)
@@ -174,6 +197,8 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
             return out
 
         talks = [asyncio.create_task(converse(s, i * 0.04)) for i, s in enumerate(sessions)]
+        seeding = asyncio.create_task(notes_for_the_cron())
+        owned += [*talks, seeding]
         # The kill: once a sixth of the replies are out, away from a minute boundary.
         await log.wait(lambda: len(log.replies) >= len(sessions) * MESSAGES // 6, settle_timeout)
         await asyncio.sleep(_until_clear_of_minute_boundary(time.time()))
@@ -187,11 +212,15 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
         accepted = {d.token for d in report.deliveries if d.accepted}
         await log.wait(lambda: accepted <= {m.group(0) for r in log.replies if (m := TOKEN.search(r.text))},
                        settle_timeout)
-        # One consolidation slot during the run (the cron fires every minute), done by one gateway.
-        await _wait_consolidation(store_url, wall_start, report, markers, timeout=75)
+        # A slot the cron fired during the run (every minute) takes the second notes.
+        await _wait_consolidation(store_url, wall_start, report, markers, timeout=80, after=await seeding)
         report.exit_codes = await cluster.stop()
         report.bad_gateway = cluster.proxy.bad_gateway
     finally:
+        for task in owned:
+            task.cancel()
+        if owned:
+            await asyncio.wait(owned, timeout=5)
         if senders is not None:
             await senders.close()
         for child in cluster.live():
@@ -205,23 +234,25 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
 
     _check_replies(report, log)
     await _check_database(report, store_url, sessions, wall_start)
-    report.error_lines = [line for line in cluster.error_lines() if not line.startswith(f"gateway-{1}.log")]
+    report.error_lines = [line for line in cluster.error_lines() if not line.startswith("gateway-1.log")]
     report.seconds = time.monotonic() - started
     return report
 
 
 async def _wait_consolidation(store_url: str, since: float, report: ClusterReport, markers: list[str],
-                              timeout: float) -> None:
+                              timeout: float, after: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Wait until a consolidation slot other than `after` has finished and every marker
+    reached the model; returns the finished slots (all there are when it times out)."""
     conn = await asyncpg.connect(store_url, timeout=10)
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            done = await conn.fetchval(
-                "SELECT count(*) FROM job_runs WHERE job='memory_consolidation' AND started_at >= $1 "
-                "AND ended_at IS NOT NULL", since)
-            if done and all(report.consolidation_calls[m] for m in markers):
-                return
+        while True:
+            done = frozenset(r["slot"] for r in await conn.fetch(
+                "SELECT slot FROM job_runs WHERE job='memory_consolidation' AND started_at >= $1 "
+                "AND ended_at IS NOT NULL", since))
+            if (done - after and all(report.consolidation_calls[m] for m in markers)) or loop.time() > deadline:
+                return done
             await asyncio.sleep(0.5)  # nothing to wait on but the table
     finally:
         await conn.close(timeout=5)
@@ -272,6 +303,8 @@ async def _check_database(report: ClusterReport, store_url: str, sessions: list[
         report.job_rows = [(r["job"], r["slot"], r["n"], r["outcome"] if r["ended"] else "unfinished")
                            for r in rows]
         report.consolidation_slots = [r["slot"] for r in rows if r["job"] == "memory_consolidation"]
+        report.start_purges = sum(1 for r in rows if r["job"] == "purge" and r["slot"].startswith("start:")
+                                     and not r["slot"].endswith(":seeded"))
     finally:
         await conn.close(timeout=5)
 
@@ -295,8 +328,8 @@ async def test_three_gateways_one_killed_answer_every_message_once_in_order(
     # Jobs: one row per (job, slot), each finished; purge runs once per gateway start.
     assert all(n == 1 for _, _, n, _ in report.job_rows), report.job_rows
     assert all(outcome in ("ok", "partial") for _, _, _, outcome in report.job_rows), report.job_rows
-    assert report.consolidation_slots, "no consolidation slot fell inside the run"
-    assert sorted(report.consolidation_calls.values()) == [1] * SEEDED_SCOPES, report.consolidation_calls
-    assert sum(1 for job, slot, _, _ in report.job_rows if job == "purge" and slot.startswith("start:")) == GATEWAYS
+    assert len(report.consolidation_slots) >= 2, "the caught-up slot and a cron slot should both have run"
+    assert sorted(report.consolidation_calls.values()) == [1] * 2 * SEEDED_SCOPES, report.consolidation_calls
+    assert report.start_purges == GATEWAYS
     assert report.exit_codes == [0] * (GATEWAYS - 1)
     assert report.error_lines == []
