@@ -1,5 +1,5 @@
 """CLI: `python -m gateway run | chat | check-config | pairing list|approve | sessions |
-usage | memory`."""
+usage | memory | config-reset`."""
 
 from __future__ import annotations
 
@@ -177,6 +177,8 @@ async def _operator(args: argparse.Namespace) -> int:
             text = await cli_ops.sessions(cfg, base, args.limit)
         elif args.command == "usage":
             text = await cli_ops.usage(cfg, base, args.days)
+        elif args.command == "config-reset":
+            text = await cli_ops.config_reset(cfg, base, args.key)
         else:
             text = await cli_ops.memory(cfg, base, args.scope)
     except cli_ops.CliError as err:
@@ -249,6 +251,9 @@ def _main(argv: list[str] | None) -> int:
     usage.add_argument("--days", type=_positive, default=7, help="how many days back (default 7)")
     memory = command("memory", "where a scope's memory files are (MEMORY.md, memory/, dialog/), with sizes")
     memory.add_argument("scope", nargs="?", default=None, help="e.g. telegram:user:123 (none: list the scopes)")
+    reset = command("config-reset", "give a setting changed with /config back to the gateways' config files "
+                                    "(several gateways on PostgreSQL); without KEY, list the chat changes in effect")
+    reset.add_argument("key", nargs="?", default=None, help="e.g. agent_max_context_tokens")
     args = parser.parse_args(argv)
 
     command_name = args.command or "run"
@@ -259,7 +264,7 @@ def _main(argv: list[str] | None) -> int:
             return asyncio.run(_run(getattr(args, "config", None)))
         if command_name == "chat":
             return asyncio.run(_chat(args.config))
-        if command_name in ("pairing", "sessions", "usage", "memory"):
+        if command_name in ("pairing", "sessions", "usage", "memory", "config-reset"):
             return asyncio.run(_operator(args))
     except ConfigError as err:
         _print_problems(getattr(args, "config", None) or getattr(args, "path", None), err)

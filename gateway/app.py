@@ -19,6 +19,7 @@ from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
 from gateway.agent import Agent
+from gateway.chat_settings import ChatSettings
 from gateway.cluster import Leadership, open_leases
 from gateway.cluster_sessions import ClusterSessionManager
 from gateway.commands import BOT_COMMANDS, Commands
@@ -122,6 +123,7 @@ class Gateway:
         self.services: Services | None = None
         self.scheduler: Any = None
         self.watcher: Any = None
+        self.chat_settings: ChatSettings | None = None  # /config changes kept in the database
         self.mcp: McpManager | None = None
         self.tasks: TaskScheduler | None = None
         self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
@@ -163,6 +165,11 @@ class Gateway:
         except StoreError as err:
             raise StartupError(str(err)) from None
         try:
+            # With other gateways, the settings changed in chat go over this gateway's file.
+            self.chat_settings = ChatSettings(store, self.holder, check=self.startup_problems, apply=self.apply_config)
+            if await self.chat_settings.join():
+                cfg = self._applied = self.cfg
+                self._model_cfgs = (cfg.model, cfg.summary_model)
             leases = open_leases(store)
             await leases.start()
         except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
@@ -195,7 +202,8 @@ class Gateway:
                                            stream=self.stream, send_files=self.send_files)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
-                                 on_config_change=self._apply_config_later, check=self.startup_problems)
+                                 on_config_change=self._apply_config_later, check=self.startup_problems,
+                                 settings=self.chat_settings)
         self.router = Router(services, self.sessions, self.commands, self.pairing, reply=self.deliver)
         # People's scheduled tasks: a run is a turn in its session, answered where the
         # task was made; it runs only while that channel is up here.
@@ -252,6 +260,7 @@ class Gateway:
 
             self.watcher = ConfigWatcher(self)
             await self.watcher.start()
+        await self.chat_settings.start()  # on a shared store: follows the other gateways' /config
 
     def startup_lines(self) -> list[str]:
         """The start banner: each channel and what it is doing, the MCP servers."""
@@ -583,6 +592,8 @@ class Gateway:
         s = self.services
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.chat_settings is not None:
+            await self.chat_settings.stop()
         if self.tasks is not None:
             await self.tasks.stop()  # first: a task firing now must not meet a closing queue
         waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self.sessions.stop(timeout))}

@@ -281,3 +281,41 @@ async def _scope_of_session(cfg: Config, base: Path, key: str) -> str | None:
     except CliError:
         return None
     return str(rows[0][0]) if rows else None
+
+
+# -- settings changed in chat (SPEC §10) ---------------------------------------------------------
+
+
+async def config_reset(cfg: Config, base: Path, key: str | None) -> str:
+    """`config-reset KEY`: give a key changed with `/config` back to the gateways' config
+    files (a change with no value, which every gateway on the database follows within
+    seconds); without KEY, the keys whose chat change is in effect."""
+    url = configured_url(cfg)
+    if not is_postgres_url(url):
+        raise CliError("a lone gateway on SQLite keeps settings changed in chat in its config.json only: "
+                       "edit the file (the gateway follows it)")
+    assert url is not None
+    if key is None:
+        async with read_store(database_path(cfg, base), url) as store:
+            changes = [c for c in await store.config_changes() if c.value_json is not None]
+        if not changes:
+            return "No setting changed in chat is in effect: the config files decide every key."
+        now = time.time()
+        rows = [(c.key, c.value_json, f"{ago(now - c.changed_at)} ago", c.changed_by or "") for c in changes]
+        return ("Settings changed in chat, over every gateway's config file (`gateway config-reset KEY` gives "
+                "one back to the files):\n" + table(("KEY", "VALUE", "CHANGED", "BY"), rows))
+    try:
+        store = await PgStore.open(url, pool_max=2)
+    except StoreError as err:
+        raise CliError(str(err)) from None
+    try:
+        current = {c.key: c for c in await store.config_changes()}
+        change = current.get(key)
+        if change is None or change.value_json is None:
+            raise CliError(f"{key} has no change made in chat: the config files decide it")
+        await store.record_config_change(key, None, "cli")
+    finally:
+        await store.close()
+    return (f"{key} is back to each gateway's config file (the chat value was {change.value_json}); running "
+            "gateways follow within a few seconds. The gateway that took the /config command wrote the value "
+            "into its own config.json as well: edit that file if it should not keep it.")

@@ -14,6 +14,7 @@ from typing import Any
 
 from context.engine import compact, context_stats, format_context_stats
 from gateway.access import APPROVED_NOTICE, Pairing, is_admin
+from gateway.chat_settings import ChatSettings, set_dotted
 from gateway.config import (
     Config,
     ConfigError,
@@ -112,18 +113,6 @@ def suggest_key(key: str, known: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[parts[-1]] = value
-
-
 def parse_value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -150,14 +139,16 @@ def chat_refusal(key: str, value: Any) -> str | None:
 class Commands:
     def __init__(self, services: Services, sessions: SessionManager, pairing: Pairing, *,
                  reply: Reply, on_config_change: OnConfigChange | None = None,
-                 check: StartupCheck | None = None) -> None:
+                 check: StartupCheck | None = None, settings: ChatSettings | None = None) -> None:
         self.s = services
         self.sessions = sessions
         self.pairing = pairing
         self.reply = reply
         self.on_config_change = on_config_change
         self.check = check
-        self._config_lock = asyncio.Lock()
+        # Changes made in chat, kept in the database (shared with other gateways: SPEC §10).
+        self.settings = settings
+        self._config_lock = settings.lock if settings is not None else asyncio.Lock()
 
     async def handle(self, inbound: Inbound, key: str, scope: str) -> bool:
         """True when `inbound` was a command (answered or queued)."""
@@ -266,9 +257,9 @@ class Commands:
         refusal = chat_refusal(key, value)
         if refusal is not None:
             return refusal
-        return await self._write_setting(key, value)
+        return await self._write_setting(key, value, by=inbound.identity)
 
-    async def _write_setting(self, key: str, value: Any) -> str:
+    async def _write_setting(self, key: str, value: Any, *, by: str) -> str:
         holder = self.s.config
         if holder.path is None:
             return "This gateway runs without a config file, so settings cannot be changed here."
@@ -278,14 +269,25 @@ class Commands:
                 raw = json.loads(raw_text)
             except (OSError, ValueError) as err:
                 return f"Cannot read {holder.path.name}: {err}"
-            _set_dotted(raw, key, value)
+            set_dotted(raw, key, value)
             try:
-                new_cfg = parse_config(raw)
+                if self.settings is not None:
+                    # With other gateways: their chat changes stay on top of this file.
+                    new_cfg = self.settings.stage(raw, key, value)
+                else:
+                    new_cfg = parse_config(raw)
+                    problems = self.check(new_cfg) if self.check is not None else []
+                    if problems:
+                        raise ConfigError(problems)
             except ConfigError as err:
                 return "Not changed: " + "; ".join(err.problems)
-            problems = self.check(new_cfg) if self.check is not None else []
-            if problems:
-                return "Not changed: " + "; ".join(problems)
+            if self.settings is not None:
+                try:
+                    await self.settings.record(key, value, by=by, file=raw)
+                except Exception as err:  # the other gateways would not get it: change nothing
+                    log.warning("setting not changed: the database did not take it",
+                                extra={"key": key, "error": str(err)[:200]})
+                    return f"Not changed: the database did not take it ({type(err).__name__}); try again."
             await asyncio.to_thread(atomic_write_text, holder.path,
                                     json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
             holder.swap(new_cfg)

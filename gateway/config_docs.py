@@ -392,6 +392,15 @@ Admins can also change a key from chat with `/config KEY VALUE` (e.g.
 `/config agent_max_context_tokens 80000`); keys marked **file only** (secrets, and the
 addresses secrets are sent to) can be changed in the file only.
 
+**Several gateways on one PostgreSQL** (`store.url`): a `/config` change is written to the
+config file of the gateway that took it and recorded in the database; every gateway puts the
+latest chat change of each key over its own file, at start, when its file is reloaded and
+within about 2 seconds of the change. A chat change wins over the files for its key until
+`python -m gateway config-reset KEY` gives the key back to the files (without KEY it lists the
+chat changes in effect). `data_dir`, `http.host` and `http.port` stay each gateway's own, and
+a change a gateway cannot run (a feature whose secret it lacks) is left out there, logged. A
+lone gateway on SQLite records its chat changes but runs its file only.
+
 Setting up the platforms: [telegram.md](telegram.md), [slack.md](slack.md). Where
 `data_dir` keeps memory and how to back it up: [memory.md](memory.md).
 """

@@ -233,4 +233,18 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE messages ADD COLUMN attachments TEXT;
     """,
+    # 7: settings changed with `/config` in chat (SPEC §10), one row per change, newest
+    # last; a NULL value gives the key back to the config file. On PostgreSQL the gateways
+    # sharing the database put these over their own files; SQLite keeps them as the record
+    # of who changed what (the file holds the setting itself).
+    """
+    CREATE TABLE config_changes (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        key TEXT NOT NULL,
+        value_json TEXT,
+        changed_at REAL NOT NULL,
+        changed_by TEXT
+    );
+    CREATE INDEX config_changes_key ON config_changes(key, id);
+    """,
 ]

@@ -77,7 +77,9 @@ class ConfigWatcher:
             return False
         self._last_text = text
         try:
-            cfg = parse_config_text(text)
+            # With other gateways, the settings changed in chat stay on top of the file.
+            settings = self.gateway.chat_settings
+            cfg = settings.from_text(text) if settings is not None else parse_config_text(text)
             # Valid alone is not enough: it must be a config this gateway can run (a channel
             # it would restart needs its secrets, a webhook a real secret).
             problems = self.gateway.startup_problems(cfg)

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiosqlite
 
+from gateway.chat_settings import unshareable
 from gateway.checkpointer import Checkpointer
 from gateway.group_commit import GroupInsert
 from gateway.migrations import MIGRATIONS
@@ -120,6 +121,16 @@ class PendingPairing:
     identity: str
     created_at: float
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigChange:
+    """A setting changed with `/config` in chat; `value_json` None gives it back to the file."""
+    id: int
+    key: str
+    value_json: str | None
+    changed_at: float
+    changed_by: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -681,6 +692,33 @@ class Store:
             (first_day, limit))
         return [UsageDay(identity=r["identity"], day=r["day"], turns=int(r["turns"]), tokens=int(r["tokens"]))
                 for r in rows]
+
+    # -- settings changed in chat (SPEC §10) ---------------------------------------------
+
+    async def record_config_change(self, key: str, value_json: str | None, changed_by: str | None) -> int:
+        """Keep a `/config` change (None: the key goes back to the config file); its id.
+        Never a secret or where one is sent: the database is shared and read by every
+        gateway, the environment and config.json are the operator's."""
+        refusal = unshareable(key, None if value_json is None else json.loads(value_json))
+        if refusal is not None:
+            raise ValueError(f"not stored: {refusal}")
+        rows = await self._rows(
+            "INSERT INTO config_changes(key, value_json, changed_at, changed_by) VALUES (?,?,?,?) RETURNING id",
+            (key, value_json, time.time(), changed_by))
+        return int(rows[0][0])
+
+    async def config_changes(self) -> list[ConfigChange]:
+        """The latest change of each key, oldest first (the order they apply in)."""
+        rows = await self._rows(
+            "SELECT id, key, value_json, changed_at, changed_by FROM config_changes "
+            "WHERE id IN (SELECT max(id) FROM config_changes GROUP BY key) ORDER BY id")
+        return [ConfigChange(id=int(r["id"]), key=r["key"], value_json=r["value_json"],
+                             changed_at=float(r["changed_at"]), changed_by=r["changed_by"]) for r in rows]
+
+    async def last_config_change(self) -> int:
+        """The newest change's id (0: none): one cheap look for "anything new?"."""
+        rows = await self._rows("SELECT coalesce(max(id), 0) FROM config_changes")
+        return int(rows[0][0]) if rows else 0
 
     # -- purge (SPEC §7): small statements, each its own commit, so a chat's write waits
     # -- for one batch at most, never for the whole purge --------------------------------

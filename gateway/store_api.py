@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from gateway.store import (
+    ConfigChange,
     JobRun,
     PendingEvent,
     PendingPairing,
@@ -70,6 +71,11 @@ class StoreBackend(Protocol):
     async def job_runs(self, job: str | None = None, limit: int = 10) -> list[JobRun]: ...
     async def job_run(self, job: str, slot: str) -> JobRun | None: ...
     async def usage_since(self, first_day: str, *, limit: int = 5000) -> list[UsageDay]: ...
+
+    # -- settings changed in chat (shared by the gateways on one database)
+    async def record_config_change(self, key: str, value_json: str | None, changed_by: str | None) -> int: ...
+    async def config_changes(self) -> list[ConfigChange]: ...
+    async def last_config_change(self) -> int: ...
 
     # -- the admin page
     async def recent_sessions(self, *, limit: int, day_start: float,
