@@ -50,6 +50,7 @@ from bench._cluster import (
     instance_pid,
     served_by,
 )
+from gateway.consolidate import SYSTEM_PROMPT
 from gateway.memory import Memory
 from gateway.store_pg import PgStore
 from tests.fakes.openai_server import FakeModel, Reply, last_user_text
@@ -65,7 +66,7 @@ SEEDED_SCOPES = 6  # sessions with a daily note waiting for each consolidation s
 # these, long enough for the other gateways to start during the first one's catch-up.
 CONSOLIDATION_DELAY_S = 2.0
 EARLIER_START = "start:{}:seeded"  # the purge slot of a gateway that ran an hour ago
-CONSOLIDATION_PROMPT = "You maintain MEMORY.md"
+CONSOLIDATION_PROMPT = SYSTEM_PROMPT.partition("\n")[0]  # how a consolidation request begins
 WAITING = ("accepted", "queued", "running")
 
 
