@@ -498,3 +498,15 @@ async def served_by(store_url: str, pid: int) -> dict[str, set[str]]:
         if found and (instance_pid(r["instance"]) == pid or r["session_key"] in leased):
             served.setdefault(r["session_key"], set()).add(found.group(0))
     return served
+
+
+async def lease_holder_pids(store_url: str, prefix: str) -> set[int]:
+    """The pids of the gateways holding a live lease whose name starts with `prefix`
+    (e.g. "job:" for a scheduled job's run)."""
+    conn = await asyncpg.connect(store_url, timeout=10)
+    try:
+        rows = await conn.fetch("SELECT holder FROM leases WHERE starts_with(name, $1) AND expires_at > now()",
+                                prefix)
+    finally:
+        await conn.close(timeout=5)
+    return {pid for r in rows if (pid := instance_pid(r["holder"])) is not None}
