@@ -1,9 +1,9 @@
-# make test | bench | soak | screenshots   (PYTHON=/path/to/venv/bin/python to pick an interpreter)
+# make test | bench | bench-cluster | soak | screenshots   (PYTHON=/path/to/venv/bin/python to pick an interpreter)
 PYTHON ?= $(firstword $(wildcard .venv/bin/python) python3)
 # Benchmarks written by other parts of the project, run when present.
 SCRIPT_BENCHES := context_engine context_cost purge
 
-.PHONY: test bench soak screenshots
+.PHONY: test bench bench-cluster soak screenshots
 
 test:
 	$(PYTHON) -m pytest -q
@@ -19,6 +19,13 @@ bench:
 	done
 	mkdir -p docs/img
 	cp bench/out/gateway_load.png bench/out/startup.png bench/out/tools.png bench/out/streaming.png docs/img/
+
+# Several gateways on one throw-away PostgreSQL against one on SQLite (~3 min; needs PostgreSQL's
+# initdb/pg_ctl, or PG_TEST_URL): the table on stdout, bench/out/cluster.{json,png}, the chart to docs/img/.
+bench-cluster:
+	$(PYTHON) -m bench.cluster
+	mkdir -p docs/img
+	cp bench/out/cluster.png docs/img/
 
 # Minutes: repeated SIGKILL rounds under load, then a long hypothesis hunt for bad input.
 soak:
