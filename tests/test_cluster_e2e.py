@@ -71,8 +71,8 @@ SEEDED_SCOPES = 6  # sessions with a daily note waiting for each consolidation s
 # Each consolidation call's time: with 6 scopes, 2 at a time, a run lasts about three of
 # these, long enough for the other gateways to start during the first one's catch-up.
 CONSOLIDATION_DELAY_S = 1.0
-# The catch-up must end before the next whole minute: two slots' runs at once on two
-# gateways merge the same notes twice (FINDINGS.md; the last test below).
+# The catch-up ends before the next whole minute, so the cron slot finds notes of its own
+# (two slots' runs at once now wait for each other: the last test below).
 LATEST_START_SECOND = 45
 EARLIER_START = "start:{}:seeded"  # the purge slot of a gateway that ran an hour ago
 CONSOLIDATION_PROMPT = SYSTEM_PROMPT.partition("\n")[0]  # how a consolidation request begins
@@ -349,14 +349,12 @@ async def test_three_gateways_one_killed_answer_every_message_once_in_order(
     assert report.error_lines == []
 
 
-@pytest.mark.xfail(strict=True, reason="FINDINGS.md 1: a slot's lease does not keep another slot's run out: "
-                                       "two gateways consolidating two slots at once merge the same notes twice")
 async def test_two_slots_consolidating_at_once_on_two_gateways_merge_a_note_once(
     tmp_path: Path, pg_server: PgServer, fake_model: FakeModel
 ) -> None:
     """What the scenario above once hit on a loaded machine: gateway A still catching up
-    the 12:00 slot when the cron fires the 12:01 slot on gateway B. Each slot runs once,
-    but both runs read the note before either marks it merged."""
+    the 12:00 slot when the cron fires the 12:01 slot on gateway B. Each slot ran once,
+    but both runs read the note before either marked it merged; now the second waits."""
     url = await create_database(pg_server)
     model = ModelClient(ModelConfig(name="fake", base_url=fake_model.base_url, api_key=SecretStr("k"),
                                     max_retries=0))
