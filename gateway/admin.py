@@ -164,7 +164,8 @@ class AdminApi:
     def __init__(self, *, config: Callable[[], Config], store: StoreBackend, pairing: Pairing, ready: ReadyCheck,
                  next_runs: Callable[[], dict[str, datetime | None]],
                  tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str,
-                 receiving: Callable[[], dict[str, str]] | None = None) -> None:
+                 receiving: Callable[[], dict[str, str]] | None = None,
+                 cluster: Callable[[], Awaitable[dict[str, Any] | None]] | None = None) -> None:
         self.config = config
         self.store = store
         self.pairing = pairing
@@ -175,6 +176,7 @@ class AdminApi:
         self.http_host = http_host
         # Channels received on one gateway of a cluster at a time: "leads" or "standby: …".
         self.receiving = receiving or dict
+        self.cluster = cluster  # the gateways sharing the database, when it is shared
         self._files: dict[str, tuple[bytes, str]] = {}  # static file → (bytes, etag)
 
     def routes(self) -> list[web.RouteDef]:
@@ -345,8 +347,15 @@ class AdminApi:
             if kind == "channel" and label in roles:
                 item["role"] = roles[label]
             (channels if kind == "channel" else others).append(item)
+        cluster = None
+        if self.cluster is not None:
+            try:
+                async with asyncio.timeout(READY_TIMEOUT_S):
+                    cluster = await self.cluster()
+            except Exception as err:
+                cluster = {"problem": f"{type(err).__name__}: {err}"[:300]}
         return _ok({"channels": channels, "checks": others, "tool_sources": self.tool_sources(),
-                    "now": time.time()})
+                    "cluster": cluster, "now": time.time()})
 
     async def recent_errors(self, _request: web.Request) -> web.Response:
         return _ok({"errors": self.errors.snapshot(), "capacity": self.errors.records.maxlen})

@@ -296,7 +296,15 @@ class Gateway:
         return AdminApi(config=lambda: self.cfg, store=services.store, pairing=self.pairing, ready=self.ready,
                         next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
                         tool_sources=self.tool_sources_state, errors=self.recent_errors,
-                        http_host=self.cfg.http.host, receiving=self.leader_roles)
+                        http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state)
+
+    async def cluster_state(self) -> dict[str, Any] | None:
+        """The gateways sharing the database (admin page), or None for a lone gateway."""
+        if self.services is None or not self.services.leases.shared:
+            return None
+        leases = self.services.leases
+        return {"instance": leases.instance, "gateways": sorted(await leases.alive_instances()),
+                "leases": leases.held()}
 
     def tool_sources_state(self) -> list[ToolSourceState]:
         """Each tool source's state (MCP servers and the like) for the admin page."""

@@ -27,6 +27,7 @@ from tests.pg import PgServer, create_database
 fake_telegram = telegram_server.fake_telegram  # the fixture
 
 SECRET = "cluster-secret-0123456789"
+ADMIN = "admin-token-0123456789abcdef"
 TTL_S = 1.5
 
 
@@ -37,7 +38,7 @@ async def pair(tmp_path: Path, fake_model: FakeModel, fake_telegram: FakeTelegra
     monkeypatch.setenv("GATEWAY_LEASE_TTL_S", str(TTL_S))
     url = await create_database(pg_server)
     path = write_config(
-        tmp_path, fake_model, store={"url": url}, access={"allow_from": ["*"]},
+        tmp_path, fake_model, store={"url": url}, access={"allow_from": ["*"]}, http={"admin_token": ADMIN},
         channels={"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
                                "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
                                "webhook_url": "https://bot.example/telegram/webhook",
@@ -72,6 +73,14 @@ async def session_let_go(gw: Gateway, timeout: float = 5) -> None:
             if not await store.lease_holders("session:"):
                 return
             await asyncio.sleep(0.02)
+
+
+async def admin_call(gw: Gateway, path: str) -> tuple[int, Any]:
+    assert gw.http is not None
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{gw.http.port}{path}",
+                            headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+            return resp.status, await resp.json()
 
 
 def history_of(request: dict[str, Any]) -> list[str]:
@@ -250,3 +259,15 @@ async def test_a_gateway_without_the_channel_leaves_its_sessions_alone(
     finally:
         await a.stop(timeout=1)
         await c.stop(timeout=1)
+
+
+async def test_the_admin_page_shows_the_gateways_sharing_the_database(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel) -> None:
+    a, b = pair
+    assert a.services is not None and b.services is not None
+    status, body = await admin_call(a, "/admin/api/status")
+    assert status == 200
+    cluster = body["cluster"]
+    assert cluster["instance"] == a.services.leases.instance
+    assert cluster["gateways"] == sorted([a.services.leases.instance, b.services.leases.instance])
+    assert {c["name"]: c["ok"] for c in body["checks"]}["cluster"] is True

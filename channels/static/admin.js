@@ -111,6 +111,16 @@
       if (item.detail) chip.append(el("span", item.detail, "why"));
       list.append(chip);
     }
+    if (data.cluster) {
+      // Several gateways on one database: which one this page talks to, and its peers.
+      const c = data.cluster;
+      const chip = el("li", null, c.problem ? "chip bad" : "chip ok");
+      chip.append(el("strong", "cluster"));
+      if (c.problem) chip.append(el("span", c.problem, "why"));
+      else chip.append(el("span", c.gateways.length + " gateways · this one " + c.instance + " · " + c.leases + " leases"));
+      if (c.gateways) chip.title = c.gateways.join("\n");
+      list.append(chip);
+    }
     const tools = $("tool-sources");
     tools.replaceChildren();
     if (!data.tool_sources.length) tools.append(el("li", "No MCP servers or other tool sources configured.", "muted"));
