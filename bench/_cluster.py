@@ -463,6 +463,18 @@ class Cluster:
     def live(self) -> list[Child]:
         return [g for g in self.gateways if g not in self.killed]
 
+    async def tear_down(self, senders: Senders | None, *servers: Any) -> None:
+        """Whatever happened: the senders closed, gateways still running killed, the proxy
+        and the given fake servers stopped."""
+        if senders is not None:
+            await senders.close()
+        for child in self.live():
+            if child.returncode is None:
+                await child.kill()
+        await self.proxy.stop()
+        for server in servers:
+            await server.stop()
+
     def error_lines(self) -> list[str]:
         found = []
         for log in sorted(self.workdir.glob("gateway-*.log")):

@@ -260,14 +260,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         if errors_in_logs:
             notes.append(f"{len(errors_in_logs)} ERROR log lines, first: {errors_in_logs[0]}")
     finally:
-        if senders is not None:
-            await senders.close()
-        for child in cluster.live():
-            if child.returncode is None:
-                await child.kill()
-        await cluster.proxy.stop()
-        await slack.stop()
-        await telegram.stop()
+        await cluster.tear_down(senders, slack, telegram)
     per_instance = [(b - a) * 1000 / max(1, turns) for a, b in zip(cpu0, cpu1, strict=True)]
     return ConfigResult(
         label=label, store="postgres" if store_url else "sqlite", instances=instances, turns=turns,
@@ -339,15 +332,7 @@ async def run_failover(workdir: Path, *, store_url: str, sessions: list[ChatSess
                          f"{FAILOVER_TIMEOUT_S:.0f}s")
         await cluster.stop()
     finally:
-        if senders is not None:
-            await senders.close()
-        for child in cluster.live():
-            if child.returncode is None:
-                await child.kill()
-        await cluster.proxy.stop()
-        await model.stop()
-        await slack.stop()
-        await telegram.stop()
+        await cluster.tear_down(senders, model, slack, telegram)
     return FailoverResult(sessions=len(chats), answered=len(waits),
                           median_s=statistics.median(waits) if waits else float("nan"),
                           max_s=max(waits) if waits else float("nan"), delay_ms=delay_ms, notes=notes)

@@ -32,13 +32,10 @@ from gateway.access import LOCAL_CHANNELS
 from gateway.commands import parse_command
 from gateway.fence import FENCE, FencedOut
 from gateway.sessions import (
-    CRASH_REPLY,
-    STORAGE_REPLY,
     CommandJob,
     Job,
     SessionManager,
     TurnJob,
-    _log_turn,
 )
 from gateway.types import Inbound, inbound_from_dict
 
@@ -207,7 +204,7 @@ class ClusterSessionManager(SessionManager):
 
     async def _guarded(self, live: LiveSession, job: Job, lost: asyncio.Event) -> None:
         """One job, cut short when the lease is lost (its writes would be refused anyway)."""
-        run = asyncio.ensure_future(self._one(live, job))
+        run = asyncio.ensure_future(self._run_job(live, job))
         watch = asyncio.ensure_future(lost.wait())
         try:
             await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -219,29 +216,6 @@ class ClusterSessionManager(SessionManager):
             log.warning("turn stopped: the session's lease was lost to another gateway", extra={"session": live.key})
             raise FencedOut(live.key, -1)
         run.result()
-
-    async def _one(self, live: LiveSession, job: Job) -> None:
-        started = time.monotonic()
-        outcome = "cut"
-        try:
-            if isinstance(job, TurnJob):
-                outcome = await self._turn(live, job)
-            else:
-                await self._command(live, job)
-        except FencedOut:
-            outcome = "fenced"
-            raise
-        except (sqlite3.Error, OSError) as err:
-            outcome = "storage_error"
-            log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
-            await self._send(job.inbound, STORAGE_REPLY)
-        except Exception:
-            outcome = "crash"
-            log.exception("job failed", extra={"session": live.key})
-            await self._send(job.inbound, CRASH_REPLY)
-        finally:
-            if isinstance(job, TurnJob):
-                _log_turn(live, started, outcome)
 
     async def _may_run(self, ev: QueuedEvent) -> bool:
         if not self.can_deliver(ev.channel):

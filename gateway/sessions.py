@@ -246,27 +246,35 @@ class SessionManager:
             while not live.queue.empty():
                 job = live.queue.get_nowait()
                 self.s.metrics.queue_depth.dec()
-                started = time.monotonic()
-                outcome = "cut"  # a shutdown cancelled it; it resumes at the next start
-                try:
-                    if isinstance(job, TurnJob):
-                        outcome = await self._turn(live, job)
-                    else:
-                        await self._command(live, job)
-                except (sqlite3.Error, OSError) as err:
-                    # The database or disk refused a write: this job ends, the queue goes on.
-                    outcome = "storage_error"
-                    log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
-                    await self._send(job.inbound, STORAGE_REPLY)
-                except Exception:
-                    outcome = "crash"
-                    log.exception("job failed", extra={"session": live.key})
-                    await self._send(job.inbound, CRASH_REPLY)
-                finally:
-                    if isinstance(job, TurnJob):
-                        _log_turn(live, started, outcome)
+                await self._run_job(live, job)
         finally:
             live.worker = None
+
+    async def _run_job(self, live: LiveSession, job: Job) -> None:
+        """One job to its end; a failure is told to the person and logged, never raised
+        (but a lost lease is: the gateway that took the session over answers)."""
+        started = time.monotonic()
+        outcome = "cut"  # a shutdown cancelled it; it resumes at the next start
+        try:
+            if isinstance(job, TurnJob):
+                outcome = await self._turn(live, job)
+            else:
+                await self._command(live, job)
+        except FencedOut:
+            outcome = "fenced"
+            raise
+        except (sqlite3.Error, OSError) as err:
+            # The database or disk refused a write: this job ends, the queue goes on.
+            outcome = "storage_error"
+            log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
+            await self._send(job.inbound, STORAGE_REPLY)
+        except Exception:
+            outcome = "crash"
+            log.exception("job failed", extra={"session": live.key})
+            await self._send(job.inbound, CRASH_REPLY)
+        finally:
+            if isinstance(job, TurnJob):
+                _log_turn(live, started, outcome)
 
     async def _command(self, live: LiveSession, job: CommandJob) -> None:
         inbound = job.inbound

@@ -234,15 +234,7 @@ async def run_cluster_scenario(workdir: Path, server: PgServer, *, telegram_sess
             task.cancel()
         if owned:
             await asyncio.wait(owned, timeout=5)
-        if senders is not None:
-            await senders.close()
-        for child in cluster.live():
-            if child.returncode is None:
-                await child.kill()
-        await cluster.proxy.stop()
-        await model.stop()
-        await slack.stop()
-        await telegram.stop()
+        await cluster.tear_down(senders, model, slack, telegram)
         server_log.setLevel(server_level)
 
     _check_replies(report, log)
