@@ -281,15 +281,25 @@ class Commands:
                         raise ConfigError(problems)
             except ConfigError as err:
                 return "Not changed: " + "; ".join(err.problems)
-            if self.settings is not None:
+            if self.settings is not None and self.settings.shared:
                 try:
                     await self.settings.record(key, value, by=by, file=raw)
                 except Exception as err:  # the other gateways would not get it: change nothing
                     log.warning("setting not changed: the database did not take it",
                                 extra={"key": key, "error": str(err)[:200]})
                     return f"Not changed: the database did not take it ({type(err).__name__}); try again."
-            await asyncio.to_thread(atomic_write_text, holder.path,
-                                    json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+            try:
+                await asyncio.to_thread(atomic_write_text, holder.path,
+                                        json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+            except OSError as err:
+                if self.settings is None or not self.settings.shared:
+                    return f"Not changed: cannot write {holder.path.name}: {err.strerror or err}"
+                # The database has it (every gateway applies it from there); a read-only
+                # config file, as in the compose cluster profile, only misses the copy.
+                log.warning("setting kept in the database only: the config file is not writable",
+                            extra={"key": key, "error": str(err)[:200]})
+            if self.settings is not None and not self.settings.shared:
+                await self.settings.record(key, value, by=by, file=raw)  # the history, best effort
             holder.swap(new_cfg)
             log.info("setting changed in chat", extra={"key": key})
         if self.on_config_change is not None:

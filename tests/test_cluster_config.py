@@ -7,6 +7,7 @@ gateway on SQLite keeps its file-only behaviour."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from gateway import cli_ops
+from gateway import cli_ops, commands
 from gateway.app import Gateway
 from gateway.config import load_config
 from tests.conftest import StoreFactory, chat, deep_merge, write_config
@@ -250,3 +251,39 @@ async def test_the_store_keeps_the_latest_change_of_each_key(make_store: StoreFa
     with pytest.raises(ValueError, match="not stored"):
         await store.record_config_change("channels.slack.bot_token", '"xoxb-1"', "web:boss")
     assert await store.last_config_change() == reset
+
+
+async def test_a_read_only_config_file_still_takes_a_change_through_the_database(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compose cluster profile mounts each gateway's config read-only."""
+    path_a = cluster.config("a", admins=["web:boss"])
+    a = await cluster.start(path_a)
+    b = await cluster.start(cluster.config("b"))
+    before = path_a.read_text(encoding="utf-8")
+
+    def read_only(path: Path, _text: str) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(commands, "atomic_write_text", read_only)
+    reply = await chat(a, "boss", "/config limits.session_queue_size 6")
+    assert "saved" in reply, reply
+    assert a.cfg.limits.session_queue_size == 6
+    await eventually(lambda: b.cfg.limits.session_queue_size == 6)
+    assert path_a.read_text(encoding="utf-8") == before
+
+
+async def test_a_lone_gateway_says_when_its_config_file_cannot_be_written(
+        tmp_path: Path, fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_config(tmp_path, fake_model, admins=["web:boss"])
+    gw = Gateway(load_config(path), config_path=path)
+    await gw.start()
+    try:
+        def read_only(p: Path, _text: str) -> None:
+            raise OSError(errno.EROFS, "Read-only file system", str(p))
+
+        monkeypatch.setattr(commands, "atomic_write_text", read_only)
+        reply = await chat(gw, "boss", "/config limits.session_queue_size 6")
+        assert reply.startswith("Not changed: cannot write config.json"), reply
+        assert gw.cfg.limits.session_queue_size == 5
+    finally:
+        await gw.stop(timeout=5)
