@@ -402,8 +402,7 @@ class Chat:
         # One turn is bounded by turn_timeout_s, its delivery by FINISH_TIMEOUT_S.
         bound = self.gateway.cfg.limits.turn_timeout_s + 360
         while True:
-            live = self.gateway.sessions.live.get(self.key)
-            worker = live.worker if live is not None else None
+            worker = self.gateway.sessions.worker_of(self.key)
             if worker is None:
                 break
             if not await self._until_interrupted(worker, bound):

@@ -108,6 +108,10 @@ class ClusterSessionManager(SessionManager):
         if task is not None:
             self._workers[key] = task
 
+    def worker_of(self, key: str) -> asyncio.Task[Any] | None:
+        # From the moment a message is queued: the worker may still wait for the lease.
+        return self._workers.get(key)
+
     def queued(self) -> int:
         return sum(len(jobs) for jobs in self._commands.values()) + len(self._workers)
 

@@ -240,6 +240,11 @@ class SessionManager:
     def queued(self) -> int:
         return sum(live.queue.qsize() for live in self.live.values())
 
+    def worker_of(self, key: str) -> asyncio.Task[Any] | None:
+        """The task running the session's jobs now, if any (the terminal waits for it)."""
+        live = self.live.get(key)
+        return live.worker if live is not None else None
+
     async def _work(self, live: LiveSession) -> None:
         try:
             await self.open.wait()

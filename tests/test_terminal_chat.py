@@ -21,9 +21,11 @@ import pyte
 
 from channels.terminal import TerminalChannel
 from gateway.store import Store
+from gateway.store_pg import PgStore
 from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import GatewayFactory, write_config
 from tests.fakes.openai_server import FakeModel
+from tests.pg import PgServer, create_database
 
 COLUMNS, ROWS = 100, 60  # tall enough that nothing scrolls out of the emulated window
 
@@ -307,3 +309,35 @@ async def test_a_reply_taller_than_the_window_stays_plain_and_is_shown_once(monk
     await stream.append("- item **1**\n- item **2**")
     await stream.finish("- item **1**\n- item **2**")
     assert _window(short.out.text, 40, 10) == ["bot>  • item 1", "      • item 2"]  # type: ignore[attr-defined]
+
+
+async def test_chat_on_a_shared_database_answers_here_and_leaves_other_channels_to_their_gateways(
+        fake_model: FakeModel, tmp_path: Path, pg_server: PgServer) -> None:
+    """`gateway chat` beside gateways on PostgreSQL (SPEC §10): it runs the terminal's
+    turns and takes over no Telegram session, since it could not deliver the answer."""
+    url = await create_database(pg_server)
+    store = await PgStore.open(url)
+    try:
+        inbound = Inbound(channel="telegram", chat_id="5", user_id="5", text="hello from telegram", event_id="tg-1")
+        await store.record_event("telegram", "tg-1", session_key="telegram:dm:5", inbound=inbound_to_dict(inbound))
+        await store.mark_event("telegram", "tg-1", "queued")  # waiting, and no gateway holds the session
+    finally:
+        await store.close()
+    fake_model.reply("hello, terminal")
+    window = Window()
+    try:
+        await window.start(write_config(tmp_path, fake_model, store={"url": url}), tmp_path)
+        await window.at_prompt()
+        window.type("hi there\r")
+        await window.until(r"hello, terminal.*you>\Z")
+        await asyncio.sleep(2.5)  # two sweeps of the database for waiting sessions
+        window.type("\x03")
+        assert await window.exit_code() == 0
+    finally:
+        await window.close()
+    assert [r["messages"][-1]["content"] for r in fake_model.requests] == ["hi there"]
+    store = await PgStore.open(url)
+    try:
+        assert await store.event_status("telegram", "tg-1") == "queued"
+    finally:
+        await store.close()
