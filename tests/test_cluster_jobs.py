@@ -30,20 +30,9 @@ from gateway.tasks import task_text
 from tests.conftest import Clock, GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel, last_user_text
 from tests.pg import PgServer, create_database
+from tests.test_tasks import services, until
 
 SYNC_S = 0.3
-
-
-async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-def services(gw: Gateway) -> Any:
-    assert gw.services is not None
-    return gw.services
 
 
 def tasks_of(gw: Gateway) -> Any:

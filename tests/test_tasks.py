@@ -41,7 +41,7 @@ PARIS = ZoneInfo("Europe/Paris")
 NOW = datetime(2026, 3, 27, 10, 0, tzinfo=UTC)  # a Friday, two days before DST starts in Paris
 
 
-async def until(predicate: Callable[[], Any], timeout: float = 8.0, what: str = "condition") -> None:
+async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
