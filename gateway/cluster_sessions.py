@@ -124,7 +124,7 @@ class ClusterSessionManager(SessionManager):
             while not self._stopping:
                 self._wake_again.discard(key)
                 events = await self.s.store.session_events(key)
-                mine = await self._must_run_here(events) or bool(self._commands.get(key))
+                mine = self._must_run_here(events) or bool(self._commands.get(key))
                 if not events and not mine:
                     if key in self._wake_again:
                         continue
@@ -148,14 +148,17 @@ class ClusterSessionManager(SessionManager):
                     await self.leases.release(name)
                 if not progressed and key not in self._wake_again:
                     # Only another live gateway's web/terminal events wait: theirs to run.
-                    return
+                    # A command queued here waits for them (no sweep would wake it).
+                    if not self._commands.get(key):
+                        return
+                    await asyncio.sleep(LEASE_RETRY_S)
         finally:
             self._workers.pop(key, None)
             live = self.live.get(key)
             if live is not None and live.worker is asyncio.current_task():
                 live.worker = None
 
-    async def _must_run_here(self, events: list[QueuedEvent]) -> bool:
+    def _must_run_here(self, events: list[QueuedEvent]) -> bool:
         """Whether this gateway must run some of them itself (it accepted a web or terminal
         message of the session), so it waits for the lease instead of leaving them."""
         return any(ev.channel in LOCAL_CHANNELS and ev.instance == self.leases.instance for ev in events)

@@ -18,6 +18,7 @@ import pytest_asyncio
 from gateway.app import Gateway
 from gateway.cluster import ClusterLeases
 from gateway.config import load_config
+from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel, Reply, last_user_text
@@ -271,3 +272,21 @@ async def test_the_admin_page_shows_the_gateways_sharing_the_database(
     assert cluster["instance"] == a.services.leases.instance
     assert cluster["gateways"] == sorted([a.services.leases.instance, b.services.leases.instance])
     assert {c["name"]: c["ok"] for c in body["checks"]}["cluster"] is True
+
+
+async def test_a_command_waiting_behind_another_gateways_web_message_still_runs(
+        pair: tuple[Gateway, Gateway]) -> None:
+    a, _ = pair
+    assert a.services is not None
+    store: Any = a.services.store
+    # Another live gateway accepted a web message of this session and has not run it yet.
+    assert await store.lease_acquire("instance:ghost", "ghost", 60) is not None
+    ghost = Inbound(channel="web", chat_id="alice", user_id="alice", text="from the other page", event_id="g-1")
+    await store.record_event("web", "g-1", session_key="web:alice", inbound=inbound_to_dict(ghost))
+    await store.run("UPDATE events SET status='queued', instance='ghost' WHERE event_id='g-1'")
+    compact = asyncio.ensure_future(chat(a, "alice", "/compact"))
+    await asyncio.sleep(1.5)
+    assert not compact.done()  # the session's earlier message comes first
+    await store.mark_event("web", "g-1", "answered")  # the other gateway answered it
+    reply = await asyncio.wait_for(compact, 5)
+    assert reply
