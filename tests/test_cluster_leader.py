@@ -149,12 +149,18 @@ async def test_telegram_polls_on_one_gateway_and_a_clean_stop_hands_over_at_once
     assert fake_telegram.conflicts == []
 
 
-async def test_a_dead_leaders_polling_moves_within_the_lease_ttl(
-        start_gateway: Start, fake_telegram: FakeTelegram, fake_model: FakeModel) -> None:
+async def two_pollers(start_gateway: Start, fake_telegram: FakeTelegram) -> tuple[Gateway, Gateway]:
+    """Two gateways polling one bot: (the one that leads, the one standing by), once
+    the leader's first getUpdates is in."""
     a = await start_gateway(telegram(fake_telegram))
     b = await start_gateway(telegram(fake_telegram))
     leader, standby = (a, b) if leads(a, "telegram") else (b, a)
     await fake_telegram.wait_call("getUpdates")
+    return leader, standby
+
+async def test_a_dead_leaders_polling_moves_within_the_lease_ttl(
+        start_gateway: Start, fake_telegram: FakeTelegram, fake_model: FakeModel) -> None:
+    leader, standby = await two_pollers(start_gateway, fake_telegram)
 
     # The leader dies: it renews nothing and polls no more, and never releases the lead.
     leases = stall_renewals(leader)
@@ -173,10 +179,7 @@ async def test_a_dead_leaders_polling_moves_within_the_lease_ttl(
 
 async def test_a_stalled_leader_stops_polling_when_it_learns_it_lost_the_lead(
         start_gateway: Start, fake_telegram: FakeTelegram, fake_model: FakeModel) -> None:
-    a = await start_gateway(telegram(fake_telegram))
-    b = await start_gateway(telegram(fake_telegram))
-    leader, standby = (a, b) if leads(a, "telegram") else (b, a)
-    await fake_telegram.wait_call("getUpdates")
+    leader, standby = await two_pollers(start_gateway, fake_telegram)
 
     # The database hears nothing from the leader, which keeps polling all the while.
     leases = stall_renewals(leader)

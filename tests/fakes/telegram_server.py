@@ -459,14 +459,18 @@ class FakeTelegram:
         return _error(409, "Conflict: terminated by other getUpdates request; "
                            "make sure that only one bot instance is running")
 
+    def _message_text(self, text: Any, params: dict[str, Any]) -> Parsed | web.Response:
+        """What a sent or edited message shows, or Telegram's refusal of its text."""
+        refused = self._refused_formatting(text, params)
+        if refused is not None:
+            return refused
+        return _read_text(text, params)
+
     async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         chat_id = params["chat_id"]
         text = params.get("text")
         entities = params.get("entities") or []
-        refused = self._refused_formatting(text, params)
-        if refused is not None:
-            return refused
-        parsed = _read_text(text, params)
+        parsed = self._message_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
         flooded = self._send_flood(str(chat_id))
@@ -480,7 +484,7 @@ class FakeTelegram:
         message: dict[str, Any] = {
             "message_id": message_id,
             "date": int(time.time()),
-            "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+            "chat": _chat(chat_id),
             "from": self.bot_user(),
             "text": text,
         }
@@ -509,7 +513,7 @@ class FakeTelegram:
         self.history.append((method, chat_id, message_id, file["filename"]))
         self._notify()
         return _ok({"message_id": message_id, "date": int(time.time()),
-                    "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+                    "chat": _chat(chat_id),
                     "from": self.bot_user(), field: {"file_id": f"up{message_id}", "file_unique_id": f"u{message_id}"}
                     if field == "document" else [{"file_id": f"up{message_id}", "file_unique_id": f"u{message_id}",
                                                   "width": 1, "height": 1}]})
@@ -521,10 +525,7 @@ class FakeTelegram:
         shown = self._shown.get(message_id)
         if shown is None or str(shown[0]) != str(chat_id):
             return _error(400, "Bad Request: message to edit not found")
-        refused = self._refused_formatting(text, params)
-        if refused is not None:
-            return refused
-        parsed = _read_text(text, params)
+        parsed = self._message_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
         flooded = self._edit_flood(str(chat_id))
@@ -543,7 +544,7 @@ class FakeTelegram:
             "message_id": params["message_id"],
             "date": int(time.time()),
             "edit_date": int(time.time()),
-            "chat": {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"},
+            "chat": _chat(chat_id),
             "from": self.bot_user(),
             "text": text,
         })
@@ -686,3 +687,8 @@ async def fake_telegram() -> AsyncIterator[FakeTelegram]:
         yield fake
     finally:
         await fake.stop()
+
+
+def _chat(chat_id: Any) -> dict[str, Any]:
+    """The chat of a message the bot sent: ids above zero are private chats."""
+    return {"id": chat_id, "type": "private" if int(chat_id) > 0 else "supergroup"}
