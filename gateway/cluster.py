@@ -103,8 +103,7 @@ class ClusterLeases:
 
     shared = True
 
-    def __init__(self, store: LeaseStore, *, ttl_s: float = LEASE_TTL_S,
-                 on_renewal: Callable[[float], None] | None = None) -> None:
+    def __init__(self, store: LeaseStore, *, ttl_s: float = LEASE_TTL_S) -> None:
         self.store = store
         self.instance = store.instance
         self.ttl_s = ttl_s
@@ -112,7 +111,6 @@ class ClusterLeases:
         self._lost: dict[str, asyncio.Event] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._renewed_at = 0.0  # monotonic time of the last renewal the database confirmed
-        self._on_renewal = on_renewal
 
     @property
     def alive_name(self) -> str:
@@ -220,8 +218,6 @@ class ClusterLeases:
                     self._drop(name)
             if self.alive_name not in self._held:
                 await self._rejoin()
-            if self._on_renewal is not None:
-                self._on_renewal(self._renewed_at)
 
     async def _rejoin(self) -> None:
         try:
@@ -305,15 +301,15 @@ class Leadership:
 def lease_ttl() -> float:
     """LEASE_TTL_S, or GATEWAY_LEASE_TTL_S from the environment (tests shorten it; an
     operator may lengthen it for a database far away: renewals must fit in a third)."""
-    raw = os.environ.get("GATEWAY_LEASE_TTL_S", "").strip()
+    raw = os.environ.get(LEASE_TTL_ENV, "").strip()
     if not raw:
         return LEASE_TTL_S
     try:
         ttl = float(raw)
     except ValueError:
-        raise ValueError(f"GATEWAY_LEASE_TTL_S must be a number of seconds, not {raw!r}") from None
+        raise ValueError(f"{LEASE_TTL_ENV} must be a number of seconds, not {raw!r}") from None
     if not 0.5 <= ttl <= 300:
-        raise ValueError(f"GATEWAY_LEASE_TTL_S must be between 0.5 and 300 seconds, not {ttl}")
+        raise ValueError(f"{LEASE_TTL_ENV} must be between 0.5 and 300 seconds, not {ttl}")
     return ttl
 
 

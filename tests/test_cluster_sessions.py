@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from gateway.app import Gateway
+from gateway.app import Gateway, StartupError
 from gateway.cluster import ClusterLeases
 from gateway.config import load_config
 from gateway.types import Inbound, inbound_to_dict
@@ -290,3 +290,14 @@ async def test_a_command_waiting_behind_another_gateways_web_message_still_runs(
     await store.mark_event("web", "g-1", "answered")  # the other gateway answered it
     reply = await asyncio.wait_for(compact, 5)
     assert reply
+
+
+@pytest.mark.parametrize("ttl", ["soon", "0.1", "nan"])
+async def test_an_unusable_lease_ttl_stops_the_start_with_its_name(
+        tmp_path: Path, fake_model: FakeModel, pg_server: PgServer, monkeypatch: pytest.MonkeyPatch,
+        ttl: str) -> None:
+    monkeypatch.setenv("GATEWAY_LEASE_TTL_S", ttl)
+    path = write_config(tmp_path, fake_model, store={"url": await create_database(pg_server)})
+    gw = Gateway(load_config(path), config_path=path)
+    with pytest.raises(StartupError, match="GATEWAY_LEASE_TTL_S must be"):
+        await gw.start()
