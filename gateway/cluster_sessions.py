@@ -47,9 +47,13 @@ log = logging.getLogger("gateway.cluster")
 
 SWEEP_INTERVAL_S = 1.0
 # An event still only "accepted" is being decided on by the gateway that took it (access,
-# command, queue); past this it is the leftover of a gateway that died deciding.
+# command, queue). Past SETTLE_S it is the leftover of a gateway that died deciding, once
+# that gateway is gone; a live one is given until DECIDE_LIMIT_S (an inline command whose
+# reply waits out a platform's rate limit), after which it is taken as stuck.
 SETTLE_S = 10.0
+DECIDE_LIMIT_S = 120.0
 SETTLE_POLL_S = 0.05
+SLOW_POLL_S = 0.5
 LEASE_RETRY_S = 0.2  # waiting for another gateway to finish a session this one must run
 STOP_POLL_S = 0.5
 
@@ -189,8 +193,9 @@ class ClusterSessionManager(SessionManager):
                     return ran
                 continue
             ev = events[0]
-            if ev.status == "accepted" and ev.age_s < SETTLE_S:
-                await asyncio.sleep(SETTLE_POLL_S)  # its gateway is still deciding what it is
+            if ev.status == "accepted" and not await self._left_undecided(ev):
+                # Its gateway is still deciding what it is.
+                await asyncio.sleep(SETTLE_POLL_S if ev.age_s < SETTLE_S else SLOW_POLL_S)
                 continue
             if not await self._may_run(ev):
                 return ran
@@ -233,9 +238,17 @@ class ClusterSessionManager(SessionManager):
         # gateway is gone (then the reply is kept for the history, as after a restart).
         return ev.instance not in await self._alive_instances()
 
-    async def _alive_instances(self) -> set[str]:
+    async def _left_undecided(self, ev: QueuedEvent) -> bool:
+        """Whether an event still only accepted was left by its gateway, so this one decides it."""
+        if ev.age_s < SETTLE_S:
+            return False
+        if ev.age_s >= DECIDE_LIMIT_S or ev.instance is None:
+            return True
+        return ev.instance not in await self._alive_instances(fresh=True)
+
+    async def _alive_instances(self, *, fresh: bool = False) -> set[str]:
         at, alive = self._alive
-        if time.monotonic() - at > SWEEP_INTERVAL_S:
+        if fresh or time.monotonic() - at > SWEEP_INTERVAL_S:
             alive = await self.leases.alive_instances()
             self._alive = (time.monotonic(), alive)
         return alive
@@ -286,7 +299,8 @@ class ClusterSessionManager(SessionManager):
         while not self._stopping:
             try:
                 async with asyncio.timeout(SWEEP_INTERVAL_S * 5):
-                    keys = await self.s.store.unleased_sessions(settle_s=SETTLE_S)
+                    keys = await self.s.store.unleased_sessions(settle_s=SETTLE_S,
+                                                                decide_limit_s=DECIDE_LIMIT_S)
                 for key in keys:
                     if key not in self._workers:
                         self.wake(key)

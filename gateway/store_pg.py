@@ -624,17 +624,21 @@ class PgStore:
             "coalesce((SELECT context_start_turn FROM sessions WHERE key=?), 0)", (key, key))
         return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
 
-    async def unleased_sessions(self, *, settle_s: float, limit: int = 200) -> list[str]:
+    async def unleased_sessions(self, *, settle_s: float, decide_limit_s: float, limit: int = 200) -> list[str]:
         """Sessions with turns waiting and no live lease: their holder died, or released
-        the lease just as a message came. An event still only accepted counts once it is
-        older than `settle_s` (its gateway is deciding what it is, or died doing so)."""
+        the lease just as a message came. An event still only accepted is its gateway's to
+        decide: it counts once older than `settle_s` if that gateway is gone, and once
+        older than `decide_limit_s` in any case (stuck)."""
         rows = await self._rows(
             "SELECT DISTINCT e.session_key FROM events e "
             "WHERE e.session_key IS NOT NULL AND (e.status IN ('queued', 'running') OR "
-            "(e.status = 'accepted' AND e.created_at < extract(epoch FROM now()) - ?)) "
+            "(e.status = 'accepted' AND e.created_at < extract(epoch FROM now()) - ? AND ("
+            " e.instance IS NULL OR e.created_at < extract(epoch FROM now()) - ? OR "
+            " NOT EXISTS (SELECT 1 FROM leases i WHERE i.name = 'instance:' || e.instance "
+            " AND i.expires_at > now())))) "
             "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.name = 'session:' || e.session_key "
             "AND l.expires_at > now()) LIMIT ?",
-            (settle_s, limit),
+            (settle_s, decide_limit_s, limit),
         )
         return [r[0] for r in rows]
 

@@ -292,6 +292,43 @@ async def test_a_command_waiting_behind_another_gateways_web_message_still_runs(
     assert reply
 
 
+async def test_an_event_a_live_gateway_is_slow_to_decide_is_left_to_it(
+        pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    a, _ = pair
+    assert a.services is not None
+    store: Any = a.services.store
+    fake_model.respond_with(lambda body: Reply(text=f"echo {last_user_text(body)}"))
+    # A live gateway accepted a message 30 s ago and is still deciding what it is (an inline
+    # command whose reply waits out a rate limit): nobody else may answer it meanwhile.
+    assert await store.lease_acquire("instance:ghost", "ghost", 60) is not None
+
+    async def accepted_long_ago(update_id: int, text: str) -> None:
+        inbound = Inbound(channel="telegram", chat_id="7", user_id="7", text=text, event_id=str(update_id),
+                          message_id=str(update_id), extra={"chat_type": "private"})
+        await store.record_event("telegram", str(update_id), session_key="telegram:dm:7",
+                                 inbound=inbound_to_dict(inbound))
+        await store.run("UPDATE events SET instance='ghost', created_at=created_at-30 WHERE event_id=?",
+                        (str(update_id),))
+
+    await accepted_long_ago(500, "slow one")
+    assert await post_update(a, 501, "behind it") == 200
+    await asyncio.sleep(2)
+    assert fake_telegram.sent == [] and fake_model.requests == []
+    [ev, _] = await store.session_events("telegram:dm:7")
+    assert (ev.event_id, ev.status) == ("500", "accepted")
+    await store.mark_event("telegram", "500", "queued")  # the other gateway decided: a turn
+    sent = await fake_telegram.wait_sent(2, timeout=10)
+    assert [s["text"] for s in sent] == ["echo slow one", "echo behind it"]
+    # Once that gateway is gone, what it left undecided is taken over without the long wait.
+    await session_let_go(a)
+    await accepted_long_ago(502, "left by the dead")
+    await store.lease_release_all("ghost")
+    sent = await fake_telegram.wait_sent(3, timeout=10)
+    assert sent[2]["text"] == "echo left by the dead"
+    await session_let_go(a)
+    assert await store.pending_events() == []
+
+
 @pytest.mark.parametrize("ttl", ["soon", "0.1", "nan"])
 async def test_an_unusable_lease_ttl_stops_the_start_with_its_name(
         tmp_path: Path, fake_model: FakeModel, pg_server: PgServer, monkeypatch: pytest.MonkeyPatch,
