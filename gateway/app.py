@@ -303,8 +303,11 @@ class Gateway:
         if self.services is None or not self.services.leases.shared:
             return None
         leases = self.services.leases
+        leaders = await leases.holders("leader:")
+        # Who receives each channel that one gateway at a time receives; None: nobody does.
+        receivers = {name: leaders.get(lead.name) for name, lead in self.leaderships.items()}
         return {"instance": leases.instance, "gateways": sorted(await leases.alive_instances()),
-                "leases": leases.held()}
+                "leases": leases.held(), "receivers": receivers}
 
     def tool_sources_state(self) -> list[ToolSourceState]:
         """Each tool source's state (MCP servers and the like) for the admin page."""
@@ -452,8 +455,7 @@ class Gateway:
 
     def leader_roles(self) -> dict[str, str]:
         """For each channel received on one gateway at a time: whether this one does."""
-        return {name: "leads" if lead.leading else "standby: another gateway receives"
-                for name, lead in self.leaderships.items()}
+        return {name: lead.describe() for name, lead in self.leaderships.items()}
 
     async def _apply_config_later(self) -> None:
         # Not inline: the change may come from a command inside a channel's own handler,
@@ -578,6 +580,11 @@ class Gateway:
             except Exception as err:  # a broken check says "not ready", it does not fail the probe
                 log.warning("readiness check failed", extra={"channel": name, "error": repr(err)[:300]})
                 checks[f"channel:{name}"] = f"channel {name}: readiness check failed ({type(err).__name__}: {err})"
+                continue
+            lead = self.leaderships.get(name)
+            if ok and lead is not None and lead.failure is not None:
+                # Granted the lead and could not receive: when every gateway says so, nobody does.
+                checks[f"channel:{name}"] = f"channel {name}: could not start receiving ({lead.failure})"
                 continue
             checks[f"channel:{name}"] = None if ok else f"channel {name}: not connected or not receiving yet"
         return checks

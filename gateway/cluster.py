@@ -58,6 +58,7 @@ class Leases(Protocol):
     def held(self) -> int: ...
     def problem(self) -> str | None: ...
     async def alive_instances(self) -> set[str]: ...
+    async def holders(self, prefix: str) -> dict[str, str]: ...
 
 
 class SoloLeases:
@@ -96,6 +97,9 @@ class SoloLeases:
 
     async def alive_instances(self) -> set[str]:
         return {self.instance}
+
+    async def holders(self, prefix: str) -> dict[str, str]:
+        return {name: self.instance for name in self._lost if name.startswith(prefix)}
 
 
 class ClusterLeases:
@@ -188,6 +192,10 @@ class ClusterLeases:
         holders = await self.store.lease_holders("instance:")
         return {name.removeprefix("instance:") for name in holders}
 
+    async def holders(self, prefix: str) -> dict[str, str]:
+        """Live leases of any gateway whose names start with `prefix`: name → instance."""
+        return await self.store.lease_holders(prefix)
+
     def _drop(self, name: str) -> None:
         self._held.pop(name, None)
         event = self._lost.pop(name, None)
@@ -244,6 +252,9 @@ class Leadership:
         self._retry_s = retry_s if retry_s is not None else getattr(leases, "ttl_s", LEASE_TTL_S) / 3
         self._task: asyncio.Task[None] | None = None
         self.leading = False
+        # Why this gateway, granted the lead, could not start receiving; None once it leads
+        # or finds another gateway leading. Every gateway failing is nobody receiving.
+        self.failure: str | None = None
         self.changed = asyncio.Event()  # set on every change of `leading` (tests wait on it)
 
     async def begin(self) -> None:
@@ -267,17 +278,30 @@ class Leadership:
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             log.warning("could not ask for the lead", extra={"lease": self.name, "error": str(err)[:200]})
             return
-        if token is None or self.leading:
+        if token is None:
+            self.failure = None  # another gateway leads
+            return
+        if self.leading:
             return
         log.info("leading", extra={"lease": self.name})
         try:
             await self._start()
-        except Exception:  # let another gateway lead; try again later
+        except Exception as err:  # let another gateway lead; try again later
             log.exception("could not start leading", extra={"lease": self.name})
+            self.failure = f"{type(err).__name__}: {err}"[:300]
             await self.leases.release(self.name)
             return
+        self.failure = None
         self.leading = True
         self.changed.set()
+
+    def describe(self) -> str:
+        """This gateway's part in receiving, for /readyz and the admin page."""
+        if self.leading:
+            return "leads"
+        if self.failure is not None:
+            return f"standby: could not start receiving here ({self.failure})"
+        return "standby: another gateway receives"
 
     async def _resign(self) -> None:
         self.leading = False

@@ -16,6 +16,7 @@ from tests.conftest import GatewayFactory, chat
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
+from tests.pg import PgServer, create_database
 from tests.test_web_page import browser, chromium_path, open_page  # noqa: F401  (fixtures)
 
 fake_telegram = telegram_server.fake_telegram  # the fixture
@@ -106,6 +107,29 @@ async def test_approving_a_stranger_by_click(make_gateway: GatewayFactory, fake_
     await page.click("#refresh")
     await expect(page.locator("#sessions tbody")).to_contain_text("telegram:dm:77", timeout=5000)
     await expect(page.locator("#channels")).to_contain_text("telegram")
+    assert errors == []
+
+
+async def test_the_cluster_chip_names_who_receives_and_turns_red_without_anyone(
+        make_gateway: GatewayFactory, fake_telegram: FakeTelegram, pg_server: PgServer,
+        browser: Browser) -> None:  # noqa: F811
+    gw = await make_gateway(http={"admin_token": ADMIN}, store={"url": await create_database(pg_server)},
+                            channels={"telegram": {
+                                "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                                "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
+    assert gw.http is not None and gw.services is not None
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/admin")
+    await page.fill("#token", ADMIN)
+    await page.press("#token", "Enter")
+    chip = page.locator("#channels li", has_text="· this one ")
+    await expect(chip).to_contain_text("1 gateway ·", timeout=5000)
+    await expect(chip).to_contain_text("telegram received by this one")
+    assert await chip.get_attribute("class") == "chip ok"
+    # The lead's lease is gone from the database (as when the leader died and nobody took it).
+    await gw.services.store.run("DELETE FROM leases WHERE name = 'leader:telegram'")  # type: ignore[attr-defined]
+    await page.click("#refresh")
+    await expect(chip).to_contain_text("nobody receives telegram", timeout=5000)
+    assert await chip.get_attribute("class") == "chip bad"
     assert errors == []
 
 

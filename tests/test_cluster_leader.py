@@ -214,6 +214,10 @@ async def test_slack_socket_mode_runs_on_one_gateway_and_moves(
     await fake_slack.wait_connected()
     assert fake_slack.open_sockets == 1 and fake_slack.sockets_opened == 1
     assert standby.channels["slack"].is_ready() and leader.channels["slack"].is_ready()
+    assert leader.services is not None
+    for gw in (leader, standby):  # the admin page's view: who receives Slack
+        state = await gw.cluster_state()
+        assert state is not None and state["receivers"] == {"slack": leader.services.leases.instance}
 
     async def dm(ts: str, text: str, reply: str) -> None:
         fake_model.reply(reply)
@@ -329,9 +333,14 @@ async def test_a_leader_that_cannot_start_lets_the_other_lead(
     lead_two = Leadership(two, "poll", start=second.start, stop=second.stop)
     await lead_one.begin()
     assert not lead_one.leading and not one.holds(lead_one.name)
+    # Nobody receives: the one that tried says why, and the database shows no leader.
+    assert lead_one.describe() == "standby: could not start receiving here (RuntimeError: cannot start here)"
+    assert await two.holders("leader:") == {}
     await lead_two.begin()
-    assert lead_two.leading and second.running
+    assert lead_two.leading and second.running and lead_two.describe() == "leads"
+    assert await one.holders("leader:") == {"leader:poll": two.instance}
     await asyncio.sleep(TTL_S)  # the first keeps trying, and never takes it from a live leader
     assert not lead_one.leading and first.starts == 0 and lead_two.leading
+    assert lead_one.describe() == "standby: another gateway receives", "it has seen the other lead"
     await lead_one.end()
     await lead_two.end()

@@ -114,10 +114,17 @@
     if (data.cluster) {
       // Several gateways on one database: which one this page talks to, and its peers.
       const c = data.cluster;
-      const chip = el("li", null, c.problem ? "chip bad" : "chip ok");
+      // A channel received on one gateway at a time that no gateway receives is an outage.
+      const unreceived = Object.entries(c.receivers || {}).filter(([, who]) => !who).map(([role]) => role);
+      const chip = el("li", null, c.problem || unreceived.length ? "chip bad" : "chip ok");
       chip.append(el("strong", "cluster"));
       if (c.problem) chip.append(el("span", c.problem, "why"));
-      else chip.append(el("span", c.gateways.length + " gateways · this one " + c.instance + " · " + c.leases + " leases"));
+      else chip.append(el("span", c.gateways.length + (c.gateways.length === 1 ? " gateway" : " gateways") +
+                              " · this one " + c.instance + " · " + c.leases + " leases"));
+      for (const [role, who] of Object.entries(c.receivers || {})) {
+        chip.append(el("span", who ? role + " received by " + (who === c.instance ? "this one" : who)
+                                   : "nobody receives " + role, "why"));
+      }
       if (c.gateways) chip.title = c.gateways.join("\n");
       list.append(chip);
     }
