@@ -560,8 +560,11 @@ class TelegramChannel:
         conflicted = False  # logged once per run of 409s, not at every retry
         while self._receiving:
             offset = self._offset
+            # The first poll is short: it proves the link at once, where a long one would
+            # keep /readyz at "not ready" for up to poll_timeout_s on a quiet bot.
+            wait_s = self._cfg.poll_timeout_s if self._last_poll_ok is not None else 0
             try:
-                batch = await bot.fetch_raw_updates(offset=offset, wait_s=self._cfg.poll_timeout_s)
+                batch = await bot.fetch_raw_updates(offset=offset, wait_s=wait_s)
             except asyncio.CancelledError:
                 raise
             except RetryAfter as exc:
