@@ -441,7 +441,7 @@ class Gateway:
             # may receive already.
             await channel.stop_receiving(lost=not leases.holds(leadership.name))
 
-        leadership = Leadership(leases, name, start=start, stop=stop)
+        leadership = Leadership(leases, name, start=start, stop=stop, healthy=channel.is_ready)
         gauge.set(0)
         self.leaderships[name] = leadership
         await leadership.begin()
@@ -584,7 +584,7 @@ class Gateway:
             lead = self.leaderships.get(name)
             if ok and lead is not None and lead.failure is not None:
                 # Granted the lead and could not receive: when every gateway says so, nobody does.
-                checks[f"channel:{name}"] = f"channel {name}: could not start receiving ({lead.failure})"
+                checks[f"channel:{name}"] = f"channel {name}: cannot receive here ({lead.failure})"
                 continue
             checks[f"channel:{name}"] = None if ok else f"channel {name}: not connected or not receiving yet"
         return checks

@@ -238,22 +238,34 @@ class ClusterLeases:
             self._renewed_at = time.monotonic()
 
 
+GIVE_UP_TTLS = 5  # a leader not receiving for this many lease TTLs hands the lead on
+
+
 class Leadership:
     """Run `lead` on exactly one gateway of the cluster at a time (Telegram polling, Slack
     Socket Mode): try for the lease every third of its time to live, start `lead` when
-    it is granted, stop it when the lease is lost, and let go on `stop()`."""
+    it is granted, stop it when the lease is lost, and let go on `stop()`.
+
+    A leader that is alive but cannot receive (`healthy` false for `give_up_s`: its host
+    cannot reach Telegram or Slack) hands the lead on and rests as long before asking
+    again, so another gateway gets to try; a lone gateway has nobody to hand it to."""
 
     def __init__(self, leases: Leases, role: str, *, start: Callable[[], Awaitable[None]],
-                 stop: Callable[[], Awaitable[None]], retry_s: float | None = None) -> None:
+                 stop: Callable[[], Awaitable[None]], retry_s: float | None = None,
+                 healthy: Callable[[], bool] | None = None, give_up_s: float | None = None) -> None:
         self.leases = leases
         self.name = f"leader:{role}"
         self._start = start
         self._stop = stop
-        self._retry_s = retry_s if retry_s is not None else getattr(leases, "ttl_s", LEASE_TTL_S) / 3
+        ttl = getattr(leases, "ttl_s", LEASE_TTL_S)
+        self._retry_s = retry_s if retry_s is not None else ttl / 3
+        self._healthy = healthy
+        self._give_up_s = give_up_s if give_up_s is not None else ttl * GIVE_UP_TTLS
+        self._rest_until = 0.0
         self._task: asyncio.Task[None] | None = None
         self.leading = False
-        # Why this gateway, granted the lead, could not start receiving; None once it leads
-        # or finds another gateway leading. Every gateway failing is nobody receiving.
+        # Why this gateway, granted the lead, could not receive; None once it leads or
+        # finds another gateway leading. Every gateway failing is nobody receiving.
         self.failure: str | None = None
         self.changed = asyncio.Event()  # set on every change of `leading` (tests wait on it)
 
@@ -288,7 +300,7 @@ class Leadership:
             await self._start()
         except Exception as err:  # let another gateway lead; try again later
             log.exception("could not start leading", extra={"lease": self.name})
-            self.failure = f"{type(err).__name__}: {err}"[:300]
+            self.failure = f"could not start: {type(err).__name__}: {err}"[:300]
             await self.leases.release(self.name)
             return
         self.failure = None
@@ -300,7 +312,7 @@ class Leadership:
         if self.leading:
             return "leads"
         if self.failure is not None:
-            return f"standby: could not start receiving here ({self.failure})"
+            return f"standby: cannot receive here ({self.failure})"
         return "standby: another gateway receives"
 
     async def _resign(self) -> None:
@@ -314,12 +326,47 @@ class Leadership:
     async def _run(self) -> None:
         while True:
             if self.leading:
-                await self.leases.lost(self.name).wait()
-                log.warning("lead lost", extra={"lease": self.name})
-                await self._resign()
+                await self._lead()
             else:
                 await asyncio.sleep(self._retry_s)
-                await self._try()
+                if time.monotonic() >= self._rest_until:
+                    await self._try()
+
+    async def _lead(self) -> None:
+        """While leading: resign when the lease is lost, or hand the lead on when this
+        gateway has not been receiving for `give_up_s`."""
+        lost = self.leases.lost(self.name)
+        failing_since: float | None = None
+        while not lost.is_set():
+            try:
+                await asyncio.wait_for(lost.wait(), timeout=self._retry_s)
+            except TimeoutError:
+                pass
+            if lost.is_set() or self._healthy is None or not self.leases.shared:
+                continue
+            if self._receives():
+                failing_since = None
+                continue
+            now = time.monotonic()
+            failing_since = failing_since if failing_since is not None else now
+            if now - failing_since >= self._give_up_s:
+                log.warning("not receiving here; handing the lead to another gateway",
+                            extra={"lease": self.name, "seconds": round(now - failing_since)})
+                await self._resign()
+                await self.leases.release(self.name)
+                self.failure = f"not receiving for {now - failing_since:.0f} s; handed the lead on"
+                self._rest_until = time.monotonic() + self._give_up_s
+                return
+        log.warning("lead lost", extra={"lease": self.name})
+        await self._resign()
+
+    def _receives(self) -> bool:
+        assert self._healthy is not None
+        try:
+            return bool(self._healthy())
+        except Exception:  # a broken check counts as not receiving, like /readyz
+            log.exception("receiving check failed", extra={"lease": self.name})
+            return False
 
 
 def lease_ttl() -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gateway.app import Gateway
-from gateway.cluster import ClusterLeases, Leadership
+from gateway.cluster import GIVE_UP_TTLS, ClusterLeases, Leadership, SoloLeases
 from gateway.config import load_config
 from gateway.store_pg import open_store
 from tests.conftest import write_config
@@ -147,6 +147,35 @@ async def test_telegram_polls_on_one_gateway_and_a_clean_stop_hands_over_at_once
     await asyncio.sleep(1.5)
     assert texts_to(fake_telegram, 5) == ["first answer", "second answer"]
     assert fake_telegram.conflicts == []
+
+
+async def test_a_leader_that_cannot_reach_telegram_hands_the_lead_on(
+        start_gateway: Start, fake_telegram: FakeTelegram, fake_model: FakeModel) -> None:
+    # A's host reaches the database but not Telegram's getUpdates (a proxy answering 502).
+    broken = FakeTelegram(token=fake_telegram.token)
+    await broken.start()
+    try:
+        for _ in range(1000):
+            broken.fail_next("getUpdates", 502, "Bad Gateway")
+        a = await start_gateway(telegram(broken))
+        b = await start_gateway(telegram(fake_telegram))
+        assert leads(a, "telegram") and not leads(b, "telegram")
+        give_up = GIVE_UP_TTLS * TTL_S
+        took = await until(lambda: leads(b, "telegram"), give_up + 5, "the other gateway leads")
+        assert took >= give_up - 1, "a leader is given its time before the lead moves"
+        assert not leads(a, "telegram")
+        problem = (await a.ready())["channel:telegram"]
+        assert problem is not None and "handed the lead on" in problem
+        fake_model.reply("answered by the gateway that can poll")
+        fake_telegram.push_message(chat_id=8, user_id=8, text="hello?")
+        await fake_telegram.wait_sent(1, timeout=10)
+        assert texts_to(fake_telegram, 8) == ["answered by the gateway that can poll"]
+        # A rests, then sees B leading: it stands by, ready, and does not take the lead back.
+        await until(lambda: a.leaderships["telegram"].failure is None, give_up + 5, "A sees B lead")
+        assert all(problem is None for problem in (await a.ready()).values())
+        assert leads(b, "telegram") and not leads(a, "telegram")
+    finally:
+        await broken.stop()
 
 
 async def two_pollers(start_gateway: Start, fake_telegram: FakeTelegram) -> tuple[Gateway, Gateway]:
@@ -334,7 +363,7 @@ async def test_a_leader_that_cannot_start_lets_the_other_lead(
     await lead_one.begin()
     assert not lead_one.leading and not one.holds(lead_one.name)
     # Nobody receives: the one that tried says why, and the database shows no leader.
-    assert lead_one.describe() == "standby: could not start receiving here (RuntimeError: cannot start here)"
+    assert lead_one.describe() == "standby: cannot receive here (could not start: RuntimeError: cannot start here)"
     assert await two.holders("leader:") == {}
     await lead_two.begin()
     assert lead_two.leading and second.running and lead_two.describe() == "leads"
@@ -344,3 +373,14 @@ async def test_a_leader_that_cannot_start_lets_the_other_lead(
     assert lead_one.describe() == "standby: another gateway receives", "it has seen the other lead"
     await lead_one.end()
     await lead_two.end()
+
+
+async def test_a_lone_gateway_keeps_the_lead_while_it_cannot_receive() -> None:
+    # Nobody to hand it to: giving the lead up would only stop its polling for nothing.
+    role = Role()
+    lead = Leadership(SoloLeases(), "poll", start=role.start, stop=role.stop, retry_s=0.02,
+                      healthy=lambda: False, give_up_s=0.05)
+    await lead.begin()
+    await asyncio.sleep(0.5)
+    assert lead.leading and role.running and role.stops == 0 and lead.failure is None
+    await lead.end()

@@ -798,19 +798,23 @@ async def test_fake_bot_api_terminates_the_older_long_poll_with_409() -> None:
         await fake.stop()
 
 
+async def _within(seconds: float, check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(seconds):
+        while True:
+            if check():
+                return
+            await asyncio.sleep(0.02)
+
+
 async def test_a_quiet_bot_is_ready_without_waiting_out_a_long_poll(tmp_path: Path) -> None:
     fake = telegram_server.FakeTelegram()
     await fake.start()
     channel = TelegramChannel(config(fake, poll_timeout_s=30), Recorder(), workspace_for=workspace_for(tmp_path))
     try:
         await channel.start()
-        async with asyncio.timeout(5):
-            while not channel.is_ready():
-                await asyncio.sleep(0.02)
+        await _within(5, channel.is_ready)
         # Then it long-polls as configured.
-        async with asyncio.timeout(5):
-            while not any(c.get("timeout") == 30 for c in fake.calls_of("getUpdates")):
-                await asyncio.sleep(0.02)
+        await _within(5, lambda: any(c.get("timeout") == 30 for c in fake.calls_of("getUpdates")))
     finally:
         await channel.stop()
         await fake.stop()
