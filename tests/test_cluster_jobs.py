@@ -30,6 +30,7 @@ from gateway.tasks import task_text
 from tests.conftest import Clock, GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel, last_user_text
 from tests.pg import PgServer, create_database
+from tests.test_tasks import runs as task_runs
 from tests.test_tasks import services, until
 
 SYNC_S = 0.3
@@ -38,12 +39,6 @@ SYNC_S = 0.3
 def tasks_of(gw: Gateway) -> Any:
     assert gw.tasks is not None
     return gw.tasks
-
-
-async def task_runs(gw: Gateway, task_id: str) -> list[tuple[str, str]]:
-    rows = await services(gw).store.run("SELECT slot, outcome FROM task_runs WHERE task_id=? ORDER BY id",
-                                        (task_id,))
-    return [(r[0], r[1]) for r in rows]
 
 
 def asked(fake: FakeModel, text: str) -> int:

@@ -110,16 +110,21 @@ def resume_renewals(leases: ClusterLeases) -> None:
     leases._renewer = asyncio.get_running_loop().create_task(leases._renew_forever())
 
 
+async def two_receivers(start_gateway: Start, role: str, channels: dict[str, Any]) -> tuple[Gateway, Gateway]:
+    """Two gateways receiving one channel: (the one that leads, the one standing by)."""
+    a = await start_gateway(channels)
+    b = await start_gateway(channels)
+    assert [leads(a, role), leads(b, role)].count(True) == 1
+    return (a, b) if leads(a, role) else (b, a)
+
+
 def texts_to(fake: FakeTelegram, chat_id: int) -> list[str]:
     return [m["text"] for m in fake.sent if m["chat_id"] == chat_id]
 
 
 async def test_telegram_polls_on_one_gateway_and_a_clean_stop_hands_over_at_once(
         start_gateway: Start, fake_telegram: FakeTelegram, fake_model: FakeModel) -> None:
-    a = await start_gateway(telegram(fake_telegram))
-    b = await start_gateway(telegram(fake_telegram))
-    assert [leads(a, "telegram"), leads(b, "telegram")].count(True) == 1
-    leader, standby = (a, b) if leads(a, "telegram") else (b, a)
+    leader, standby = await two_receivers(start_gateway, "telegram", telegram(fake_telegram))
 
     # Both are ready: standing by is not a problem; /readyz details and the metric say who receives.
     for gw in (leader, standby):
@@ -182,9 +187,7 @@ async def test_a_leader_that_cannot_reach_telegram_hands_the_lead_on(
 async def two_pollers(start_gateway: Start, fake_telegram: FakeTelegram) -> tuple[Gateway, Gateway]:
     """Two gateways polling one bot: (the one that leads, the one standing by), once
     the leader's first getUpdates is in."""
-    a = await start_gateway(telegram(fake_telegram))
-    b = await start_gateway(telegram(fake_telegram))
-    leader, standby = (a, b) if leads(a, "telegram") else (b, a)
+    leader, standby = await two_receivers(start_gateway, "telegram", telegram(fake_telegram))
     await fake_telegram.wait_call("getUpdates")
     return leader, standby
 
@@ -237,10 +240,7 @@ async def test_a_stalled_leader_stops_polling_when_it_learns_it_lost_the_lead(
 
 async def test_slack_socket_mode_runs_on_one_gateway_and_moves(
         start_gateway: Start, fake_slack: FakeSlack, fake_model: FakeModel) -> None:
-    a = await start_gateway(slack(fake_slack))
-    b = await start_gateway(slack(fake_slack))
-    assert [leads(a, "slack"), leads(b, "slack")].count(True) == 1
-    leader, standby = (a, b) if leads(a, "slack") else (b, a)
+    leader, standby = await two_receivers(start_gateway, "slack", slack(fake_slack))
     await fake_slack.wait_connected()
     assert fake_slack.open_sockets == 1 and fake_slack.sockets_opened == 1
     assert standby.channels["slack"].is_ready() and leader.channels["slack"].is_ready()
