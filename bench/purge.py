@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.purge import purge
-from gateway.store import Store
+from gateway.memory.purge import purge
+from gateway.store.sqlite import Store
 from gateway.types import Message
 
 DAY = 86_400.0

@@ -3,7 +3,7 @@
     /work/venv/bin/python -m bench.startup [--sessions 0 10000 100000] [--repeat 3] [--refill]
 
 Fills a database per size (20 messages per session: 2M messages for the largest; bulk
-executemany in one transaction on the schema of gateway/migrations.py, the search index
+executemany in one transaction on the schema of gateway/store/migrations.py, the search index
 rebuilt once at the end), copies it into a fresh data dir, and times
 `python -m gateway run` from process start to the first `/readyz` 200. Also times the
 first turn of a stored session (its lazy restore) and of a new one, and the RSS once
@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from bench._procs import PYTHON, ROOT, child_env, gateway_config, start_fake_model, start_gateway, wait_ready
-from gateway.migrations import MIGRATIONS
+from gateway.store.migrations.sqlite import MIGRATIONS
 
 OUT = ROOT / "bench" / "out"
 CACHE = OUT / "startup-db"
@@ -39,8 +39,8 @@ MESSAGES_PER_SESSION = 20
 CACHE_MAX_AGE_S = 3 * 86_400
 GOAL_S = 2.0
 # What `python -m gateway run` imports before it can serve (web only, as in this benchmark).
-GATEWAY_IMPORTS = ("import gateway.__main__, gateway.app, gateway.reload, gateway.scheduler, gateway.memory, "
-                   "channels.web")
+GATEWAY_IMPORTS = ("import gateway.__main__, gateway.app, gateway.config.reload, gateway.jobs.scheduler, "
+                   "gateway.memory.files, channels.web.adapter")
 
 
 @dataclass

@@ -42,7 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from bench._procs import ROOT, Child, gateway_config, start_gateway, telegram_section
-from channels.telegram_format import render_markdown
+from channels.telegram.format import render_markdown
 from tests.fakes.telegram_server import FakeTelegram
 
 OUT = ROOT / "bench" / "out"

@@ -62,12 +62,12 @@ from bench.context_cost import (
     replay,
     replaying,
 )
-from gateway.agent import TOOL_TIMEOUT_S
-from gateway.config import Config, McpConfig, McpServerConfig, parse_config
+from gateway.config.schema import Config, McpConfig, McpServerConfig, parse_config
 from gateway.tools.base import Tool, ToolContext, ToolError, schema
 from gateway.tools.current_time import CurrentTime
 from gateway.tools.mcp import McpManager, McpTool
 from gateway.tools.web_fetch import WebFetch
+from gateway.turns.agent import TOOL_TIMEOUT_S
 from tests.fakes.web_server import FakeWeb
 
 OUT = ROOT / "bench" / "out"
@@ -355,7 +355,7 @@ class RealTools:
         else:
             tool, args = self.mcp[step["tool"]], {**step["args"], "call": call}
         started = time.perf_counter()
-        try:  # as the agent runs a tool (gateway/agent.py: _execute)
+        try:  # as the agent runs a tool (gateway/turns/agent.py: _execute)
             output = await asyncio.wait_for(tool.run(args, self.ctx), TOOL_TIMEOUT_S)
             text, ref = output.text, output.file_ref
         except (ToolError, TimeoutError) as err:

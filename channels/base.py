@@ -7,8 +7,10 @@ Adapters know the platform and nothing about the model.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from aiohttp import web
@@ -107,9 +109,24 @@ class StreamingChannel(Protocol):
 class WebhookChannel(Protocol):
     """A channel that receives platform events over the gateway's HTTP server
     (Telegram webhook, Slack HTTP events). The route is registered once by
-    gateway/http.py and dispatches to whichever instance is running now, so a channel
+    gateway/http/server.py and dispatches to whichever instance is running now, so a channel
     can be restarted alone on a config change."""
 
     webhook_path: str  # e.g. "/telegram/webhook", "/slack/events"
 
     async def handle_webhook(self, request: web.Request) -> web.StreamResponse: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelHooks:
+    """What the gateway hands a messaging platform's channel when it builds one (each
+    package under channels/ has `from_config(section, hooks)`): where inbound messages go,
+    and the running settings it reads per use, so a reload applies without a restart."""
+
+    handle: InboundHandler
+    admits: AccessCheck
+    workspace_for: Callable[[Inbound], Path]  # where a person's files go (no mkdir: the caller makes it off the loop)
+    file_limit: Callable[[], int]  # bytes: `limits.max_inbound_file_mb` now
+    stream_interval: Callable[[], float]  # `stream_interval_s` now
+    observe: StreamObserver  # counts this channel's stream events
+    commands: Sequence[tuple[str, str]] = ()  # the command menu a platform shows (name, description)

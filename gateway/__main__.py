@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gateway.config import Config, ConfigError, config_warnings, load_config, parse_config, startup_problems
-from gateway.logs import setup_logging
+from gateway.config.schema import Config, ConfigError, config_warnings, load_config, parse_config, startup_problems
+from gateway.ops.logs import setup_logging
 
 DEFAULT_CONFIG = Path("config.json")
 
@@ -146,7 +146,7 @@ async def _run(path: Path | None) -> int:
 
 
 async def _chat(path: Path | None) -> int:
-    from channels.terminal import run_terminal
+    from gateway.chat import run_terminal
 
     cfg, cfg_path = _load(path)
     if not cfg.channels.terminal.enabled:
@@ -160,8 +160,8 @@ def _base(cfg_path: Path | None) -> Path:
 
 
 async def _operator(args: argparse.Namespace) -> int:
-    """The commands that read the database and data dir (gateway/cli_ops.py)."""
-    from gateway import cli_ops
+    """The commands that read the database and data dir (gateway/ops/cli.py)."""
+    from gateway.ops import cli as cli_ops
 
     cfg, cfg_path = _load(args.config)
     setup_logging("WARNING")

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.config import Config
-from gateway.store_api import StoreBackend
+from gateway.config.schema import Config
+from gateway.store.api import StoreBackend
 from gateway.types import Inbound
 
 log = logging.getLogger("gateway.access")

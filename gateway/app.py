@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
@@ -15,15 +17,15 @@ from zoneinfo import ZoneInfo
 
 import asyncpg
 
+from channels.base import ChannelHooks
 from context.tokens import TokenCounter
 from gateway.access import Pairing
-from gateway.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
-from gateway.agent import Agent
-from gateway.chat_settings import ChatSettings
-from gateway.cluster import Leadership, open_leases
-from gateway.cluster_sessions import ClusterSessionManager
-from gateway.commands import BOT_COMMANDS, Commands
-from gateway.config import (
+from gateway.cluster.leadership import Leadership
+from gateway.cluster.leases import open_leases
+from gateway.config.chat import ChatSettings
+from gateway.config.holder import ConfigHolder
+from gateway.config.reload import ConfigWatcher
+from gateway.config.schema import (
     Config,
     ConfigError,
     change_effect,
@@ -32,34 +34,46 @@ from gateway.config import (
     secret_text,
     startup_problems,
 )
-from gateway.http import HttpServer, build_app
+from gateway.http.server import HttpServer, build_app
+from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import memory_scope, session_key, workspace_dir
-from gateway.logs import REDACTOR, set_log_level
 from gateway.media import Media, ReplyFile
-from gateway.metrics import Metrics
-from gateway.model import ModelClient
-from gateway.router import Router
-from gateway.services import ConfigHolder, Services
-from gateway.sessions import SessionManager
-from gateway.slots import ModelSlots
-from gateway.store import StoreError
-from gateway.store_pg import open_store
-from gateway.summarizer import Summarizer
-from gateway.tasks import TaskScheduler
+from gateway.model.client import ModelClient
+from gateway.model.slots import ModelSlots
+from gateway.ops.admin import AdminApi, RecentErrors, ToolSourceState, describe_tool_sources
+from gateway.ops.logs import REDACTOR, set_log_level
+from gateway.ops.metrics import Metrics
+from gateway.services import Services
+from gateway.store.backends import open_store
+from gateway.store.rows import StoreError
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
 from gateway.tools.web import WebTools
+from gateway.turns.agent import Agent
+from gateway.turns.commands import BOT_COMMANDS, Commands
+from gateway.turns.leased_sessions import ClusterSessionManager
+from gateway.turns.router import Router
+from gateway.turns.sessions import SessionManager
+from gateway.turns.summaries import Summarizer
+from gateway.turns.usage import Usage
 from gateway.types import Inbound
-from gateway.usage import Usage
 from gateway.workspace import restrict_mode
 
 if TYPE_CHECKING:
     from channels.base import ReplyRefSink, ReplyStream, StreamObserver
-    from channels.web import HistoryItem
+    from channels.web.adapter import HistoryItem
 
 log = logging.getLogger("gateway.app")
 
 SHUTDOWN_TIMEOUT_S = 20.0
+
+# The messaging platforms a gateway can run: `channels.<name>` of the config → the package
+# under channels/ whose `from_config(section, hooks)` builds it. A new platform is one
+# folder there and one line here.
+PLATFORMS: dict[str, str] = {
+    "telegram": "channels.telegram",
+    "slack": "channels.slack",
+}
 
 
 class CurrentSummaryModel:
@@ -235,7 +249,7 @@ class Gateway:
         # Turns accepted before a restart queue first, so they keep their place ahead of
         # messages arriving now; workers start once the channels can deliver replies.
         # With other gateways, their waiting turns are theirs: this one's sweep takes over
-        # only sessions whose lease expired (gateway/cluster_sessions.py).
+        # only sessions whose lease expired (gateway/turns/leased_sessions.py).
         pending_commands = [] if leases.shared else await self.router.resume_pending(set(self.channels))
         for name, channel in list(self.channels.items()):
             await self._start_channel(name, channel)
@@ -256,11 +270,16 @@ class Gateway:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")
         if self.watch_config:
-            from gateway.reload import ConfigWatcher
-
-            self.watcher = ConfigWatcher(self)
+            self.watcher = self.config_watcher()
             await self.watcher.start()
         await self.chat_settings.start()  # on a shared store: follows the other gateways' /config
+
+    def config_watcher(self) -> ConfigWatcher:
+        """What follows edits of config.json for this gateway (SPEC §2 hot reload)."""
+        assert self.chat_settings is not None, "started first"
+        # With other gateways, the settings changed in chat stay on top of the file.
+        return ConfigWatcher(self.holder, parse=self.chat_settings.from_text, check=self.startup_problems,
+                             apply=self.apply_config, notify=self.tell_admins)
 
     def startup_lines(self) -> list[str]:
         """The start banner: each channel and what it is doing, the MCP servers."""
@@ -315,7 +334,7 @@ class Gateway:
 
     def _memory(self, services: Services) -> Any:
         try:
-            from gateway.memory import Memory
+            from gateway.memory.files import Memory
         except ImportError:
             return None
         tz = ZoneInfo(services.cfg.timezone) if services.cfg.timezone else None
@@ -324,7 +343,7 @@ class Gateway:
     async def _start_scheduler(self) -> None:
         assert self.services is not None
         try:
-            from gateway.scheduler import Scheduler
+            from gateway.jobs.scheduler import Scheduler
         except ImportError:
             return
         s = self.services
@@ -348,20 +367,20 @@ class Gateway:
         return workspace_dir(self.holder.data_dir, memory_scope(inbound, self.cfg.group_session_scope))
 
     def _build_channels(self, cfg: Config) -> None:
-        from channels.web import WebChannel
+        from channels.web.adapter import WebChannel
 
         if cfg.channels.web.enabled and self.serve_http:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
                                               history=self.web_history, **_web_settings(cfg),
                                               **self.stream_settings(WebChannel, "web"))
-        for name in ("telegram", "slack"):
+        for name in PLATFORMS:
             channel = self._make_channel(name, cfg)
             if channel is not None:
                 self.channels[name] = channel
 
     async def web_history(self, session: str, limit: int) -> list[HistoryItem]:
         """The web page's view of a session: what was said, oldest first."""
-        from channels.web import HistoryItem
+        from channels.web.adapter import HistoryItem
 
         assert self.services is not None
         probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
@@ -369,19 +388,13 @@ class Gateway:
         return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in stored]
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
-        if name == "telegram" and cfg.channels.telegram.enabled:
-            from channels.telegram import TelegramChannel
-
-            return TelegramChannel(cfg.channels.telegram, self.router.handle, workspace_for=self.workspace_for,
-                                   commands=BOT_COMMANDS, admits=self.router.admits, file_limit=self.file_limit,
-                                   **self.stream_settings(TelegramChannel, name))
-        if name == "slack" and cfg.channels.slack.enabled:
-            from channels.slack import SlackChannel
-
-            return SlackChannel(cfg.channels.slack, self.router.handle, workspace_for=self.workspace_for,
-                                admits=self.router.admits, file_limit=self.file_limit,
-                                **self.stream_settings(SlackChannel, name))
-        return None
+        section = getattr(cfg.channels, name)
+        if not section.enabled:
+            return None
+        hooks = ChannelHooks(handle=self.router.handle, admits=self.router.admits, workspace_for=self.workspace_for,
+                             file_limit=self.file_limit, stream_interval=self.stream_interval,
+                             observe=self.stream_observer(name), commands=BOT_COMMANDS)
+        return importlib.import_module(PLATFORMS[name]).from_config(section, hooks)
 
     def stream_observer(self, channel: str) -> StreamObserver:
         """Counts a channel's stream events in /metrics (gateway_stream_events_total)."""
@@ -500,7 +513,7 @@ class Gateway:
             self.tasks.update_config(cfg)
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
-        for name in ("telegram", "slack"):
+        for name in PLATFORMS:
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)
             if current is not None and getattr(current, "cfg", None) == section:
@@ -515,6 +528,20 @@ class Gateway:
             if replacement is not None:
                 self.channels[name] = replacement
                 await self._start_channel(name, replacement)
+
+    async def tell_admins(self, text: str) -> None:
+        """Best effort: a DM to each admin whose channel is up (Telegram/Slack user ids)."""
+        for admin in self.cfg.admins:
+            channel_name, _, user_id = admin.partition(":")
+            channel = self.channels.get(channel_name)
+            if channel is None or channel_name not in PLATFORMS or not user_id:
+                continue
+            inbound = Inbound(channel=channel_name, chat_id=user_id, user_id=user_id, text="",
+                              event_id=f"config-refused-{time.time()}")
+            try:
+                await asyncio.wait_for(channel.send(inbound, text), timeout=10)
+            except Exception as err:
+                log.warning("could not tell an admin", extra={"admin": admin, "error": str(err)[:200]})
 
     # -- replies ------------------------------------------------------------------------
 

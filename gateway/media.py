@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from context.images import image_reference
-from gateway.config import Config
-from gateway.model import ModelError, Transcriber, TranscriptionSettings, transcription_failure
+from gateway.config.schema import Config
+from gateway.model.errors import ModelError
+from gateway.model.transcribe import Transcriber, TranscriptionSettings, transcription_failure
 from gateway.types import Attachment, AttachmentKind, Inbound
 from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
 

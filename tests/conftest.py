@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 
 from gateway.app import Gateway
-from gateway.config import load_config
-from gateway.store import Store
-from gateway.store_pg import open_store
+from gateway.config.schema import load_config
+from gateway.store.backends import open_store
+from gateway.store.sqlite import Store
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)
 from tests.pg import PgServer, create_database
 from tests.pg import pg_server as start_pg_server

@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from gateway.access import PAIRING_TTL_S, Pairing, decide
-from gateway.config import parse_config
-from gateway.store import Store
+from gateway.config.schema import parse_config
+from gateway.store.sqlite import Store
 from gateway.types import Inbound
 
 

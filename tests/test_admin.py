@@ -16,8 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.config import ConfigError
-from gateway.reload import ConfigWatcher
+from gateway.config.schema import ConfigError
 from tests.conftest import GatewayFactory, chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -78,7 +77,7 @@ async def test_config_read_refused_and_written(make_gateway: GatewayFactory, fak
 async def test_hot_reload_valid_invalid_and_half_written(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                          tmp_path: Path) -> None:
     gw = await make_gateway()
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
     await watcher.start()
     try:
         path = tmp_path / "config.json"
@@ -114,7 +113,7 @@ async def test_hot_reload_valid_invalid_and_half_written(make_gateway: GatewayFa
 
 async def test_secrets_stay_out_of_logs_and_metrics(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from gateway.logs import REDACTOR, LineFormatter
+    from gateway.ops.logs import REDACTOR, LineFormatter
 
     gw = await make_gateway(channels={"web": {"token": "web-token-abcdef"}})
     fake_model.error(401, {"error": {"message": "Incorrect API key provided: test-key", "code": "invalid_api_key"}})
@@ -161,7 +160,7 @@ async def test_sigterm_during_a_turn_loses_nothing(fake_model: FakeModel, tmp_pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    from gateway.store import Store
+    from gateway.store.sqlite import Store
 
     store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
     try:
@@ -176,7 +175,7 @@ async def test_a_model_change_in_the_file_reaches_the_next_request(make_gateway:
                                                                    fake_model: FakeModel, tmp_path: Path) -> None:
     gw = await make_gateway()
     await chat(gw, "mo", "before")
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
     await watcher.start()
     try:
         path = tmp_path / "config.json"
@@ -235,7 +234,7 @@ async def test_a_webhook_without_a_usable_secret_never_runs(make_gateway: Gatewa
     monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", HOOK_SECRET)
     gw = await make_gateway(admins=["telegram:1"], channels=shipped)
     assert fake_telegram.webhook is not None and fake_telegram.webhook["secret_token"] == HOOK_SECRET
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
     await watcher.start()
     try:
         path = tmp_path / "config.json"
@@ -257,8 +256,8 @@ async def test_the_channel_refuses_every_webhook_request_without_a_usable_secret
         fake_telegram: FakeTelegram) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from channels.telegram import TelegramChannel
-    from gateway.config import TelegramConfig
+    from channels.telegram.adapter import TelegramChannel
+    from gateway.config.schema import TelegramConfig
 
     async def never(_inbound: object) -> None:
         raise AssertionError("a forged update reached the router")
@@ -329,7 +328,7 @@ async def test_a_reload_with_a_bad_cron_is_refused(make_gateway: GatewayFactory,
     gw = await make_gateway(admins=["telegram:1"], channels=_tg(fake_telegram), timezone="UTC")
     assert gw.scheduler is not None
     next_run = gw.scheduler.next_consolidation()
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
     await watcher.start()
     try:
         path = tmp_path / "config.json"

@@ -12,10 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.admin import RecentErrors, describe_tool_sources
 from gateway.app import Gateway
-from gateway.config import ConfigError, parse_config, startup_problems
-from gateway.logs import Redactor
+from gateway.config.schema import ConfigError, parse_config, startup_problems
+from gateway.ops.admin import RecentErrors, describe_tool_sources
+from gateway.ops.logs import Redactor
 from gateway.tools.base import Tool
 from gateway.tools.current_time import CurrentTime
 from gateway.types import Inbound

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from playwright.async_api import Browser, expect
 
-from gateway.reload import ConfigWatcher
 from tests.admin_screenshot import NAME, take
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import telegram_server
@@ -65,7 +64,7 @@ async def test_the_token_prompt_then_sessions(make_gateway: GatewayFactory, fake
     raw = json.loads(config_path.read_text())
     raw["http"]["admin_token"] = ROTATED
     config_path.write_text(json.dumps(raw))
-    assert await ConfigWatcher(gw).reload() is True
+    assert await gw.config_watcher().reload() is True
     await page.click("#refresh")
     await expect(page.locator("#login-error")).to_contain_text("did not accept that token", timeout=5000)
     assert await page.evaluate("sessionStorage.getItem('gw.admin_token')") is None

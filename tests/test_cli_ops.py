@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from gateway.access import Pairing
-from gateway.store import Store
+from gateway.store.sqlite import Store
 from tests.conftest import GatewayFactory, chat, write_config
 from tests.fakes.openai_server import FakeModel
 

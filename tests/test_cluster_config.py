@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from gateway import cli_ops, commands
 from gateway.app import Gateway
-from gateway.config import load_config
+from gateway.config.schema import load_config
+from gateway.ops import cli as cli_ops
+from gateway.turns import commands
 from tests.conftest import StoreFactory, chat, deep_merge, write_config
 from tests.fakes.openai_server import FakeModel
 from tests.pg import PgServer, create_database

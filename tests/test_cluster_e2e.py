@@ -52,13 +52,13 @@ from bench._cluster import (
     lease_holder_pids,
     served_by,
 )
-from gateway.cluster import ClusterLeases
-from gateway.config import Config, ModelConfig
-from gateway.consolidate import SYSTEM_PROMPT
-from gateway.memory import Memory
-from gateway.model import ModelClient
-from gateway.scheduler import Scheduler
-from gateway.store_pg import PgStore
+from gateway.cluster.leases import ClusterLeases
+from gateway.config.schema import Config, ModelConfig
+from gateway.jobs.scheduler import Scheduler
+from gateway.memory.consolidate import SYSTEM_PROMPT
+from gateway.memory.files import Memory
+from gateway.model.client import ModelClient
+from gateway.store.postgres import PgStore
 from tests.fakes.openai_server import FakeModel, Reply, last_user_text
 from tests.pg import PgServer, create_database
 

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-import gateway.tasks
+import gateway.jobs.tasks
 from gateway.app import Gateway
-from gateway.cluster import ClusterLeases
-from gateway.config import Config, ModelConfig
-from gateway.memory import Memory
-from gateway.model import ModelClient
-from gateway.scheduler import Scheduler
-from gateway.store_pg import PgStore
-from gateway.tasks import task_text
+from gateway.cluster.leases import ClusterLeases
+from gateway.config.schema import Config, ModelConfig
+from gateway.jobs.scheduler import Scheduler
+from gateway.memory.files import Memory
+from gateway.model.client import ModelClient
+from gateway.store.postgres import PgStore
+from gateway.tasks.schedule import task_text
 from tests.conftest import Clock, GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel, last_user_text
 from tests.pg import PgServer, create_database
@@ -47,7 +47,7 @@ def asked(fake: FakeModel, text: str) -> int:
 
 @pytest.fixture
 async def cluster_url(pg_server: PgServer, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(gateway.tasks, "SYNC_INTERVAL_S", SYNC_S)
+    monkeypatch.setattr(gateway.jobs.tasks, "SYNC_INTERVAL_S", SYNC_S)
     return await create_database(pg_server)
 
 

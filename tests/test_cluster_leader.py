@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from gateway.app import Gateway
-from gateway.cluster import GIVE_UP_TTLS, ClusterLeases, Leadership, SoloLeases
-from gateway.config import load_config
-from gateway.store_pg import open_store
+from gateway.cluster.leadership import GIVE_UP_TTLS, Leadership
+from gateway.cluster.leases import ClusterLeases, SoloLeases
+from gateway.config.schema import load_config
+from gateway.store.backends import open_store
 from tests.conftest import write_config
 from tests.fakes import slack_server
 from tests.fakes.openai_server import FakeModel

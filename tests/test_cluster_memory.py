@@ -7,8 +7,8 @@ import asyncio
 from datetime import UTC
 from pathlib import Path
 
-from gateway.memory import MEMORY_FILE, Memory
-from gateway.store_pg import PgStore
+from gateway.memory.files import MEMORY_FILE, Memory
+from gateway.store.postgres import PgStore
 from tests.pg import PgServer, create_database
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import (
+from gateway.config.schema import (
     ConfigError,
     atomic_write_text,
     config_warnings,
@@ -294,7 +294,7 @@ def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
 def test_every_secret_field_is_a_secret_key() -> None:
     from pydantic import BaseModel, SecretStr
 
-    from gateway.config import Config, is_secret_key
+    from gateway.config.schema import Config, is_secret_key
 
     def walk(model: type[BaseModel], prefix: str) -> list[tuple[str, bool]]:
         out = []
@@ -318,7 +318,7 @@ def test_every_secret_field_is_a_secret_key() -> None:
 
 def test_media_settings_and_the_transcription_key() -> None:
     from gateway.app import secret_values
-    from gateway.config import is_credential_destination, is_secret_key, known_vision
+    from gateway.config.schema import is_credential_destination, is_secret_key, known_vision
 
     cfg = parse_config({}, environ={})
     assert (cfg.model.vision, cfg.model.sees_images()) == (None, True)  # gpt-4o-mini: from the table

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway import config_docs
-from gateway.config import change_effect
+from gateway.config import docs as config_docs
+from gateway.config.schema import change_effect
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_committed_page_matches_the_schema() -> None:
     page = ROOT / "docs" / "configuration.md"
     committed = page.read_text(encoding="utf-8") if page.exists() else ""
     assert committed == config_docs.render(), (
-        f"docs/configuration.md is out of date with gateway/config.py: run `{config_docs.REGENERATE}` "
+        f"docs/configuration.md is out of date with gateway/config/schema.py: run `{config_docs.REGENERATE}` "
         "and commit the result"
     )
 
@@ -28,9 +28,9 @@ def test_committed_page_matches_the_schema() -> None:
 def test_every_key_has_a_meaning_and_every_meaning_a_key() -> None:
     keys = {doc.key for doc in config_docs.config_keys()}
     missing = sorted(keys - config_docs.MEANINGS.keys())
-    assert not missing, f"add a one-line meaning to MEANINGS in gateway/config_docs.py for: {missing}"
+    assert not missing, f"add a one-line meaning to MEANINGS in gateway/config/docs.py for: {missing}"
     unknown = sorted((config_docs.MEANINGS.keys() | config_docs.ALLOWED.keys()) - keys)
-    assert not unknown, f"MEANINGS/ALLOWED in gateway/config_docs.py name keys the config does not have: {unknown}"
+    assert not unknown, f"MEANINGS/ALLOWED in gateway/config/docs.py name keys the config does not have: {unknown}"
     blank = sorted(k for k, v in config_docs.MEANINGS.items() if not v.strip())
     assert not blank, f"empty meanings: {blank}"
 
@@ -89,6 +89,6 @@ def test_check_flag_reports_a_stale_page(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_module_prints_the_page() -> None:
-    out = subprocess.run([sys.executable, "-m", "gateway.config_docs"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gateway.config.docs"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out == config_docs.render()

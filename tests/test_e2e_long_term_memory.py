@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.app import Gateway
-from gateway.store import Store
-from gateway.summarizer import FOLD_MAX_TURNS, summary_delta
+from gateway.store.sqlite import Store
+from gateway.turns.summaries import FOLD_MAX_TURNS, summary_delta
 from gateway.types import Message
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error

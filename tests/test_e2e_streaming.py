@@ -18,11 +18,11 @@ from typing import Any
 
 import aiohttp
 
-from channels.slack_format import clean_text, split_message, to_mrkdwn
-from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
+from channels.slack.format import clean_text, split_message, to_mrkdwn
+from channels.telegram.format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
 from gateway.app import Gateway
-from gateway.config import ModelConfig
-from gateway.model import ModelClient
+from gateway.config.schema import ModelConfig
+from gateway.model.client import ModelClient
 from tests.conftest import GatewayFactory
 from tests.fakes import slack_server
 from tests.fakes.openai_server import FakeModel, Reply

@@ -14,7 +14,7 @@ import aiohttp
 from gateway.access import PAIRING_TTL_S
 from gateway.app import Gateway
 from gateway.keys import workspace_dir
-from gateway.store import Store
+from gateway.store.sqlite import Store
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -135,7 +135,7 @@ async def test_a_resumed_turn_keeps_its_place_before_newer_messages(
 ) -> None:
     """A turn cut by a crash is answered first, with its own reply, even when the person's
     next message is already waiting when the gateway comes back."""
-    from gateway.store import Store
+    from gateway.store.sqlite import Store
     from gateway.types import Inbound, Message, inbound_to_dict
 
     store = await Store.open(tmp_path / "data" / "gateway.sqlite3")

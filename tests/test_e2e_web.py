@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.router import BUSY_REPLY
+from gateway.turns.router import BUSY_REPLY
 from tests.conftest import GatewayFactory, chat, post_chat
 from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall, last_user_text
 

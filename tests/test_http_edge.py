@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.config import HttpConfig
-from gateway.http import HttpServer, build_app
+from gateway.config.schema import HttpConfig
+from gateway.http.server import HttpServer, build_app
 from tests.conftest import GatewayFactory
 from tests.fakes import slack_server, telegram_server
 from tests.fakes.openai_server import FakeModel

@@ -22,12 +22,12 @@ from zoneinfo import ZoneInfo
 import aiohttp
 import pytest
 
-import gateway.reload
+import gateway.config.reload
 from gateway.app import Gateway
-from gateway.commands import flatten
-from gateway.config import Config, change_effect
-from gateway.reload import ConfigWatcher
-from gateway.sessions import TIMEOUT_REPLY
+from gateway.config.reload import ConfigWatcher
+from gateway.config.schema import Config, change_effect
+from gateway.turns.commands import flatten
+from gateway.turns.sessions import TIMEOUT_REPLY
 from gateway.types import Inbound, Message
 from tests.conftest import GatewayFactory
 from tests.fakes import search_server, slack_server, telegram_server, web_server
@@ -775,7 +775,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
                                                restore_logging: Any) -> None:
     leaves = set(flatten(Config().model_dump(mode="json")))
     assert {row.key for row in ROWS} == leaves, "every key needs a row: how does it apply?"
-    monkeypatch.setattr(gateway.reload, "SETTLE_S", 0.01)
+    monkeypatch.setattr(gateway.config.reload, "SETTLE_S", 0.01)
     gw = await make_gateway(
         admins=["web:boss", "telegram:1"], timezone="UTC",
         access={"dm_policy": "pairing", "allow_from": ["telegram:-100"]},
@@ -794,7 +794,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
     )
     fake_search.tavily_key = fake_search.brave_token  # the same key works for the provider row
     path = tmp_path / "config.json"
-    watcher = ConfigWatcher(gw)  # its reload path, called directly: no file-event race with the test
+    watcher = gw.config_watcher()  # its reload path, called directly: no file-event race with the test
     rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher, fake_web, fake_search)
     failures: list[str] = []
     await _ready(rig)
@@ -835,7 +835,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
 
 
 def test_the_readme_lists_how_keys_apply() -> None:
-    from gateway.config import CHANNEL_SECTIONS, RESTART_KEYS
+    from gateway.config.schema import CHANNEL_SECTIONS, RESTART_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = {line.split("|")[2].strip(): set(re.findall(r"`([a-z_.*]+)`", line.split("|")[1]))
@@ -846,7 +846,7 @@ def test_the_readme_lists_how_keys_apply() -> None:
 
 
 async def test_model_slots_follow_a_new_limit_and_never_leak() -> None:
-    from gateway.slots import ModelSlots
+    from gateway.model.slots import ModelSlots
 
     slots = ModelSlots(1)
     entered: list[str] = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.logs import REDACTOR, LineFormatter
+from gateway.ops.logs import REDACTOR, LineFormatter
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram, fake_telegram  # noqa: F401  (fixture)

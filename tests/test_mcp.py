@@ -22,12 +22,11 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-import gateway.reload
+import gateway.config.reload
 import gateway.tools.mcp as mcp_module
 from gateway.app import Gateway
-from gateway.config import ConfigError, parse_config, startup_problems
+from gateway.config.schema import ConfigError, parse_config, startup_problems
 from gateway.keys import workspace_dir
-from gateway.reload import ConfigWatcher
 from gateway.tools.base import ToolContext, ToolError
 from gateway.tools.mcp import TOOL_NAME, fitted_name, normalized_schema
 from tests.conftest import GatewayFactory, chat, post_chat
@@ -110,7 +109,7 @@ def fast_reconnects(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mcp_module, "BACKOFF_MIN_S", 0.1)
     monkeypatch.setattr(mcp_module, "BACKOFF_MAX_S", 0.4)
     monkeypatch.setattr(mcp_module, "PING_INTERVAL_S", 0.3)
-    monkeypatch.setattr(gateway.reload, "SETTLE_S", 0.01)
+    monkeypatch.setattr(gateway.config.reload, "SETTLE_S", 0.01)
 
 
 @dataclass
@@ -377,7 +376,7 @@ async def test_hot_reload_touches_only_the_changed_server(make_gateway: GatewayF
     await ready(gw, "a")
     a_pid = int(await call(gw, "a__pid"))
     path = tmp_path / "config.json"
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
 
     async def rewrite(servers: dict[str, Any]) -> None:
         raw = json.loads(path.read_text())

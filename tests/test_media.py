@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from gateway.config import Config, parse_config
+from gateway.config.schema import Config, parse_config
 from gateway.media import FileRefused, Media, prepare_image, save_download
-from gateway.model import ModelError, Transcriber, TranscriptionSettings
+from gateway.model.errors import ModelError
+from gateway.model.transcribe import Transcriber, TranscriptionSettings
 from gateway.tools.base import ToolContext, ToolError
 from gateway.tools.read_file import ReadFile
 from gateway.types import Attachment, Inbound
@@ -278,8 +279,8 @@ def test_the_pdf_helper_makes_real_pages() -> None:
 
 
 def test_a_transcription_error_is_classified_like_a_model_error_but_never_as_overflow() -> None:
-    from gateway.model import transcript_from_response
-    from gateway.model_http import RawResponse
+    from gateway.model.transcribe import transcript_from_response
+    from gateway.model.transport import RawResponse
 
     too_large = RawResponse(413, {}, b'{"error": {"message": "Maximum content size limit exceeded", '
                                      b'"type": "invalid_request_error"}}')

@@ -12,9 +12,9 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from gateway.config import Config
-from gateway.memory import Memory, parse_query
-from gateway.store import Store
+from gateway.config.schema import Config
+from gateway.memory.files import Memory, parse_query
+from gateway.store.sqlite import Store
 from gateway.tools.base import ToolContext, ToolError
 from gateway.tools.memory_search import MemorySearch
 from gateway.tools.memory_write import MemoryWrite

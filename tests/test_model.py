@@ -18,16 +18,10 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
-from gateway.config import ModelConfig
-from gateway.model import (
-    CallRecord,
-    ModelClient,
-    ModelError,
-    StreamAssembly,
-    classify_error,
-    parse_retry_after,
-    retry_delay,
-)
+from gateway.config.schema import ModelConfig
+from gateway.model.client import CallRecord, ModelClient, retry_delay
+from gateway.model.errors import ModelError, classify_error, parse_retry_after
+from gateway.model.replies import StreamAssembly
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (the fixture)
 
 ERRORS = Path(__file__).parent / "data" / "provider_errors"

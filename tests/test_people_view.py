@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from gateway.config import ConfigError, ModelConfig, parse_config, parse_config_text
-from gateway.model import ModelClient, ModelError
-from gateway.reload import ConfigWatcher
+from gateway.config.schema import ConfigError, ModelConfig, parse_config, parse_config_text
+from gateway.model.client import ModelClient
+from gateway.model.errors import ModelError
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -133,7 +133,7 @@ async def test_a_reload_logs_which_settings_changed(make_gateway: GatewayFactory
                                                    caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     gw = await make_gateway()
-    watcher = ConfigWatcher(gw)
+    watcher = gw.config_watcher()
     await watcher.start()
     try:
         path = tmp_path / "config.json"
@@ -165,7 +165,7 @@ async def test_a_retry_after_a_connection_error_names_no_http_status(
 def test_every_log_record_is_one_line_and_file_watching_is_quiet() -> None:
     script = (
         "import logging, warnings\n"
-        "from gateway.logs import setup_logging\n"
+        "from gateway.ops.logs import setup_logging\n"
         "setup_logging('INFO')\n"
         "logging.getLogger('watchfiles.main').info('1 change detected')\n"
         "warnings.warn('a library complains')\n"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import Config
-from gateway.memory import Memory
-from gateway.purge import purge
-from gateway.scheduler import JOB_PURGE, Scheduler
-from gateway.store import Store
+from gateway.config.schema import Config
+from gateway.jobs.scheduler import JOB_PURGE, Scheduler
+from gateway.memory.files import Memory
+from gateway.memory.purge import purge
+from gateway.store.sqlite import Store
 from gateway.types import Message
 
 NOW = datetime(2026, 11, 28, 12, 0, tzinfo=UTC)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._procs import Child, gateway_config, start_gateway, telegram_section
-from gateway.store import Store
+from gateway.store.sqlite import Store
 from gateway.types import Inbound, Message, inbound_to_dict
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server

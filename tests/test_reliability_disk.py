@@ -36,7 +36,7 @@ import pytest
 
 from bench._procs import PYTHON, ROOT, child_env
 from gateway.app import Gateway
-from gateway.store import Store, StoreError
+from gateway.store.sqlite import Store, StoreError
 from tests.conftest import GatewayFactory, chat
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel

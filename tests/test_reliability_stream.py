@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from bench._procs import Child, gateway_config, start_gateway, telegram_section
-from channels.telegram_format import render_markdown
-from gateway.store import Store
+from channels.telegram.format import render_markdown
+from gateway.store.sqlite import Store
 from tests.fakes.openai_server import FakeModel, Reply
 from tests.test_reliability_crash import CrashTelegram, Killer
 from tests.test_telegram_stream import pieces

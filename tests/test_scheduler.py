@@ -13,11 +13,8 @@ import pytest
 from apscheduler.triggers.cron import CronTrigger
 from pydantic import SecretStr
 
-from gateway.config import Config, ModelConfig
-from gateway.consolidate import NoteDelta, take_within_budget
-from gateway.memory import Memory, NoteFile
-from gateway.model import ModelClient
-from gateway.scheduler import (
+from gateway.config.schema import Config, ModelConfig
+from gateway.jobs.scheduler import (
     JOB_CONSOLIDATION,
     JOB_PURGE,
     MISFIRE_GRACE_S,
@@ -25,7 +22,10 @@ from gateway.scheduler import (
     cron_trigger,
     last_fire_time,
 )
-from gateway.store import Store
+from gateway.memory.consolidate import NoteDelta, take_within_budget
+from gateway.memory.files import Memory, NoteFile
+from gateway.model.client import ModelClient
+from gateway.store.sqlite import Store
 from tests.conftest import Clock
 from tests.fakes.openai_server import ErrorReply, FakeModel, last_user_text
 

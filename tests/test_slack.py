@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from slack_sdk.errors import SlackApiError
 
 from channels.base import Channel, WebhookChannel
-from channels.slack import SlackChannel, parse_command, parse_event, reply_thread, verify_signature
-from channels.slack_format import MESSAGE_LIMIT, slack_to_text, split_message, to_mrkdwn
-from gateway.config import SlackConfig
+from channels.slack.adapter import SlackChannel, parse_command, parse_event, reply_thread, verify_signature
+from channels.slack.format import MESSAGE_LIMIT, slack_to_text, split_message, to_mrkdwn
+from gateway.config.schema import SlackConfig
 from gateway.keys import memory_scope, scope_dirname, session_key
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 from tests.fakes import slack_server

@@ -10,10 +10,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from gateway.config import Config
-from gateway.store import Store
+from gateway.config.schema import Config
+from gateway.store.sqlite import Store
+from gateway.turns.usage import Usage, today
 from gateway.types import Message
-from gateway.usage import Usage, today
 from tests.conftest import StoreFactory
 
 
@@ -47,7 +47,7 @@ async def test_end_turn_sets_the_status_and_counts_usage_once_per_turn(make_stor
     assert counted == (2, 150)
 
 
-# -- group commit (gateway/group_commit.py) ---------------------------------------------
+# -- group commit (gateway/store/group_commit.py) ---------------------------------------------
 
 
 async def test_concurrent_messages_share_commits_and_each_caller_gets_its_own_row(make_store: StoreFactory) -> None:
@@ -132,7 +132,7 @@ async def test_a_cancelled_writer_still_gets_its_row_stored_and_close_waits_for_
     assert [m.content for m in kept] == ["kept"]
 
 
-# -- WAL checkpoints off the chat's connection (gateway/checkpointer.py) ------------------
+# -- WAL checkpoints off the chat's connection (gateway/store/checkpoints.py) ------------------
 
 
 async def test_checkpoints_run_on_their_own_connection_and_keep_the_wal_bounded(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Both store backends provide every method of gateway/store_api.py's StoreBackend with
+"""Both store backends provide every method of gateway/store/api.py's StoreBackend with
 the same parameters (names, kinds, defaults), sync or async alike; and every public
 method of the SQLite store is in the protocol, so one added there must be added to
 PostgreSQL's too."""
@@ -9,9 +9,9 @@ import inspect
 
 import pytest
 
-from gateway.store import Store
-from gateway.store_api import StoreBackend
-from gateway.store_pg import PgStore
+from gateway.store.api import StoreBackend
+from gateway.store.postgres import PgStore
+from gateway.store.sqlite import Store
 
 CONSTRUCTORS = {"open"}  # each backend opens from its own kind of address
 

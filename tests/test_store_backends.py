@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from gateway.app import Gateway
-from gateway.config import Config, ConfigError, load_config, parse_config, startup_problems
-from gateway.purge import purge
-from gateway.store import Store
-from gateway.store_pg import PgStore, to_postgres
+from gateway.config.schema import Config, ConfigError, load_config, parse_config, startup_problems
+from gateway.memory.purge import purge
+from gateway.store.postgres import PgStore, to_postgres
+from gateway.store.sqlite import Store
 from gateway.types import Message
 from tests.conftest import StoreFactory, chat, write_config
 from tests.fakes.openai_server import FakeModel

@@ -24,14 +24,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from channels.base import ReplyRefSink, ReplyStream, StreamingChannel
-from channels.terminal import BOT, TerminalChannel
-from gateway.agent import EMPTY_REPLY
+from channels.terminal.channel import BOT, TerminalChannel
 from gateway.app import Gateway
-from gateway.config import load_config
-from gateway.metrics import Metrics
-from gateway.store import Store
-from gateway.streaming import RETRYING_STATUS, StepFeed, clean_reply
+from gateway.config.schema import load_config
+from gateway.ops.metrics import Metrics
+from gateway.store.sqlite import Store
 from gateway.tools.status import tool_status
+from gateway.turns.agent import EMPTY_REPLY
+from gateway.turns.streaming import RETRYING_STATUS, StepFeed, clean_reply
 from gateway.types import Inbound, Message, ToolCall, inbound_to_dict
 from tests.conftest import write_config
 from tests.fakes.openai_server import FakeModel, StreamError

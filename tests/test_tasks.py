@@ -20,12 +20,13 @@ from zoneinfo import ZoneInfo
 import aiohttp
 import pytest
 
-import gateway.tasks
-from channels.terminal import TerminalChannel
+import gateway.jobs.tasks
+from channels.terminal.channel import TerminalChannel
 from gateway.app import Gateway
-from gateway.purge import purge
-from gateway.store import Store
-from gateway.tasks import Schedule, Task, TaskError, TaskStore, parse_duration, parse_schedule, task_text
+from gateway.memory.purge import purge
+from gateway.store.sqlite import Store
+from gateway.tasks.schedule import Schedule, TaskError, parse_duration, parse_schedule, task_text
+from gateway.tasks.store import Task, TaskStore
 from gateway.types import Inbound
 from tests.conftest import GatewayFactory, StoreFactory, chat
 from tests.fakes import slack_server, telegram_server
@@ -504,8 +505,8 @@ async def test_bad_arguments_reach_the_model_as_clear_errors(make_gateway: Gatew
 
 async def test_a_busy_session_is_retried_then_recorded_busy(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gateway.tasks, "BUSY_RETRY_S", 0.1)
-    monkeypatch.setattr(gateway.tasks, "BUSY_RETRIES", 2)
+    monkeypatch.setattr(gateway.jobs.tasks, "BUSY_RETRY_S", 0.1)
+    monkeypatch.setattr(gateway.jobs.tasks, "BUSY_RETRIES", 2)
     gw = await make_gateway(limits={"session_queue_size": 1})
     (task_id,) = await _make_tasks(gw, fake_model, "alice", {"prompt": "Ping", "at": "in 1s"})
     release = asyncio.Event()

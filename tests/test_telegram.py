@@ -20,15 +20,15 @@ from telegram.error import InvalidToken
 from telegramify_markdown import convert
 
 from channels.base import Channel, WebhookChannel
-from channels.telegram import BotIdentity, TelegramChannel, parse_update, safe_file_name
-from channels.telegram_format import (
+from channels.telegram.adapter import BotIdentity, TelegramChannel, parse_update, safe_file_name
+from channels.telegram.format import (
     MAX_ENTITIES,
     TELEGRAM_TEXT_LIMIT,
     render_markdown,
     split_chunks,
     utf16_len,
 )
-from gateway.config import TelegramConfig
+from gateway.config.schema import TelegramConfig
 from gateway.keys import memory_scope, scope_dirname, session_key
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 from tests.fakes import telegram_server

@@ -18,8 +18,8 @@ from telegram import Bot, MessageEntity
 from telegram.error import BadRequest
 from telegramify_markdown import converter
 
-from channels import telegram_format
-from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, render_text
+from channels.telegram import format as telegram_format
+from channels.telegram.format import TELEGRAM_TEXT_LIMIT, render_markdown, render_text
 from tests.conftest import GatewayFactory
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel

@@ -1,4 +1,4 @@
-"""The aiohttp transport under python-telegram-bot (channels/telegram_http.py), through the
+"""The aiohttp transport under python-telegram-bot (channels/telegram/transport.py), through the
 library's own Bot against small local servers: uploads, timeouts, refused connections."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from aiohttp import web
 from telegram import Bot
 from telegram.error import NetworkError, TimedOut
 
-from channels.telegram_http import AiohttpRequest
+from channels.telegram.transport import AiohttpRequest
 
 TOKEN = "123:abc"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

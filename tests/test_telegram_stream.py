@@ -18,9 +18,9 @@ from telegram import Bot
 from telegram.error import BadRequest, RetryAfter
 
 from channels.base import ReplyStream, StreamingChannel
-from channels.telegram import TelegramChannel
-from channels.telegram_format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
-from gateway.config import TelegramConfig
+from channels.telegram.adapter import TelegramChannel
+from channels.telegram.format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
+from gateway.config.schema import TelegramConfig
 from gateway.types import Inbound
 from tests.fakes.telegram_server import FakeTelegram
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import pyte
 
-from channels.terminal import TerminalChannel
-from gateway.store import Store
-from gateway.store_pg import PgStore
+from channels.terminal.channel import TerminalChannel
+from gateway.store.postgres import PgStore
+from gateway.store.sqlite import Store
 from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import GatewayFactory, write_config
 from tests.fakes.openai_server import FakeModel

@@ -9,7 +9,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.agent import TOOL_TIMEOUT_GRACE_S, TOOL_TIMEOUT_MAX_S, TOOL_TIMEOUT_S, tool_timeout
 from gateway.tools.base import Tool, ToolContext, ToolOutput
 from gateway.tools.current_time import CurrentTime
 from gateway.tools.mcp import CALL_GUARD_S
@@ -18,6 +17,7 @@ from gateway.tools.registry import ToolRegistry
 from gateway.tools.status import tool_status
 from gateway.tools.web_fetch import WebFetch
 from gateway.tools.web_search import WebSearch
+from gateway.turns.agent import TOOL_TIMEOUT_GRACE_S, TOOL_TIMEOUT_MAX_S, TOOL_TIMEOUT_S, tool_timeout
 from gateway.types import ToolCall
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel

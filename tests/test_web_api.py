@@ -18,8 +18,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from channels.base import ReplyStream
-from channels.web import HistoryItem, WebChannel
-from gateway.store import Store
+from channels.web.adapter import HistoryItem, WebChannel
+from gateway.store.sqlite import Store
 from gateway.types import Inbound, Message, ToolCall
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gateway.app import secret_values
-from gateway.config import ConfigError, parse_config, startup_problems
+from gateway.config.schema import ConfigError, parse_config, startup_problems
 from gateway.keys import workspace_dir
 from gateway.tools import ssrf
 from gateway.tools.base import ToolContext, ToolError, status_line

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from context.truncate import FileRef
 
 if TYPE_CHECKING:
-    from gateway.config import Config
+    from gateway.config.schema import Config
     from gateway.types import Inbound
 
 

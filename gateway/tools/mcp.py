@@ -37,11 +37,11 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 
-from gateway.config import McpConfig, McpServerConfig
+from gateway.config.schema import McpConfig, McpServerConfig
 from gateway.tools.base import ToolContext, ToolError, ToolImage, ToolOutput
 
 if TYPE_CHECKING:
-    from gateway.metrics import Metrics
+    from gateway.ops.metrics import Metrics
 
 log = logging.getLogger("gateway.mcp")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.memory import Memory
+from gateway.memory.files import Memory
 from gateway.tools.base import ToolContext, ToolError, ToolOutput
 
 MAX_QUERY_CHARS = 400

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.memory import MEMORY_FILE, NOTES_DIR
+from gateway.memory.files import MEMORY_FILE, NOTES_DIR
 from gateway.tools.base import ToolContext, ToolError, ToolOutput
 from gateway.tools.memory_search import scope_memory
 from gateway.workspace import PathNotAllowed

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gateway.config import Config
+from gateway.config.schema import Config
 from gateway.tools.base import Tool, schema
 from gateway.tools.current_time import CurrentTime
 from gateway.tools.read_file import ReadFile

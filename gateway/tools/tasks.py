@@ -1,21 +1,37 @@
 """`schedule_task`, `list_tasks`, `cancel_task` (SPEC §5.3): tasks people schedule in chat.
 
-The tools only talk to the running `TaskScheduler` (gateway/tasks.py); a task belongs to
+The tools only talk to the running `TaskScheduler` (gateway/jobs/tasks.py); a task belongs to
 the scope of the session it was made in, so a session sees and cancels its scope's tasks
 only (admins: any). Built-in tools: without a running scheduler they say so."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.access import is_admin
-from gateway.cron import zone
-from gateway.tasks import TaskError, TaskScheduler, format_time
+from gateway.config.cron import zone
+from gateway.config.schema import Config
+from gateway.tasks.schedule import TaskError, format_time
+from gateway.tasks.store import Task
 from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments
+from gateway.types import Inbound
 
 
-def _scheduler(ctx: ToolContext) -> TaskScheduler:
+class TaskBook(Protocol):
+    """What the tools ask of the running scheduler (gateway/jobs/tasks.py's TaskScheduler)."""
+
+    async def create(self, *, scope: str, session_key: str, inbound: Inbound, prompt: str, at: str | None,
+                     every: str | None, cron: str | None, cfg: Config) -> Task: ...
+
+    async def visible(self, scope: str, *, everything: bool = False) -> list[Task]: ...
+
+    async def cancel(self, task_id: str, *, scope: str, identity: str, cfg: Config) -> Task: ...
+
+    def describe(self, tasks: list[Task], cfg: Config, *, with_scope: bool = False) -> list[str]: ...
+
+
+def _scheduler(ctx: ToolContext) -> TaskBook:
     tasks = getattr(ctx.services, "tasks", None)
     if tasks is None:
         raise ToolError("scheduled tasks are not available in this gateway")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gateway.config import Config
+from gateway.config.schema import Config
 from gateway.tools.base import Tool
 from gateway.tools.web_fetch import WebFetch
 from gateway.tools.web_search import WebSearch

@@ -20,7 +20,7 @@ import trafilatura
 from pypdf import PdfReader
 from yarl import URL
 
-from gateway.config import WebFetchConfig
+from gateway.config.schema import WebFetchConfig
 from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.tools.ssrf import PinnedResolver, checked_addresses
 

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from gateway.config import WebSearchConfig, secret_text
-from gateway.proxy import env_proxy
+from gateway.config.schema import WebSearchConfig, secret_text
+from gateway.http.proxy import env_proxy
 from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments
 
 DEFAULT_BASE_URLS = {"brave": "https://api.search.brave.com", "tavily": "https://api.tavily.com"}

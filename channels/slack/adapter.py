@@ -1,0 +1,909 @@
+"""The Slack channel: slack-bolt in Socket Mode or HTTP mode (SPEC §3, §6, §9).
+
+Inbound: DMs (`message`, channel_type "im"), mentions (`app_mention`), and `message`
+events in channels when the app subscribes to them (the router's group trigger decides).
+A `message`/`app_mention` twin of one post and Slack's retries all map to the same
+`Inbound.event_id` (`<channel>:<ts>`), so the router's dedup keeps one turn. The bolt app
+runs with `process_before_response`, so an event is acknowledged only after the router's
+handler returned (exactly-once, SPEC §3.1); a handler error leaves it unacknowledged and
+Slack redelivers.
+
+Replies go where the message was written: into its thread when it was in one (a thread
+is a session of its own), else top-level in the channel or DM (the channel's top level is
+one session per person, or one shared, per `group_session_scope`). Slash commands
+(`/context`, `/config`, …) are acknowledged at once (Slack's 3 s deadline) and answered
+ephemerally, only to the person who ran them: through the command's `response_url`
+(no channel membership needed; at most 5 posts within 30 minutes), falling back to
+`chat.postEphemeral` when the URL is used up, expired or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import aiohttp
+from aiohttp import web
+from slack_bolt.adapter.socket_mode.async_internals import send_async_response
+from slack_bolt.adapter.socket_mode.internals import build_headers
+from slack_bolt.app.async_app import AsyncApp
+from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_bolt.context.async_context import AsyncBoltContext
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_bolt.response import BoltResponse
+from slack_sdk.errors import SlackApiError
+from slack_sdk.socket_mode.aiohttp import SocketModeClient
+from slack_sdk.socket_mode.request import SocketModeRequest
+from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
+
+from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.slack.format import clean_text, slack_to_text, split_message, to_mrkdwn
+from channels.slack.stream import SlackReplyStream
+from channels.slack.stream import describe as _describe
+from channels.slack.stream import error_code as _error_code
+from channels.slack.stream import retry_after as _retry_after
+from gateway.config.schema import SlackConfig
+from gateway.http.server import JsonBodyError, JsonTooDeep, parse_json_body
+from gateway.media import (
+    FileRefused,
+    ReplyFile,
+    discard_saved,
+    kind_of,
+    safe_file_name,
+    save_download,
+    too_large,
+)
+from gateway.types import Attachment, AttachmentKind, Inbound
+from gateway.workspace import PathNotAllowed
+
+log = logging.getLogger(__name__)
+FILE_MAX_BYTES = 50 * 1024 * 1024  # files a reply names: read whole into memory, so kept modest (Slack takes 1 GB)
+
+SLASH_COMMANDS = ("/context", "/config", "/compact", "/help", "/new")
+WORKING_REACTION = "hourglass_flowing_sand"
+DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default
+SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are replays
+RATE_LIMIT_RETRIES = 3
+RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
+API_TIMEOUT_S = 15
+SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
+TAKEN_KEPT = 2048  # event ids remembered so a post's twin event does not fetch its files again
+
+# Message subtypes that are a person's new post; every other subtype (edits, deletes,
+# joins, bot messages, …) is not something to answer.
+_ANSWERED_SUBTYPES = frozenset({None, "file_share", "thread_broadcast"})
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_COMMAND = re.compile(r"/[a-z0-9_.-]{1,32}")
+# Set in a request's bolt context when the event must stay unacknowledged (Slack redelivers).
+_DEFER = "gateway_defer_ack"
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+# ---------------------------------------------------------------------------- pure parsing
+
+
+@dataclass(frozen=True, slots=True)
+class SlackFile:
+    """A file shared with a message, as Slack describes it (downloaded later)."""
+
+    id: str
+    name: str
+    url: str
+    size: int
+    mime: str | None
+    kind: AttachmentKind = "file"
+    duration_s: float | None = None  # audio clips recorded in Slack carry it
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedEvent:
+    inbound: Inbound
+    files: tuple[SlackFile, ...] = ()
+
+
+def _ident(value: Any) -> str | None:
+    """A Slack id or timestamp, or None for anything else (junk never reaches keys or paths)."""
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    return None
+
+
+def _profile_name(profile: Any) -> str | None:
+    if not isinstance(profile, dict):
+        return None
+    for key in ("display_name", "real_name", "name"):
+        value = profile.get(key)
+        if isinstance(value, str) and value.strip():
+            return clean_text(value.strip())[:80]
+    return None
+
+
+def _files(raw: Any) -> tuple[SlackFile, ...]:
+    if not isinstance(raw, list):
+        return ()
+    found = []
+    for item in raw[:20]:
+        if not isinstance(item, dict) or item.get("mode") in ("tombstone", "hidden_by_limit"):
+            continue
+        file_id = _ident(item.get("id"))
+        url = item.get("url_private_download") or item.get("url_private")
+        if file_id is None or not isinstance(url, str):
+            continue
+        name = item.get("name")
+        size = item.get("size")
+        mime = item.get("mimetype") if isinstance(item.get("mimetype"), str) else None
+        # One line: a name must not be able to fake another "[file: …]" note.
+        shown = " ".join(clean_text(name).split())[:200] if isinstance(name, str) and name.strip() else file_id
+        kind = kind_of(mime, shown)
+        if kind == "audio" and item.get("subtype") == "slack_audio":
+            kind = "voice"  # a clip recorded in Slack: a voice message
+        duration = item.get("duration_ms")
+        found.append(
+            SlackFile(
+                id=file_id,
+                name=shown,
+                url=url,
+                size=size if isinstance(size, int) and size >= 0 else 0,
+                mime=mime,
+                kind=kind,
+                duration_s=duration / 1000 if isinstance(duration, int) and duration >= 0 else None,
+            )
+        )
+    return tuple(found)
+
+
+def parse_event(
+    event: Any, *, bot_user_id: str | None, bot_id: str | None = None, team_id: str | None = None
+) -> ParsedEvent | None:
+    """One Events API `event` → what the router gets, or None when it is not a person's
+    new message to us (the caller logs and acknowledges). `team_id` is the envelope's."""
+    if not isinstance(event, dict):
+        return None
+    kind = event.get("type")
+    if kind not in ("message", "app_mention"):
+        return None
+    subtype = event.get("subtype")
+    if not (subtype is None or (isinstance(subtype, str) and subtype in _ANSWERED_SUBTYPES)):
+        return None
+    if event.get("bot_id") or event.get("bot_profile"):
+        return None  # any bot, ours included
+    user, channel, ts = _ident(event.get("user")), _ident(event.get("channel")), _ident(event.get("ts"))
+    if user is None or channel is None or ts is None:
+        return None
+    if user in (bot_user_id, bot_id):
+        return None
+    raw_text = event.get("text")
+    text, mentioned = slack_to_text(raw_text if isinstance(raw_text, str) else "", bot_user_id)
+    files = _files(event.get("files"))
+    if not text and not files:
+        return None
+    channel_type = event.get("channel_type")
+    is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
+    parent_user = event.get("parent_user_id")
+    thread = _ident(event.get("thread_ts"))
+    if thread == ts:
+        thread = None  # a thread's parent may carry its own ts as thread_ts: still top-level
+    inbound = Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=text,
+        # Not Slack's event_id: the `message` and `app_mention` twins of one post have
+        # different event ids, but the same channel and ts.
+        event_id=f"{channel}:{ts}",
+        message_id=ts,
+        thread_id=thread,
+        is_group=not is_dm,
+        mentioned=mentioned or kind == "app_mention",
+        reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
+        user_name=_profile_name(event.get("user_profile")),
+        # The person's team: a native stream in a channel names its recipient (SPEC §5.1).
+        extra=_team_extra(event, team_id),
+    )
+    return ParsedEvent(inbound, files)
+
+
+def _team_extra(event: dict[str, Any], team_id: str | None) -> dict[str, Any]:
+    team = _ident(event.get("user_team")) or _ident(event.get("team")) or _ident(team_id)
+    return {"team_id": team} if team else {}
+
+
+def parse_command(payload: Any) -> Inbound | None:
+    """A slash-command payload → an Inbound whose text is `/command args`."""
+    if not isinstance(payload, dict):
+        return None
+    command = payload.get("command")
+    user, channel = _ident(payload.get("user_id")), _ident(payload.get("channel_id"))
+    trigger = payload.get("trigger_id")
+    if not isinstance(command, str) or not _COMMAND.fullmatch(command):
+        return None
+    if user is None or channel is None or not isinstance(trigger, str) or not trigger:
+        return None
+    raw_args = payload.get("text")
+    args, _ = slack_to_text(raw_args if isinstance(raw_args, str) else "", None)
+    extra: dict[str, Any] = {"command": command}
+    response_url = payload.get("response_url")
+    if isinstance(response_url, str) and response_url.startswith(("https://", "http://")):
+        extra["response_url"] = response_url
+    user_name = payload.get("user_name")
+    return Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=f"{command} {args}".strip(),
+        event_id="cmd:" + clean_text(trigger)[:100],
+        is_group=not channel.startswith("D"),
+        mentioned=True,  # a slash command is addressed to the bot by definition
+        user_name=clean_text(user_name)[:80] if isinstance(user_name, str) and user_name else None,
+        extra=extra,
+    )
+
+
+def verify_signature(
+    secret: str, body: bytes, timestamp: str | None, signature: str | None, *, now: float,
+    max_age: float = SIGNATURE_MAX_AGE_S,
+) -> bool:
+    """Slack's request signature: `v0=` HMAC-SHA256 of `v0:{timestamp}:{body}`."""
+    if not secret or not timestamp or not signature:
+        return False
+    try:
+        sent_at = int(timestamp)
+    except ValueError:
+        return False
+    if abs(now - sent_at) > max_age:
+        return False
+    base = b"v0:" + timestamp.encode() + b":" + body
+    expected = "v0=" + hmac.new(secret.encode(), base, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace"))
+
+
+def reply_thread(inbound: Inbound) -> str | None:
+    """Where a reply goes: where the message was written. A thread is its own session, so
+    a reply in a thread stays there; a top-level message belongs to the channel's top-level
+    session (per person or shared, `group_session_scope`), so its reply is top-level too:
+    a thread opened for it would be a new session that forgets the question."""
+    return inbound.thread_id
+
+
+# ---------------------------------------------------------------------------- the channel
+
+
+@dataclass
+class _InFlight:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class SlackChannel:
+    """Slack through slack-bolt; implements channels.base.Channel and WebhookChannel."""
+
+    name = "slack"
+    webhook_path = "/slack/events"
+
+    def __init__(
+        self,
+        cfg: SlackConfig,
+        handler: InboundHandler,
+        *,
+        workspace_for: Callable[[Inbound], Path],
+        sleep: Sleep = asyncio.sleep,  # waits out Retry-After; tests inject their own
+        start_timeout_s: float = 15.0,
+        ping_interval_s: float = 10.0,
+        admits: AccessCheck | None = None,
+        stream_interval_s: float = 1.0,
+        stream_interval: Callable[[], float] | None = None,
+        observe: StreamObserver | None = None,
+        file_limit: Callable[[], int] | None = None,
+    ) -> None:
+        self._cfg = cfg
+        # The largest file downloaded (limits.max_inbound_file_mb of the running config).
+        self._file_limit = file_limit or (lambda: DEFAULT_FILE_LIMIT)
+        # The running config's `stream_interval_s`, read as each reply starts, or a fixed value.
+        self._stream_interval = stream_interval or (lambda: stream_interval_s)
+        self._observe = observe
+        self._handler = handler
+        self._workspace_for = workspace_for
+        self._admits = admits
+        self._sleep = sleep
+        self._start_timeout_s = start_timeout_s
+        self._ping_interval_s = ping_interval_s
+        self._bot_token = cfg.bot_token.get_secret_value() if cfg.bot_token else ""
+        self._trusted_hosts = {"slack.com", urlsplit(cfg.base_url).hostname or "slack.com"}
+        self._session: aiohttp.ClientSession | None = None
+        self._client: AsyncWebClient | None = None
+        self._app: AsyncApp | None = None
+        self._socket: SocketModeClient | None = None
+        self._connect_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[str, _InFlight] = {}
+        self._taken: OrderedDict[str, None] = OrderedDict()  # event ids the router took lately
+        self._user_names: dict[str, tuple[str | None, float]] = {}
+        self.bot_user_id: str | None = None
+        self.bot_id: str | None = None
+        self._running = False
+
+    @property
+    def cfg(self) -> SlackConfig:
+        """The settings this instance runs with (the gateway restarts it when they change)."""
+        return self._cfg
+
+    # -- lifecycle
+
+    @property
+    def exclusive_receiver(self) -> bool:
+        """Whether receiving must run on one gateway of a cluster at a time (Socket Mode:
+        one connection, so each event reaches one gateway). HTTP events reach any gateway."""
+        return self._cfg.mode == "socket"
+
+    async def start(self) -> None:
+        """Both sides at once (one gateway alone, and the tests)."""
+        await self.start_sending()
+        try:
+            await self.start_receiving()
+        except Exception:
+            await self.stop()
+            raise
+
+    async def start_sending(self) -> None:
+        """Sign in (auth.test) and build the Web API client: what replies need, on every
+        gateway; in HTTP mode also what receives events."""
+        if self._running:
+            return
+        self._session = aiohttp.ClientSession()
+        self._client = AsyncWebClient(
+            token=self._bot_token, base_url=self._cfg.base_url, session=self._session, timeout=API_TIMEOUT_S
+        )
+        try:
+            auth = await asyncio.wait_for(self._client.auth_test(), self._start_timeout_s)
+        except Exception as err:  # bad token, unreachable base_url, …: the caller logs it
+            await self._close_session()
+            raise RuntimeError(f"slack: auth.test failed: {_describe(err)}") from None
+        self.bot_user_id = _ident(auth.get("user_id"))
+        self.bot_id = _ident(auth.get("bot_id"))
+        self._app = self._build_app(self._client)
+        self._running = True
+        log.info("slack: signed in as %s (%s mode)", self.bot_user_id, self._cfg.mode)
+
+    async def start_receiving(self) -> None:
+        """Open the Socket Mode connection (socket mode; HTTP mode needs nothing). Raises
+        when the connection is refused, so another gateway may try."""
+        if not self._running or self._socket is not None or self._cfg.mode != "socket":
+            return
+        assert self._app is not None
+        app_token = self._cfg.app_token.get_secret_value() if self._cfg.app_token else ""
+        self._socket = SocketModeClient(
+            app_token=app_token, web_client=self._client, ping_interval=self._ping_interval_s,
+            logger=logging.getLogger(f"{__name__}.socket"),
+        )
+        self._socket.socket_mode_request_listeners.append(self._on_socket_request)
+        # The client retries a failed connect forever; it runs as our task, so a Slack
+        # outage at start leaves us "not ready" and still trying instead of stuck here.
+        self._connect_task = asyncio.create_task(self._socket.connect(), name="slack-connect")
+        done, _ = await asyncio.wait({self._connect_task}, timeout=self._start_timeout_s)
+        if not done:
+            log.warning("slack: socket mode not connected after %.0fs; still trying", self._start_timeout_s)
+            return
+        err = self._connect_task.exception()
+        if err is not None:
+            await self.stop_receiving()
+            raise RuntimeError(f"slack: socket mode connect failed: {_describe(err)}")
+
+    async def stop_receiving(self, *, lost: bool = False) -> None:
+        """Close the Socket Mode connection: Slack sends what comes next to the connection
+        another gateway opens; an event not yet acknowledged here is redelivered there.
+        `lost` (the lead went to another gateway) changes nothing here."""
+        connect, self._connect_task = self._connect_task, None
+        if connect is not None and not connect.done():
+            connect.cancel()
+            await asyncio.wait({connect}, timeout=5)
+        if self._socket is not None:
+            socket, self._socket = self._socket, None
+            try:
+                await asyncio.wait_for(socket.close(), 5)
+            except Exception as err:  # closing a dead socket must not stop the shutdown
+                log.debug("slack: socket close: %s", _describe(err))
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        self._tasks.clear()
+        await self.stop_receiving()
+        await self._close_session()
+        self._app = None
+
+    async def _close_session(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(session.close(), 5)
+
+    def is_ready(self) -> bool:
+        if not self._running:
+            return False
+        if self._cfg.mode == "http":
+            return self.bot_user_id is not None
+        if self._socket is None:
+            # Standby: another gateway of the cluster holds the connection; replies go out from here.
+            return self.bot_user_id is not None
+        client = self._socket
+        ws = client.current_session
+        if client.closed or client.stale or ws is None or ws.closed:
+            return False
+        # Pongs answer our pings every ping_interval; none for long means a dead link.
+        last = client.last_ping_pong_time
+        return last is None or time.time() - last < self._ping_interval_s * 4 + 5
+
+    # -- bolt wiring
+
+    def _build_app(self, client: AsyncWebClient) -> AsyncApp:
+        app = AsyncApp(
+            client=client,
+            name="gateway",
+            logger=logging.getLogger(f"{__name__}.bolt"),
+            # Listeners finish (the router has recorded the event) before the ack goes out.
+            process_before_response=True,
+            # handle_webhook verifies signatures itself (401 for bad or stale ones).
+            request_verification_enabled=False,
+        )
+        app.event("message")(self._on_event)
+        app.event("app_mention")(self._on_event)
+        app.event(re.compile(".*"))(self._on_other_event)  # acknowledged, never answered
+        app.command(re.compile(r"^/"))(self._on_command)
+        return app
+
+    async def _on_socket_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
+        started = time.time()
+        response = await self._dispatch(
+            lambda: AsyncBoltRequest(mode="socket_mode", body=req.payload, headers=build_headers(req))
+        )
+        if response is not None:
+            await send_async_response(client, req, response, started)
+
+    async def _dispatch(self, make_request: Callable[[], AsyncBoltRequest]) -> BoltResponse | None:
+        """Run bolt; None when the request must stay unacknowledged, so Slack redelivers it:
+        our handler failed, we are stopping, bolt's authorization (auth.test) or another
+        middleware failed (5xx). What can never succeed is acknowledged: a payload bolt
+        cannot even parse, and kinds we have no listener for (404)."""
+        app = self._app
+        if app is None or not self._running:
+            return None
+        try:
+            request = make_request()
+        except Exception as err:
+            log.warning("slack: dropped a payload bolt cannot parse (%s)", _describe(err))
+            return BoltResponse(status=200, body="")
+        if _malformed_event(request.body):
+            # Bolt itself raises on these shapes; a retry could never succeed: ack and drop.
+            log.warning("slack: dropped an event callback with a malformed event")
+            return BoltResponse(status=200, body="")
+        response = await app.async_dispatch(request)
+        # Bolt answers an auth.test failure with a 200 "user-facing" message: not an ack.
+        authorized = request.context.authorize_result is not None or request.body.get("type") in (
+            "url_verification", "ssl_check",
+        )
+        if request.context.get(_DEFER) or not authorized or response.status >= 500:
+            return None
+        if response.status >= 400:
+            log.info("slack: acknowledged a request bolt answered %s", response.status)
+            return BoltResponse(status=200, body="")
+        return response
+
+    async def _on_other_event(self, body: dict[str, Any]) -> None:
+        log.debug("slack: ignored event type %r", _event_type(body))
+
+    async def _on_event(self, body: dict[str, Any], context: AsyncBoltContext) -> None:
+        if not self._running:
+            # Unacknowledged: Slack redelivers to the instance that replaces us.
+            context[_DEFER] = True
+            return
+        try:
+            parsed = parse_event(
+                body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id, team_id=body.get("team_id")
+            )
+        except Exception:
+            log.warning("slack: dropped a malformed event", exc_info=True)
+            return
+        if parsed is None:
+            log.debug("slack: ignored %r event", _event_type(body))
+            return
+        # Twins and retries of one post arrive together; one at a time lets the router's
+        # dedup see the first before the second (and files are fetched once).
+        async with self._one_at_a_time(parsed.inbound.event_id):
+            # The twin of a post already taken is dropped by the router: its files are not fetched.
+            twin = parsed.inbound.event_id in self._taken
+            inbound = await self._complete(parsed, fetch_files=not twin)
+            try:
+                taken = await self._handler(inbound)
+            except Exception:
+                log.exception("slack: handler failed for %s; left unacknowledged", inbound.event_id)
+                context[_DEFER] = True
+                await self._discard(inbound)  # fetched again when Slack redelivers
+                return
+            if taken is False:
+                await self._discard(inbound)  # a redelivery: the first delivery has the files
+            self._taken[inbound.event_id] = None
+            while len(self._taken) > TAKEN_KEPT:
+                self._taken.popitem(last=False)
+
+    async def _on_command(self, ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()  # Slack's 3 s deadline; the reply comes later, ephemerally
+        try:
+            inbound = parse_command(body)
+        except Exception:
+            log.warning("slack: dropped a malformed slash command", exc_info=True)
+            return
+        if inbound is None:
+            log.debug("slack: ignored slash command payload")
+            return
+        self._spawn(self._deliver(inbound), name=f"slack-command-{inbound.event_id}")
+
+    async def _deliver(self, inbound: Inbound) -> None:
+        try:
+            await self._handler(inbound)
+        except Exception:
+            log.exception("slack: handler failed for %s", inbound.event_id)
+
+    def _spawn(self, coro: Awaitable[None], *, name: str) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)  # cancelled by stop()
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @asynccontextmanager
+    async def _one_at_a_time(self, event_id: str) -> AsyncIterator[None]:
+        entry = self._inflight.setdefault(event_id, _InFlight())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                self._inflight.pop(event_id, None)
+
+    # -- enrichment: names and files (best effort, never blocks delivery)
+
+    async def _discard(self, inbound: Inbound) -> None:
+        if any(a.path for a in inbound.attachments):
+            await discard_saved(await asyncio.to_thread(self._workspace_for, inbound), inbound)
+
+    async def _complete(self, parsed: ParsedEvent, *, fetch_files: bool = True) -> Inbound:
+        inbound = parsed.inbound
+        if inbound.user_name is None:
+            name = await self._user_name(inbound.user_id)
+            if name:
+                inbound = replace(inbound, user_name=name)
+        if fetch_files and parsed.files and (self._admits is None or await self._admits(inbound)):
+            try:
+                inbound = await self._attach(inbound, parsed.files)
+            except Exception:
+                log.warning("slack: could not save files of %s", inbound.event_id, exc_info=True)
+        return inbound
+
+    async def _user_name(self, user_id: str) -> str | None:
+        cached = self._user_names.get(user_id)
+        if cached is not None and (cached[0] is not None or time.monotonic() - cached[1] < 600):
+            return cached[0]
+        name: str | None = None
+        try:
+            assert self._client is not None
+            resp = await asyncio.wait_for(self._client.users_info(user=user_id), SIDE_CALL_TIMEOUT_S)
+            user = resp.get("user")
+            if isinstance(user, dict):
+                name = _profile_name(user.get("profile")) or _profile_name(user)
+        except Exception as err:  # needs users:read; a missing name is fine
+            log.debug("slack: users.info %s: %s", user_id, _describe(err))
+        if len(self._user_names) > 5000:
+            self._user_names.clear()
+        self._user_names[user_id] = (name, time.monotonic())
+        return name
+
+    async def _attach(self, inbound: Inbound, files: tuple[SlackFile, ...]) -> Inbound:
+        """The message with its files saved under the scope's files/, or with what stopped
+        each one (the turn says so)."""
+        workspace = await asyncio.to_thread(self._workspace_for, inbound)
+        limit = self._file_limit()
+        attachments: list[Attachment] = []
+        for f in files:
+            try:
+                if f.size > limit:
+                    raise too_large(limit)  # never fetched: the size Slack reported is enough
+                relative, size = await save_download(self._download(f), workspace, f.name, limit=limit)
+            except FileRefused as err:
+                attachments.append(self._refused(f, str(err)))
+                continue
+            except (PathNotAllowed, OSError, aiohttp.ClientError, TimeoutError, _DownloadRefused) as err:
+                log.warning("slack: file %s of %s not saved: %s", f.id, inbound.event_id, _describe(err))
+                attachments.append(self._refused(f, "it could not be downloaded from Slack"))
+                continue
+            attachments.append(Attachment(name=safe_file_name(f.name), path=relative, mime=f.mime, size=size,
+                                          kind=f.kind, duration_s=f.duration_s))
+        return replace(inbound, attachments=inbound.attachments + tuple(attachments))
+
+    @staticmethod
+    def _refused(f: SlackFile, reason: str) -> Attachment:
+        return Attachment(name=safe_file_name(f.name), path="", mime=f.mime, size=f.size, kind=f.kind,
+                          duration_s=f.duration_s, error=reason)
+
+    async def _download(self, f: SlackFile) -> AsyncIterator[bytes]:
+        """The file's bytes as they arrive (the caller stops reading past its limit)."""
+        if not self._trusted(f.url):
+            # The bot token goes along: never to a host that is not Slack's (or base_url's).
+            raise _DownloadRefused(f"untrusted host in {f.url[:80]!r}")
+        assert self._session is not None
+        headers = {"Authorization": f"Bearer {self._bot_token}"}
+        timeout = aiohttp.ClientTimeout(total=120, sock_read=30)
+        async with self._session.get(f.url, headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise _DownloadRefused(f"HTTP {resp.status}")
+            if resp.content_type == "text/html" and f.mime != "text/html":
+                raise _DownloadRefused("got a login page (token lacks files:read?)")
+            async for block in resp.content.iter_chunked(65536):
+                yield block
+
+    def _trusted(self, url: str) -> bool:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            return False
+        host = (parts.hostname or "").lower()
+        if parts.scheme not in ("https", "http") or not host:
+            return False
+        return host in self._trusted_hosts or host.endswith(".slack.com")
+
+    # -- replies
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        chunks = split_message(to_mrkdwn(text))
+        if not chunks:
+            log.debug("slack: empty reply to %s not sent", inbound.event_id)
+            return
+        if inbound.extra.get("command"):
+            await self._send_ephemeral(inbound, chunks)
+            return
+        thread_ts = reply_thread(inbound)
+        for chunk in chunks:
+            await self._post_chunk(inbound.chat_id, chunk, thread_ts)
+
+    async def send_files(self, inbound: Inbound, files: Sequence[ReplyFile]) -> None:
+        """Files a reply names, after its text, in one files_upload_v2 call into the
+        reply's thread; files over FILE_MAX_BYTES are skipped. Not for slash commands
+        (their replies are ephemeral)."""
+        if self._client is None or inbound.extra.get("command"):
+            return
+        uploads: list[dict[str, Any]] = []
+        for file in files:
+            if file.size > FILE_MAX_BYTES:
+                log.info("slack: %s is too large to send (%d bytes)", file.name, file.size)
+                continue
+            data = await asyncio.to_thread(file.path.read_bytes)
+            uploads.append({"content": data, "filename": file.name, "title": file.name})
+        if not uploads:
+            return
+        try:
+            await self._client.files_upload_v2(file_uploads=uploads, channel=inbound.chat_id,
+                                               thread_ts=reply_thread(inbound))
+        except SlackApiError as exc:
+            log.warning("slack: files not sent: %s", exc.response.get("error"))
+
+    def stream(
+        self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None, resume_ref: str | None = None
+    ) -> ReplyStream | None:
+        """The reply shown as it grows (SPEC §5.1, channels/slack/stream.py): `native` Slack
+        streams in a thread, else (or where Slack refuses them) `update` edits. None when
+        `streaming` is off, and for slash commands (their ephemeral replies cannot be edited)."""
+        mode = self._cfg.streaming
+        if mode == "off" or self._client is None or inbound.extra.get("command"):
+            return None
+        recipient: dict[str, str] = {}
+        if inbound.is_group:  # Slack wants to know who a stream in a channel is for
+            recipient["recipient_user_id"] = inbound.user_id
+            team = inbound.extra.get("team_id")
+            if isinstance(team, str) and team:
+                recipient["recipient_team_id"] = team
+        return SlackReplyStream(
+            self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=mode == "native",
+            recipient=recipient, interval_s=self._stream_interval(), sleep=self._sleep,
+            spawn=lambda coro, name: self._spawn(coro, name=name), name=f"slack-stream-{inbound.event_id}",
+            observe=self._observe, on_ref=on_ref, resume_ref=resume_ref,
+        )
+
+    async def _post_chunk(self, channel: str, chunk: str, thread_ts: str | None) -> None:
+        client = self._require_client()
+        params: dict[str, Any] = {"channel": channel, "text": chunk}
+        if thread_ts:
+            params["thread_ts"] = thread_ts
+        try:
+            await self._call(client.chat_postMessage, **params)
+        except SlackApiError as err:
+            if _error_code(err) in _PERMANENT_ERRORS:
+                raise
+            # Formatting rejected (or an odd error): the same words, unformatted, once.
+            log.warning("slack: chat.postMessage failed (%s); retrying as plain text", _error_code(err))
+            await self._call(client.chat_postMessage, **params, mrkdwn=False)
+
+    async def _send_ephemeral(self, inbound: Inbound, chunks: list[str]) -> None:
+        client = self._require_client()
+        url = inbound.extra.get("response_url")
+        use_url = isinstance(url, str) and self._trusted(url)
+        for i, chunk in enumerate(chunks):
+            if use_url and i < RESPONSE_URL_USES and await self._post_response_url(str(url), chunk):
+                continue
+            use_url = False  # used up or refused: the rest go the other way, in order
+            await self._call(
+                client.chat_postEphemeral, channel=inbound.chat_id, user=inbound.user_id, text=chunk
+            )
+
+    async def _post_response_url(self, url: str, chunk: str) -> bool:
+        assert self._session is not None
+        body = {"response_type": "ephemeral", "text": chunk}
+        try:
+            timeout = aiohttp.ClientTimeout(total=API_TIMEOUT_S)
+            async with self._session.post(url, json=body, timeout=timeout) as resp:
+                if resp.status == 200:
+                    return True
+                log.info("slack: response_url answered HTTP %s; using chat.postEphemeral", resp.status)
+        except (aiohttp.ClientError, TimeoutError) as err:
+            log.info("slack: response_url failed (%s); using chat.postEphemeral", _describe(err))
+        return False
+
+    async def _call(
+        self, method: Callable[..., Awaitable[AsyncSlackResponse]], **params: Any
+    ) -> AsyncSlackResponse:
+        """A Web API call that waits out rate limits (Retry-After, capped) a bounded number of times."""
+        for attempt in range(RATE_LIMIT_RETRIES + 1):
+            try:
+                return await method(**params)
+            except SlackApiError as err:
+                if err.response.status_code != 429 or attempt == RATE_LIMIT_RETRIES:
+                    raise
+                delay = _retry_after(err.response.headers)
+                log.info("slack: rate limited; retrying in %.1fs", delay)
+                await self._sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _require_client(self) -> AsyncWebClient:
+        if self._client is None:
+            raise RuntimeError("slack channel is not started")
+        return self._client
+
+    # -- typing: a reaction on the person's message while the agent works
+
+    def typing(self, inbound: Inbound) -> AbstractAsyncContextManager[None]:
+        return self._working(inbound)
+
+    @asynccontextmanager
+    async def _working(self, inbound: Inbound) -> AsyncIterator[None]:
+        added = False
+        if inbound.message_id and self._client is not None:
+            added = await self._react("reactions_add", inbound)
+        try:
+            yield
+        finally:
+            if added:
+                await self._react("reactions_remove", inbound)
+
+    async def _react(self, method: str, inbound: Inbound) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        call = getattr(client, method)
+        try:
+            await asyncio.wait_for(
+                call(channel=inbound.chat_id, timestamp=inbound.message_id, name=WORKING_REACTION),
+                SIDE_CALL_TIMEOUT_S,
+            )
+        except SlackApiError as err:
+            code = _error_code(err)
+            log.debug("slack: %s: %s", method, code)
+            return code == "already_reacted"
+        except Exception as err:  # a reaction is decoration; never fail a turn for it
+            log.debug("slack: %s: %s", method, _describe(err))
+            return False
+        return True
+
+    # -- HTTP mode
+
+    async def handle_webhook(self, request: web.Request) -> web.StreamResponse:
+        app = self._app
+        if app is None or not self._running or self._cfg.mode != "http":
+            return web.Response(status=503, text="slack channel not running in http mode")
+        body = await request.read()
+        secret = self._cfg.signing_secret.get_secret_value() if self._cfg.signing_secret else ""
+        if not verify_signature(
+            secret, body,
+            request.headers.get("X-Slack-Request-Timestamp"),
+            request.headers.get("X-Slack-Signature"),
+            now=time.time(),
+        ):
+            log.warning("slack: refused a request with a bad or stale signature")
+            return web.Response(status=401, text="invalid signature")
+        text = body.decode("utf-8", "replace")
+        try:
+            payload = await _payload(text, request.content_type)
+        except JsonTooDeep as err:  # bolt's own json.loads would raise RecursionError: a 500
+            log.warning("slack: refused a request nested too deeply")
+            return web.Response(status=400, text=str(err))
+        if request.content_type == "application/json":
+            challenge = _url_verification(payload)
+            if challenge is not None:
+                return web.json_response({"challenge": challenge})
+        query, headers = request.query_string, dict(request.headers)
+        resp = await self._dispatch(
+            lambda: AsyncBoltRequest(body=text, query=query, headers=headers, mode="http")
+        )
+        if resp is None:  # Slack retries a failed delivery (X-Slack-Retry-Num)
+            return web.Response(status=500, text="not processed")
+        return web.Response(
+            status=resp.status, body=resp.body.encode(), headers=resp.first_headers_without_set_cookie()
+        )
+
+
+class _DownloadRefused(Exception):
+    pass
+
+
+_PERMANENT_ERRORS = frozenset({
+    "channel_not_found", "not_in_channel", "is_archived", "invalid_auth", "not_authed",
+    "token_revoked", "account_inactive", "missing_scope", "ratelimited", "restricted_action",
+})
+
+
+async def _payload(text: str, content_type: str) -> Any:
+    """The JSON a Slack request carries (the body, or a form's `payload` field), depth
+    checked; None when there is none or it does not parse (bolt drops those itself).
+    Raises JsonTooDeep."""
+    if content_type == "application/x-www-form-urlencoded":
+        text = next(iter(parse_qs(text).get("payload", [])), "")
+        if not text:
+            return None
+    elif content_type != "application/json":
+        return None
+    try:
+        return await parse_json_body(text)
+    except JsonTooDeep:
+        raise
+    except JsonBodyError:
+        return None
+
+
+def _url_verification(payload: Any) -> str | None:
+    if isinstance(payload, dict) and payload.get("type") == "url_verification":
+        challenge = payload.get("challenge")
+        return challenge if isinstance(challenge, str) else ""
+    return None
+
+
+def _malformed_event(body: Any) -> bool:
+    """A body whose `event` is not an object (whatever the body's type), or an Events API
+    callback whose event has no string `type`: bolt raises on both."""
+    if not isinstance(body, dict) or "event" not in body:
+        return False
+    event = body["event"]
+    if not isinstance(event, dict):
+        return True
+    return body.get("type") == "event_callback" and not isinstance(event.get("type"), str)
+
+
+def _event_type(body: Any) -> Any:
+    event = body.get("event") if isinstance(body, dict) else None
+    return event.get("type") if isinstance(event, dict) else None

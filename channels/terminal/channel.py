@@ -1,0 +1,265 @@
+"""The terminal as a channel (`python -m gateway chat`): replies printed as they stream in,
+with a visible "thinking…" state (SPEC §5.1). The prompt loop that reads the questions is
+gateway/chat.py; reading a line is channels/terminal/keyboard.py.
+
+On a terminal, a reply streams as plain text; when it is complete it is shown again as
+rendered Markdown (rich) in the same place, unless it grew taller than the window (the
+plain text then stays, never shown twice). Into a pipe or file every line stays and
+Markdown stays as written."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import math
+import shutil
+import sys
+import unicodedata
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TextIO
+
+from channels.base import ReplyRefSink, StreamObserver
+from gateway.types import Inbound
+
+log = logging.getLogger("channels.terminal")
+
+PROMPT = "you> "
+BOT = "bot> "
+EARLIER = "The chat stopped before answering this earlier question:"
+QUOTE_CHARS = 300
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+class TerminalChannel:
+    """Replies go to `out` (stdout). On a terminal, status lines and text that turned out
+    not to be the answer are erased in place, and a finished reply is rendered as
+    Markdown; into a pipe or file every line stays, and the reply is printed whole at
+    the end when it differs from what was streamed.
+
+    `earlier` tells which questions were asked before this chat started (resumed after
+    a Ctrl+C or a crash): their answers are labelled with the question first."""
+
+    name = "terminal"
+
+    def __init__(self, *, out: TextIO | None = None, tty: bool | None = None,
+                 observe: StreamObserver | None = None, earlier: Callable[[Inbound], bool] | None = None) -> None:
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
+        self.observe = observe
+        self.earlier = earlier
+        self._introduced: set[str] = set()
+        self._colors: Any = None
+        # (reply, already printed): every reply is printed by the channel itself.
+        self.replies: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def is_ready(self) -> bool:
+        return True
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        self.introduce(inbound)
+        if inbound.origin is not None:
+            # A scheduled task's reply: no question waits for it; it starts on a line of its own.
+            self.write("\n")
+        self.write((self.render(text) if self.tty else f"{BOT}{text}\n") + "\n")
+        if inbound.origin is None:
+            self.replies.put_nowait((text, True))
+
+    def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+               resume_ref: str | None = None) -> TerminalStream:
+        # Nothing printed before a restart can be edited: `on_ref`/`resume_ref` go unused.
+        return TerminalStream(self, inbound)
+
+    @contextlib.asynccontextmanager
+    async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
+        self.introduce(inbound)
+        if not self.tty:
+            yield
+            return
+        task = asyncio.get_running_loop().create_task(_spinner(self.out))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.write("\r\033[K")
+
+    # -- output -------------------------------------------------------------------------
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def introduce(self, inbound: Inbound) -> None:
+        """Before the first output for a question from before this chat started: which
+        question it answers."""
+        if self.earlier is None or inbound.event_id in self._introduced or not self.earlier(inbound):
+            return
+        self._introduced.add(inbound.event_id)
+        quote = " ".join(inbound.text.split())
+        if len(quote) > QUOTE_CHARS:
+            quote = quote[:QUOTE_CHARS - 1] + "…"
+        label = f"{DIM}{EARLIER}{RESET}" if self.tty else EARLIER
+        self.write(f"{label}\n{PROMPT}{quote}\n")
+
+    def render(self, text: str) -> str:
+        """`text` as Markdown for this terminal, after "bot> " and indented under it (as
+        written, should rendering fail)."""
+        try:
+            return self._render(text)
+        except Exception:
+            log.exception("could not render a reply as Markdown; showing it as written")
+            return f"{BOT}{text}\n"
+
+    def _render(self, text: str) -> str:
+        from markdown_it import MarkdownIt
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        if self._colors is None:
+            self._colors = Console(file=self.out).color_system or ""
+        width = max(20, _columns() - len(BOT))
+        buffer = io.StringIO()
+        console = Console(file=buffer, force_terminal=True, color_system=self._colors or None, width=width)
+        markdown = Markdown(text)
+        # Single line breaks are kept, as on the web page (marked's `breaks`) and in
+        # Telegram: replies and command answers put one item per line.
+        markdown.parsed = MarkdownIt("commonmark", {"breaks": True}).enable(["strikethrough", "table"]).parse(text)
+        console.print(markdown)
+        lines = buffer.getvalue().rstrip("\n").split("\n")
+        while len(lines) > 1 and not _visible(lines[0]):  # a leading blank line under "bot> "
+            lines.pop(0)
+        pad = " " * len(BOT)
+        # Rich pads lines to the width with spaces: without them a narrowed window does not
+        # wrap the reply into a staircase.
+        return BOT + lines[0].rstrip(" ") + "\n" + "".join(f"{pad}{line}".rstrip(" ") + "\n" for line in lines[1:])
+
+
+class TerminalStream:
+    """One reply printed as it grows; a ReplyStream (channels/base.py)."""
+
+    def __init__(self, channel: TerminalChannel, inbound: Inbound | None = None) -> None:
+        self.channel = channel
+        self.inbound = inbound
+        self.out = channel.out
+        self.printed = ""  # answer text on screen since the last status
+        self.status_shown = False
+        self.started = False
+
+    def _observe(self, event: str) -> None:
+        if self.channel.observe is not None:
+            self.channel.observe(event)
+
+    def _write(self, text: str) -> None:
+        self.channel.write(text)
+
+    def _introduce(self) -> None:
+        if self.inbound is not None:
+            self.channel.introduce(self.inbound)
+
+    def _clear_status(self) -> None:
+        if self.status_shown and self.channel.tty:
+            self._write("\r\033[K")
+        self.status_shown = False
+
+    def _fits(self) -> bool:
+        """Whether the printed text is all still on screen (it can be erased in place)."""
+        size = shutil.get_terminal_size()
+        return _rows(BOT + self.printed, size.columns) < size.lines
+
+    def _take_back_text(self) -> None:
+        """Remove the printed answer text: erased on a terminal, the line ended elsewhere
+        (and where its top has scrolled out of the window)."""
+        if not self.printed:
+            return
+        if self.channel.tty and self._fits():
+            rows = _rows(BOT + self.printed, shutil.get_terminal_size().columns)
+            self._write("\r" + (f"\033[{rows - 1}A" if rows > 1 else "") + "\033[J")
+        else:
+            self._write("\n")
+        self.printed = ""
+
+    async def append(self, delta: str) -> None:
+        if not self.started:
+            self.started = True
+            self._observe("reply")
+        self._introduce()
+        self._clear_status()
+        if not self.printed:
+            self._write(BOT)
+        self._write(delta)
+        self.printed += delta
+
+    async def status(self, line: str) -> None:
+        self._introduce()
+        self._take_back_text()
+        self._clear_status()
+        self._write(f"\r\033[K{DIM}{line}{RESET}" if self.channel.tty else f"{line}\n")
+        self.status_shown = True
+
+    async def finish(self, text: str) -> None:
+        self._end(text, markdown=True)
+
+    async def fail(self, text: str) -> None:
+        self._end(text, markdown=False)
+
+    def _end(self, text: str, *, markdown: bool) -> None:
+        self._introduce()
+        self._clear_status()
+        if markdown and self.channel.tty and (not self.printed or self._fits()):
+            # The whole reply is on screen: shown again, rendered, in its place.
+            self._take_back_text()
+            self._write(self.channel.render(text) + "\n")
+        else:
+            if self.printed != text:
+                self._take_back_text()
+                self._write(BOT + text)
+            self._write("\n\n")
+        self.printed = ""
+        if self.inbound is None or self.inbound.origin is None:  # a task's reply answers no question
+            self.channel.replies.put_nowait((text, True))
+
+
+def _columns() -> int:
+    return shutil.get_terminal_size().columns
+
+
+def _visible(line: str) -> bool:
+    """Whether a rendered line shows anything (escape sequences and spaces do not)."""
+    plain, skip = [], False
+    for ch in line:
+        if ch == "\033":
+            skip = True
+        elif skip:
+            skip = not ch.isalpha()
+        else:
+            plain.append(ch)
+    return bool("".join(plain).strip())
+
+
+def _rows(text: str, columns: int) -> int:
+    """Terminal rows `text` takes at this width (wide CJK characters count twice)."""
+    columns = max(1, columns)
+    rows = 0
+    for line in text.split("\n"):
+        width = sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+                    for ch in line)
+        rows += max(1, math.ceil(width / columns))
+    return rows
+
+
+async def _spinner(out: TextIO) -> None:
+    frames = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+    i = 0
+    while True:
+        out.write(f"\r{frames[i % len(frames)]} thinking…")
+        out.flush()
+        i += 1
+        await asyncio.sleep(0.1)
+
+

@@ -1,0 +1,397 @@
+"""The local web chat: a small page and `POST /api/chat` on the gateway's HTTP server.
+
+`{"session": "alice", "text": "hi"}` → `{"reply": "..."}`. A bearer token is required
+whenever one is configured (and config validation demands one off loopback). Without one
+(loopback), a browser is the risk: any site the person visits may POST here, and DNS
+rebinding lets it read the answer. So tokenless requests to /api/* must name this server
+in `Host`, must not come from another origin, and must be JSON (a cross-site form or
+text/plain POST needs no CORS preflight; `application/json` does, which we never grant).
+
+With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent Events
+(SPEC §5.1): `delta` {"text"} as the reply grows, `status` {"text"} while tools run
+(it replaces what was shown), then `done` {"reply"} or `error` {"error"}.
+`GET /api/history?session=NAME[&limit=N]` returns the session's recent messages."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from aiohttp import hdrs, web
+
+from channels.base import InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from gateway.http.same_site import foreign_host, foreign_origin, server_names
+from gateway.http.server import JsonBodyError, parse_json_body
+from gateway.types import Inbound
+
+log = logging.getLogger("channels.web")
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # fullmatch: `$` would let "alice\n" through
+HEARTBEAT_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
+STUCK_WRITE_S = 5.0  # past the reply's deadline, how long a write may wait for a client that does not read
+HISTORY_DEFAULT, HISTORY_MAX = 50, 200
+VENDOR_FILE = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}\.(js|css|txt)")
+STATIC_TYPES = {"js": "text/javascript", "css": "text/css", "txt": "text/plain", "svg": "image/svg+xml"}
+STATIC_FILES = {"app.js", "app.css", "favicon.svg"}
+# Replies are Markdown rendered in the page: whatever a sanitizer misses, no script runs
+# that the page did not load from here, and nothing is fetched from elsewhere.
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryItem:
+    role: str  # "user" | "assistant"
+    text: str
+    at: float  # unix time it was stored
+
+
+# (session name, limit) → the session's last messages, oldest first.
+HistoryLookup = Callable[[str, int], Awaitable[list[HistoryItem]]]
+
+
+class SseOutbox:
+    """What a streamed reply has to tell its request, until the request writes it out.
+
+    Producers never wait: a slow or vanished client cannot hold up the turn. However slow
+    the client, it holds no more than the reply: deltas merge, and a status drops what it
+    replaces before that was written."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, list[str]]] = []  # (event, pieces of its text)
+        self.wake = asyncio.Event()
+        self.closed = False  # the request has gone; everything is dropped from now on
+        self.failed = False  # the turn ended with an error message (`fail`)
+
+    def put(self, event: str, text: str) -> None:
+        if self.closed:
+            return
+        if event == "status":
+            self.items.clear()
+        if event == "delta" and self.items and self.items[-1][0] == "delta":
+            self.items[-1][1].append(text)  # joined once when written, however many pile up
+        else:
+            self.items.append((event, [text]))
+        self.wake.set()
+
+    def take(self) -> list[tuple[str, dict[str, str]]]:
+        items, self.items = self.items, []
+        self.wake.clear()
+        return [(event, {"text": "".join(pieces)}) for event, pieces in items]
+
+
+class WebReplyStream:
+    """A ReplyStream onto one waiting `POST /api/chat` (SPEC §5.1). The request's handler
+    writes the events; the stream only queues them, so it never blocks or raises. A
+    reply whose request has gone stays stored and shows up in the page's history."""
+
+    def __init__(self, outbox: SseOutbox, reply: asyncio.Future[str]) -> None:
+        self._outbox = outbox
+        self._reply = reply
+        self._ended = False
+
+    async def append(self, delta: str) -> None:
+        if delta and not self._ended:
+            self._outbox.put("delta", delta)
+
+    async def status(self, line: str) -> None:
+        if not self._ended:
+            self._outbox.put("status", line)
+
+    async def finish(self, text: str) -> None:
+        self._end(text, failed=False)
+
+    async def fail(self, text: str) -> None:
+        self._end(text, failed=True)
+
+    def _end(self, text: str, *, failed: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._outbox.failed = failed
+        if not self._reply.done():
+            self._reply.set_result(text)
+
+
+class WebChannel:
+    name = "web"
+
+    def __init__(self, handler: InboundHandler, *, token: str | None, max_chars: int,
+                 reply_timeout_s: float, http_host: str = "127.0.0.1",
+                 history: HistoryLookup | None = None,
+                 observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.handler = handler
+        self.token = token
+        self._names = server_names(http_host)  # what a tokenless request's Host may name
+        self.max_chars = max_chars
+        self.reply_timeout_s = reply_timeout_s
+        self.history = history
+        self.observe = observe
+        self.heartbeat_s = heartbeat_s
+        self.stuck_write_s = STUCK_WRITE_S
+        self._waiters: dict[str, asyncio.Future[str]] = {}
+        self._outboxes: dict[str, SseOutbox] = {}  # event id → its request's stream, when it asked for one
+        self._static: dict[str, tuple[bytes, str]] = {}  # file → (bytes, etag); the package never changes
+        self._running = False
+        # Event ids for requests without one: unique across restarts (dedup keys persist).
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count(1)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/", self.page), web.post("/api/chat", self.api_chat),
+                web.get("/api/history", self.api_history),
+                web.get("/static/{name}", self.static_file),
+                web.get("/static/vendor/{name}", self.vendor_file)]
+
+    async def start(self) -> None:
+        self._running = True
+
+    async def stop(self) -> None:
+        self._running = False
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ConnectionAbortedError("the gateway is shutting down"))
+        self._waiters.clear()
+
+    def is_ready(self) -> bool:
+        return self._running
+
+    @asynccontextmanager
+    async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
+        yield  # the page shows its own "working… N s" while the request is open
+
+    async def send(self, inbound: Inbound, text: str) -> None:
+        fut = self._waiters.get(inbound.event_id)
+        if fut is None or fut.done():
+            # No one is waiting (e.g. answered after a restart): the reply stays stored.
+            log.info("web reply with no waiting request", extra={"event": inbound.event_id})
+            return
+        fut.set_result(text)
+
+    def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
+               resume_ref: str | None = None) -> ReplyStream | None:
+        """A live reply for a request that asked for Server-Sent Events, else None (the
+        reply then comes whole through `send`). Nothing is shown outside the request, so
+        there is no reference to persist and none to resume."""
+        outbox = self._outboxes.get(inbound.event_id)
+        fut = self._waiters.get(inbound.event_id)
+        if outbox is None or outbox.closed or fut is None or fut.done():
+            return None
+        if self.observe is not None:
+            self.observe("reply")
+        return WebReplyStream(outbox, fut)
+
+    async def _package_file(self, path: str) -> tuple[bytes, str]:
+        cached = self._static.get(path)
+        if cached is None:
+            file = resources.files("channels.web").joinpath(path)
+            data = await asyncio.to_thread(file.read_bytes)
+            cached = self._static[path] = (data, '"' + hashlib.sha256(data).hexdigest()[:20] + '"')
+        return cached
+
+    async def _serve_file(self, request: web.Request, path: str, content_type: str,
+                          headers: dict[str, str] | None = None) -> web.Response:
+        try:
+            data, etag = await self._package_file(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise web.HTTPNotFound() from None
+        # Revalidated on every load, so an upgrade shows at once; unchanged files cost a 304.
+        base = {"ETag": etag, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", **(headers or {})}
+        if request.headers.get("If-None-Match") == etag:
+            return web.Response(status=304, headers=base)
+        return web.Response(body=data, headers={**base, "Content-Type": content_type})
+
+    async def page(self, request: web.Request) -> web.Response:
+        return await self._serve_file(request, "static/index.html", "text/html; charset=utf-8", {
+            "Content-Security-Policy": PAGE_CSP, "Referrer-Policy": "no-referrer"})
+
+    async def static_file(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC_FILES:
+            raise web.HTTPNotFound()
+        kind = STATIC_TYPES[name.rsplit(".", 1)[1]]
+        return await self._serve_file(request, f"static/{name}", f"{kind}; charset=utf-8")
+
+    async def vendor_file(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not VENDOR_FILE.fullmatch(name):
+            raise web.HTTPNotFound()
+        kind = STATIC_TYPES[name.rsplit(".", 1)[1]]
+        return await self._serve_file(request, f"static/vendor/{name}", f"{kind}; charset=utf-8")
+
+    async def api_history(self, request: web.Request) -> web.Response:
+        refused = self._cross_site(request)  # a rebinding page must not read the history either
+        if refused is not None:
+            return _error(403, refused)
+        if not self._authorized(request):
+            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        if not self._running or self.history is None:
+            return _error(503, "the history is not available right now")
+        session = request.query.get("session", "default")
+        if not SESSION_NAME.fullmatch(session):  # `$` alone would let "alice\n" through
+            return _error(400, "session must be 1-64 characters of letters, digits, _ . @ -")
+        try:
+            limit = int(request.query.get("limit", HISTORY_DEFAULT))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= HISTORY_MAX:
+            return _error(400, f"limit must be a whole number from 1 to {HISTORY_MAX}")
+        try:
+            async with asyncio.timeout(10):
+                items = await self.history(session, limit)
+        except Exception as err:
+            log.error("history could not be read", extra={"session": session, "error": str(err)[:300]})
+            return _error(503, "the history could not be read right now; please try again later")
+        return web.json_response({"session": session, "messages": [
+            {"role": item.role, "text": item.text, "at": item.at} for item in items]})
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.token:
+            return True
+        header = request.headers.get("Authorization", "")
+        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def _cross_site(self, request: web.Request) -> str | None:
+        """Why a tokenless request may come from another site (None when it cannot).
+        With a token there is nothing to fear: a browser never sends one cross-site."""
+        if self.token:
+            return None
+        return foreign_host(request, self._names) or foreign_origin(request)
+
+    async def api_chat(self, request: web.Request) -> web.Response:
+        refused = self._cross_site(request)
+        if refused is not None:
+            log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
+                                                             "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
+            return _error(403, refused)
+        if not self._authorized(request):
+            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        if not self._running:
+            return _error(503, "the gateway is not accepting messages right now")
+        if request.content_type != "application/json":
+            return _error(415, "send the body as JSON with Content-Type: application/json")
+        try:
+            body: Any = await parse_json_body(await request.read())
+        except JsonBodyError as err:
+            return _error(400, f"{err}; send {{\"session\": \"name\", \"text\": \"...\"}}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        session, text, request_id = body.get("session", "default"), body.get("text"), body.get("id")
+        if not isinstance(session, str) or not SESSION_NAME.fullmatch(session):
+            return _error(400, "session must be 1-64 characters of letters, digits, _ . @ - "
+                               "(no spaces or control characters)")
+        if not isinstance(text, str) or not text.strip():
+            return _error(400, "text must be a non-empty string")
+        if len(text) > self.max_chars:
+            return _error(413, f"text is longer than {self.max_chars:,} characters")
+        if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
+            return _error(400, "id must be a string of at most 128 characters")
+        event_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
+        inbound = Inbound(channel="web", chat_id=session, user_id=session, text=text, event_id=event_id,
+                          message_id=event_id, user_name=session)
+        if event_id in self._waiters:
+            return _error(409, f"a message with id {event_id!r} is being answered")
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[event_id] = fut
+        outbox = SseOutbox() if _wants_stream(request, body) else None
+        if outbox is not None:
+            self._outboxes[event_id] = outbox
+        try:
+            if await self.handler(inbound) is False:
+                return _error(409, f"a message with id {event_id!r} was already received")
+            if outbox is not None:
+                return await self._answer_stream(request, fut, outbox)
+            async with asyncio.timeout(self.reply_timeout_s):  # shielded: the reply may still come later
+                reply = await asyncio.shield(fut)
+        except TimeoutError:
+            return _error(504, "no reply in time; the message is saved and will be answered")
+        except ConnectionAbortedError as err:
+            return _error(503, str(err))
+        except Exception as err:
+            # Typically storage (disk full, read-only database): say so, don't leak a trace.
+            log.error("message could not be accepted", extra={"session": session, "error": str(err)[:300]})
+            return _error(503, f"the gateway could not save your message ({err}); please try again later")
+        finally:
+            self._waiters.pop(event_id, None)
+            self._outboxes.pop(event_id, None)
+        return web.json_response({"reply": reply, "session": session, "id": event_id})
+
+    async def _answer_stream(self, request: web.Request, fut: asyncio.Future[str],
+                             outbox: SseOutbox) -> web.StreamResponse:
+        """Write the reply's events until it is done, the wait times out or the client
+        leaves. Never raises: the response has started, and the turn goes on regardless."""
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache, no-transform",
+            "X-Accel-Buffering": "no",  # nginx: pass events through as they come
+        })
+        fut.add_done_callback(lambda _f: outbox.wake.set())
+        try:
+            # The relay keeps its own deadline; this one also bounds writes to a client
+            # that stopped reading (they would wait for it forever).
+            async with asyncio.timeout(self.reply_timeout_s + self.stuck_write_s):
+                await resp.prepare(request)
+                await resp.write(b": accepted\n\n")
+                await resp.write(await self._relay(resp, fut, outbox))
+                await resp.write_eof()
+        except ConnectionError as err:
+            # The client left: the turn is unaffected; its reply is stored and shows in
+            # the history.
+            log.info("web stream closed by the client", extra={"error": type(err).__name__})
+        except TimeoutError:
+            log.info("web stream dropped: the client stopped reading")
+            if request.transport is not None:
+                request.transport.abort()
+        finally:
+            outbox.closed = True
+        return resp
+
+    async def _relay(self, resp: web.StreamResponse, fut: asyncio.Future[str], outbox: SseOutbox) -> bytes:
+        """Write events as they come, with heartbeats while quiet; the last event, once
+        the reply is there or the wait timed out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reply_timeout_s
+        while True:
+            for event, data in outbox.take():
+                await resp.write(_sse(event, data))
+            if fut.done():
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                return _sse("error", {"error": "no reply in time; the message is saved and will be answered "
+                                               "(it will show in the history)"})
+            try:
+                async with asyncio.timeout(min(self.heartbeat_s, left)):
+                    await outbox.wake.wait()
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+        try:
+            reply = fut.result()
+        except Exception as err:  # ConnectionAbortedError: the gateway is shutting down
+            return _sse("error", {"error": str(err)})
+        return _sse("error", {"error": reply}) if outbox.failed else _sse("done", {"reply": reply})
+
+
+def _wants_stream(request: web.Request, body: dict[str, Any]) -> bool:
+    return body.get("stream") is True or "text/event-stream" in request.headers.get("Accept", "")
+
+
+def _sse(event: str, data: dict[str, str]) -> bytes:
+    # json.dumps escapes newlines, so the data is always one `data:` line.
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)

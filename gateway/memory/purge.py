@@ -1,0 +1,189 @@
+"""The retention purge (SPEC §7): what is past its time goes, in small batches.
+
+Sessions whose last activity is older than `session_retention_days` go with their
+messages and summaries, and so do the older messages of sessions still in use; files
+people sent (files/, SPEC §5.4) older than that go too, as their messages do; dedup
+records of platform events older than 7 days go; so do scheduled tasks' run records, and
+tasks that ended, past the session retention; saved tool outputs
+(tool_results/*.txt) older than `tool_result_ttl_days` go unless a live context still
+points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
+
+Every statement deletes at most one batch and commits, and the loop yields between
+batches, so a chat's write never waits behind the whole purge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiosqlite
+
+from gateway.store.api import StoreBackend
+from gateway.tasks.store import TaskStore
+
+log = logging.getLogger("gateway.purge")
+
+DAY = 86_400.0
+DEDUP_DAYS = 7
+ROW_BATCH = 250  # rows per statement: keeps a chat's write from waiting long behind one
+SESSION_BATCH = 50
+FILE_BATCH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeReport:
+    sessions: int = 0
+    messages: int = 0
+    summaries: int = 0
+    events: int = 0
+    tool_results: int = 0
+    seconds: float = 0.0
+    task_records: int = 0  # task runs and ended tasks
+    files: int = 0  # files people sent, past retention
+
+    def line(self) -> str:
+        tasks = f"{self.task_records} task records, " if self.task_records else ""
+        files = f", {self.files} sent files" if self.files else ""
+        return (
+            f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
+            f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs{files} "
+            f"in {self.seconds:.2f}s"
+        )
+
+
+async def purge(
+    store: StoreBackend, data_dir: Path, *, now: float, session_retention_days: int, tool_result_ttl_days: int,
+    live_references: Callable[[], set[Path]], batch: int = ROW_BATCH,
+) -> PurgeReport:
+    started = time.monotonic()
+    before = now - session_retention_days * DAY
+    sessions, messages, summaries = await _purge_sessions(store, before=before, batch=batch)
+    messages += await _purge_old_messages(store, before=before, batch=batch)
+    events = 0
+    while (n := await store.delete_events_before(now - DEDUP_DAYS * DAY, limit=batch)) > 0:
+        events += n
+        await asyncio.sleep(0)
+    task_records = 0
+    tasks = TaskStore(store)
+    while (n := await tasks.purge(before, limit=batch)) > 0:
+        task_records += n
+        await asyncio.sleep(0)
+    files = await purge_tool_results(data_dir, before=now - tool_result_ttl_days * DAY,
+                                     live_references=live_references)
+    sent = await purge_sent_files(data_dir, before=before)
+    await _checkpoint(store)
+    return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records,
+                       sent)
+
+
+async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
+    """Truncate the WAL; a chat's write caught between its statement and its commit makes
+    the checkpoint fail ("table is locked"), so try again a moment later."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await store.checkpoint()
+            return
+        except aiosqlite.OperationalError as err:
+            if attempt == attempts:
+                log.warning("WAL checkpoint skipped after the purge: %s", err)
+                return
+            await asyncio.sleep(0.01 * attempt)
+
+
+async def _purge_sessions(store: StoreBackend, *, before: float, batch: int) -> tuple[int, int, int]:
+    sessions = messages = summaries = 0
+    while keys := await store.expired_session_keys(before, limit=SESSION_BATCH):
+        while (n := await store.delete_session_messages(keys, before=before, limit=batch)) > 0:
+            messages += n
+            await asyncio.sleep(0)  # let queued chat writes in between batches
+        while (n := await store.delete_session_summaries(keys, limit=batch)) > 0:
+            summaries += n
+        gone = await store.delete_sessions(keys, before=before)
+        sessions += gone
+        if gone == 0:
+            break  # every one of them became active again meanwhile: nothing more is expired
+        await asyncio.sleep(0)
+    return sessions, messages, summaries
+
+
+async def _purge_old_messages(store: StoreBackend, *, before: float, batch: int) -> int:
+    """Messages past retention in sessions that are still active (SPEC §4.5 purges both).
+    Only the old front of the table is walked: ids below the first newer message."""
+    newest_kept = await store.first_message_id_since(before)
+    if newest_kept is None:
+        return 0  # nothing newer: every old message belonged to an expired session
+    deleted = 0
+    while (n := await store.delete_messages_before(before, below_id=newest_kept, limit=batch)) > 0:
+        deleted += n
+        await asyncio.sleep(0)  # let queued chat writes in between batches
+    return deleted
+
+
+def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:
+    found = []
+    for results in (data_dir / "scopes").glob("*/tool_results"):
+        if results.is_symlink() or not results.is_dir():
+            continue  # never walk out of the data dir through a planted link
+        for entry in os.scandir(results):
+            if entry.name.endswith(".txt") and entry.stat(follow_symlinks=False).st_mtime < before:
+                found.append(Path(entry.path))
+    return found
+
+
+def _expired_sent_files(data_dir: Path, before: float) -> list[Path]:
+    """Files under each scope's files/ (previews and left-over partial downloads
+    included) last written before `before`; never through a symlinked directory."""
+    found: list[Path] = []
+    for files in (data_dir / "scopes").glob("*/files"):
+        if files.is_symlink() or not files.is_dir():
+            continue
+        pending = [files]
+        while pending:
+            directory = pending.pop()
+            for entry in os.scandir(directory):
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.stat(follow_symlinks=False).st_mtime < before:
+                    found.append(Path(entry.path))
+    return found
+
+
+async def purge_sent_files(data_dir: Path, *, before: float) -> int:
+    """Delete files people sent that are past `session_retention_days` (SPEC §5.4)."""
+    doomed = await asyncio.to_thread(_expired_sent_files, data_dir, before)
+    deleted = 0
+    for i in range(0, len(doomed), FILE_BATCH):
+        deleted += await asyncio.to_thread(_delete_files, doomed[i : i + FILE_BATCH])
+    return deleted
+
+
+def _delete_files(paths: Iterable[Path]) -> int:
+    count = 0
+    for path in paths:
+        try:
+            path.unlink()  # a symlink is removed itself, never its target
+            count += 1
+        except FileNotFoundError:
+            pass
+    return count
+
+
+async def purge_tool_results(
+    data_dir: Path, *, before: float, live_references: Callable[[], set[Path]]
+) -> int:
+    candidates = await asyncio.to_thread(_expired_tool_results, data_dir, before)
+    if not candidates:
+        return 0
+    live = live_references()
+    keep = await asyncio.to_thread(lambda: {os.path.realpath(p) for p in live})
+    doomed = await asyncio.to_thread(lambda: [p for p in candidates if os.path.realpath(p) not in keep])
+    deleted = 0
+    for i in range(0, len(doomed), FILE_BATCH):
+        deleted += await asyncio.to_thread(_delete_files, doomed[i : i + FILE_BATCH])
+    return deleted

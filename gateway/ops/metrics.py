@@ -1,0 +1,93 @@
+"""Prometheus metrics (SPEC §8). One registry per gateway, so tests stay independent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from gateway.store.rows import StoreStats
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.inbound = Counter("gateway_inbound_messages_total", "Inbound messages", ["channel"], registry=r)
+        self.turns = Counter("gateway_turns_total", "Turns finished", ["channel", "outcome"], registry=r)
+        self.model_calls = Counter("gateway_model_calls_total", "Model HTTP attempts", ["outcome"], registry=r)
+        self.model_latency = Histogram(
+            "gateway_model_latency_seconds", "Model call latency", registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.tokens = Counter("gateway_tokens_total", "Tokens reported by the provider", ["direction"], registry=r)
+        self.trims = Counter("gateway_context_trims_total", "Context rules fired", ["strategy"], registry=r)
+        self.compactions = Counter("gateway_compactions_total", "Summaries written", ["reason"], registry=r)
+        self.summary_failures = Counter("gateway_summary_failures_total", "Summaries that fell back", registry=r)
+        self.overflow_recoveries = Counter(
+            "gateway_overflow_recoveries_total", "Overflow recoveries", ["result"], registry=r
+        )
+        self.dedup_hits = Counter("gateway_dedup_hits_total", "Redelivered events dropped", ["channel"], registry=r)
+        self.queue_depth = Gauge("gateway_queue_depth", "Turns waiting in session queues", registry=r)
+        self.live_sessions = Gauge("gateway_live_sessions", "Sessions held in memory", registry=r)
+        self.refused = Counter("gateway_refused_total", "Messages refused by access rules", ["channel", "reason"],
+                               registry=r)
+        self.busy = Counter("gateway_busy_replies_total", "Busy replies (queue full)", registry=r)
+        self.job_runs = Counter("gateway_job_runs_total", "Scheduled job runs", ["job", "outcome"], registry=r)
+        self.task_runs = Counter("gateway_task_runs_total", "Runs of tasks people scheduled (queued as a turn, "
+                                 "busy, refused, missed …)", ["outcome"], registry=r)
+        self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls", ["tool", "outcome"], registry=r)
+        self.stream_events = Counter(
+            "gateway_stream_events_total", "What streamed replies did (channels/base.py StreamObserver)",
+            ["channel", "event"], registry=r,
+        )
+        self.mcp_server_up = Gauge("gateway_mcp_server_up", "MCP server connected (1) or not (0)", ["server"],
+                                   registry=r)
+        self.leader = Gauge("gateway_leader", "This gateway receives for the role (1) or another gateway of "
+                            "the cluster does (0): Telegram polling, Slack Socket Mode", ["role"], registry=r)
+        self.mcp_restarts = Counter("gateway_mcp_restarts_total", "MCP server connections lost or failed "
+                                    "(each is retried with backoff)", ["server"], registry=r)
+
+        self.leases_held = Gauge("gateway_leases_held", "Leases this gateway holds on the shared database "
+                                 "(sessions running here, polling, its own liveness)", registry=r)
+        self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
+                                 "and this one ran after that gateway died or stalled", registry=r)
+
+    def stream_observer(self, channel: str) -> Callable[[str], None]:
+        """A channel's StreamObserver: counts each event it reports, by name."""
+        def observe(event: str) -> None:
+            self.stream_events.labels(channel, event).inc()
+        return observe
+
+    def watch_store(self, stats: Callable[[], StoreStats]) -> None:
+        """The store's write counters, read at each scrape."""
+        self.registry.register(_StoreCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        rows = CounterMetricFamily("gateway_db_rows_written", "Rows written by group commit", labels=["table"])
+        commits = CounterMetricFamily("gateway_db_commits", "Group commits (one multi-row insert each)",
+                                      labels=["table"])
+        for table, n in st.rows.items():
+            rows.add_metric([table], n)
+            commits.add_metric([table], st.commits.get(table, 0))
+        yield rows
+        yield commits
+        yield CounterMetricFamily("gateway_db_wal_checkpoints", "Background WAL checkpoints",
+                                  value=st.checkpoints)
+        yield GaugeMetricFamily("gateway_db_wal_frames", "Pages in the WAL at the last checkpoint",
+                                value=st.wal_frames)
+        yield CounterMetricFamily("gateway_db_wal_restarts", "WAL restarts after it passed its size limit",
+                                  value=st.wal_restarts)

@@ -1,0 +1,1 @@
+"""The schema of each store backend, as the ordered steps that build and upgrade it."""

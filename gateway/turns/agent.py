@@ -1,0 +1,305 @@
+"""The turn loop (SPEC §5): ask context/ for the request, call the model, run the tools,
+store every message as it is produced, repeat up to `agent_max_steps`, recover once from
+a context overflow.
+
+Given a `ReplyStream` (SPEC §5.1), every model call of the turn streams into it: the text
+as it comes (reasoning removed, gateway/turns/streaming.py), a status line in its place when
+the step turns out to call tools. The caller ends the stream with the returned text.
+Without one, calls take the plain (faster) non-streamed path."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from context.engine import Prepared, prepare, recover_overflow
+from context.truncate import cut_tool_result
+from gateway.clock import local_day
+from gateway.config.schema import Config, atomic_write_text
+from gateway.media import FileRefused, save_tool_image
+from gateway.model.errors import ModelError
+from gateway.model.replies import ModelReply
+from gateway.services import Services
+from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
+from gateway.tools.status import tool_status
+from gateway.turns.live import LiveSession
+from gateway.turns.streaming import StepFeed, clean_reply
+from gateway.turns.summaries import Summarizer
+from gateway.types import Attachment, Message, ToolCall
+from gateway.workspace import PathNotAllowed, resolve_in_workspace
+
+if TYPE_CHECKING:
+    from channels.base import ReplyStream
+
+log = logging.getLogger("gateway.agent")
+
+TOOL_TIMEOUT_S = 60.0  # for a tool that names no `timeout_s` of its own
+TOOL_TIMEOUT_MAX_S = 600.0  # however long a tool says it may take (the turn's default timeout)
+# Past a tool's own timeout: the tool's own, clearer error ("timeout_s of the MCP server
+# x") comes first; this bound only catches a tool that does not keep its word.
+TOOL_TIMEOUT_GRACE_S = 1.0
+COUNT_OFF_LOOP_CHARS = 8192  # texts this long are counted in a worker thread
+
+OVERFLOW_CLEARED = (
+    "This conversation grew larger than the model can read, even after trimming it. "
+    "I have cleared the live context (everything is still stored and searchable) — "
+    "please send your last message again."
+)
+
+
+EMPTY_REPLY = "(The model returned an empty answer. Please try again or rephrase.)"
+
+
+def step_limit_reply(max_steps: int) -> str:
+    """Said when even the answer-now call after the step limit gave no text."""
+    return (f"I used all {max_steps} steps I may take for one message without reaching an answer. "
+            "Tell me to continue, or narrow the question down.")
+
+
+def tool_timeout(tool: Tool) -> float:
+    """How long one call of `tool` may run: its own `timeout_s` (an MCP server's, say) plus
+    a little grace, at most TOOL_TIMEOUT_MAX_S; TOOL_TIMEOUT_S when it names none."""
+    own = getattr(tool, "timeout_s", None)
+    if isinstance(own, bool) or not isinstance(own, int | float) or not math.isfinite(own) or own <= 0:
+        return TOOL_TIMEOUT_S
+    return min(float(own) + TOOL_TIMEOUT_GRACE_S, TOOL_TIMEOUT_MAX_S)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    text: str
+    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash
+    tokens: int = 0  # prompt + completion tokens the provider reported for this turn
+
+
+def today_line(cfg: Config) -> str:
+    # Only the date: a finer clock would change the prompt every call and defeat prompt caches.
+    day, zone = local_day(cfg.timezone)
+    return f"Today is {day} ({zone})."
+
+
+class Agent:
+    def __init__(self, services: Services, summarizer: Summarizer) -> None:
+        self.s = services
+        self.summarizer = summarizer
+
+    async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
+        parts = [cfg.system_prompt.strip(), today_line(cfg)]
+        parts.append(
+            "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
+            "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
+        )
+        memory = self.s.memory
+        if memory is not None and cfg.memory_max_tokens > 0:
+            text = await memory.read_memory_md(
+                live.scope, max_tokens=cfg.memory_max_tokens, count=self.s.counter.count_text
+            )
+            if text.strip():
+                parts.append("## Long-term memory (MEMORY.md)\n" + text.strip())
+        return "\n\n".join(parts)
+
+    async def store(self, live: LiveSession, msg: Message, *, event: tuple[str, str] | None = None) -> Message:
+        counter = self.s.counter
+        if len(msg.content) >= COUNT_OFF_LOOP_CHARS:
+            # Exact counting of a long text takes milliseconds; tiktoken releases the GIL, so
+            # a worker thread keeps the loop free, and the count it caches serves prepare().
+            tokens = await asyncio.to_thread(counter.count_message, msg)
+        else:
+            tokens = counter.count_message(msg)
+        stored = await self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event)
+        live.seq += 1
+        live.ctx.append(stored)
+        return stored
+
+    def _apply(self, live: LiveSession, prepared: Prepared) -> None:
+        for event in prepared.events:
+            live.last_event = event
+            live.turn_trims.append(event.strategy)
+            self.s.metrics.trims.labels(event.strategy).inc()
+            log.debug(  # the turn's INFO line lists the rules that fired (gateway/turns/sessions.py)
+                "context rule fired",
+                extra={"session": live.key, "strategy": event.strategy,
+                       "tokens_before": event.tokens_before, "tokens_after": event.tokens_after},
+            )
+        for effect in prepared.effects:
+            self.summarizer.submit(live, effect)
+
+    async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None,
+                          feed: StepFeed | None = None, workspace: Path | None = None) -> ModelReply:
+        messages = prepared.messages
+        if workspace is not None and self.s.media is not None:
+            # The engine names image files; their bytes go in only now (SPEC §5.4).
+            messages = await self.s.media.resolve_images(messages, workspace)
+        async with self.s.model_slots:
+            if feed is None:
+                return await self.s.model.complete(messages, tools=tools or None)
+            feed.next_step()
+            return await self.s.model.complete(messages, tools=tools or None,
+                                               on_text=feed.text, on_retry=feed.retry)
+
+    async def run_turn(self, live: LiveSession, stream: ReplyStream | None = None) -> TurnResult:
+        """Run the current turn (its user message is already stored) to a final reply.
+        With `stream`, the reply is shown as it is produced (append/status only: the
+        caller finishes or fails the stream with the result's text)."""
+        feed = StepFeed(stream) if stream is not None else None
+        recovered = False
+        step = 0
+        live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.turn_trims = []
+        while True:
+            cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
+            step += 1
+            live.turn_steps = step
+            # Steps 1..agent_max_steps may call tools; when the last of them still asked
+            # for one, this extra step has no tools and must answer (SPEC §1, §5).
+            final = step > cfg.agent_max_steps
+            tools = [] if final else self.s.tools.schemas()
+            budget = cfg.context_budget()
+            system = await self.system_prompt(live, cfg)
+            prepared = prepare(live.ctx, system_prompt=system, tools=tools, budget=budget,
+                               counter=self.s.counter, final=final)
+            self._apply(live, prepared)
+            if prepared.user_notice:
+                return TurnResult(prepared.user_notice, "notice")
+            try:
+                reply = await self._call_model(prepared, tools, feed, live.workspace)
+            except ModelError as err:
+                if err.kind != "overflow":
+                    log.warning("model error", extra={"session": live.key, "kind": err.kind,
+                                                      "detail": err.detail[:300]})
+                    return TurnResult(err.user_message(), "model_error")
+                if recovered:
+                    return await self._clear_after_overflow(live)
+                recovered = True
+                outcome = await self._recover(live, cfg, system, tools, err, feed)
+                if outcome is None:
+                    return await self._clear_after_overflow(live)
+                if isinstance(outcome, ModelError):
+                    # The retry failed for another reason (rate limit, outage…): say that one.
+                    log.warning("model error on the overflow retry", extra={
+                        "session": live.key, "kind": outcome.kind, "detail": outcome.detail[:300]})
+                    return TurnResult(outcome.user_message(), "model_error")
+                reply, prepared = outcome
+            live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
+            live.turn_tokens_in += reply.prompt_tokens or 0
+            live.turn_tokens_out += reply.completion_tokens or 0
+            if reply.prompt_tokens:
+                live.ctx.calibrate(prepared.tokens, reply.prompt_tokens)
+                self.s.metrics.tokens.labels("in").inc(reply.prompt_tokens)
+            if reply.completion_tokens:
+                self.s.metrics.tokens.labels("out").inc(reply.completion_tokens)
+            calls = () if final else reply.tool_calls
+            if not calls:
+                # Exactly what the stream showed of this step: the same filter, whole.
+                text = clean_reply(reply.content)
+                if feed is not None:
+                    await feed.end()
+                if not text:
+                    text = step_limit_reply(cfg.agent_max_steps) if final else EMPTY_REPLY
+                await self.store(live, Message(role="assistant", content=text, turn=live.ctx.current_turn))
+                return TurnResult(text, "ok")
+            if feed is not None:
+                # The step's text was not the answer: the person sees what runs instead.
+                await feed.status(tool_status(calls, self.s.tools.get))
+            # Kept as the model wrote it (reasoning included): models that think between
+            # tool calls expect to read their thoughts back within the turn.
+            await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
+                                           tool_calls=tuple(calls)))
+            for call in calls:
+                await self._run_tool(live, cfg, call)
+
+    async def _recover(
+        self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError,
+        feed: StepFeed | None = None,
+    ) -> tuple[ModelReply, Prepared] | ModelError | None:
+        """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once.
+        None when the retry overflows again; the error when it fails otherwise."""
+        log.warning("context overflow; recovering", extra={"session": live.key,
+                                                          "provider_limit": err.provider_limit})
+        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=cfg.context_budget(),
+                                    counter=self.s.counter, provider_limit=err.provider_limit)
+        self._apply(live, prepared)
+        try:
+            reply = await self._call_model(prepared, tools, feed, live.workspace)
+        except ModelError as again:
+            if again.kind == "overflow":
+                self.s.metrics.overflow_recoveries.labels("cleared").inc()
+                return None
+            return again
+        self.s.metrics.overflow_recoveries.labels("recovered").inc()
+        return reply, prepared
+
+    async def _clear_after_overflow(self, live: LiveSession) -> TurnResult:
+        turn = live.ctx.current_turn
+        live.ctx.clear()
+        # The next turn starts a fresh live context, also after a restart.
+        live.context_start = turn + 1
+        await self.s.store.set_context_start(live.key, turn + 1)
+        await self.store(live, Message(role="assistant", content=OVERFLOW_CLEARED, turn=turn))
+        return TurnResult(OVERFLOW_CLEARED, "overflow_cleared")
+
+    async def _run_tool(self, live: LiveSession, cfg: Config, call: ToolCall) -> None:
+        output, outcome = await self._execute(live, cfg, call)
+        saved = await self._save_images(live, cfg, output)
+        self.s.metrics.tool_calls.labels(call.name if self.s.tools.get(call.name) else "unknown", outcome).inc()
+        # Providers reuse ids like "call_0"; the saved file name must stay unique in the scope.
+        file_id = f"{hashlib.sha1(live.key.encode()).hexdigest()[:8]}_t{live.ctx.current_turn}_{call.id}"
+        text = "\n".join(t for t in (output.text, *(line for _, line in saved)) if t)
+        cut = cut_tool_result(text, call_id=file_id, limit=cfg.tool_result_max_chars,
+                              file_ref=output.file_ref, save_over=cfg.history_tool_result_max_chars)
+        if cut.save is not None:
+            try:
+                target = resolve_in_workspace(live.workspace, cut.save.path)
+                await asyncio.to_thread(atomic_write_text, target, cut.save.text)
+            except (OSError, PathNotAllowed) as err:
+                log.error("cannot save a tool result", extra={"session": live.key, "error": str(err)})
+        await self.store(live, Message(role="tool", content=cut.content, turn=live.ctx.current_turn,
+                                       tool_call_id=call.id, tool_name=call.name, truncation=cut.truncation,
+                                       attachments=tuple(att for att, _ in saved if att is not None)))
+
+    async def _save_images(self, live: LiveSession, cfg: Config,
+                           output: ToolOutput) -> list[tuple[Attachment | None, str]]:
+        """Each image the tool returned, saved under files/ (SPEC §5.2): the attachment
+        (shown to a model with vision, context/images.py) and the line naming the file."""
+        out: list[tuple[Attachment | None, str]] = []
+        for image in output.images:
+            try:
+                att, line = await asyncio.to_thread(save_tool_image, live.workspace, image.name, image.mime,
+                                                    image.data, cfg.limits.max_inbound_file_bytes)
+            except (FileRefused, PathNotAllowed, OSError) as err:
+                out.append((None, f"[image from the tool, not saved: {err}]"))
+                continue
+            out.append((att if att.is_image else None, line))
+        return out
+
+    async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
+        tool = self.s.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self.s.tools.names)
+            return ToolOutput(f"error: there is no tool named {call.name!r}; available: {known}"), "unknown"
+        try:
+            args = json.loads(call.arguments or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+        except (ValueError, TypeError) as err:
+            return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
+                "bad_arguments"
+        ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
+                          services=self.s, inbound=live.inbound)
+        timeout = tool_timeout(tool)
+        try:
+            out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)
+            return out, "ok"
+        except ToolError as err:
+            return ToolOutput(f"error: {err}"), "error"
+        except TimeoutError:
+            return ToolOutput(f"error: {call.name} did not finish within {timeout:g} s"), "timeout"
+        except Exception:
+            log.exception("tool failed", extra={"session": live.key, "tool": call.name})
+            return ToolOutput(f"error: {call.name} failed unexpectedly"), "crash"

@@ -1,0 +1,390 @@
+"""In-chat commands (SPEC §6), handled without calling the model.
+
+Commands that change a session (/context clear, /new, /compact) run in that session's
+queue, so they never interleave with a turn."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from context.engine import compact, context_stats, format_context_stats
+from gateway.access import APPROVED_NOTICE, Pairing, is_admin
+from gateway.config.chat import ChatSettings, set_dotted
+from gateway.config.schema import (
+    Config,
+    ConfigError,
+    atomic_write_text,
+    change_effect,
+    is_credential_destination,
+    is_operator_only,
+    is_secret_key,
+    parse_config,
+)
+from gateway.services import Services
+from gateway.store.rows import slot_words
+from gateway.tasks.schedule import TaskError
+from gateway.turns.live import LiveSession
+from gateway.turns.sessions import CommandJob, SessionManager
+from gateway.types import Inbound
+
+log = logging.getLogger("gateway.commands")
+
+HELP = """Commands:
+/context: what the live context holds (messages, tokens vs budget, turns, last trim)
+/context clear (or /new): start a fresh context; everything stays stored and searchable
+/compact: summarize the conversation now, keeping the last 2 turns
+/config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
+/tools: the tools I can use here, and the state of each MCP server
+/tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
+/approve CODE: approve a pairing code (admins)
+/help: this list"""
+
+BOT_COMMANDS: list[tuple[str, str]] = [
+    ("context", "Show what the live context holds; /context clear to reset"),
+    ("new", "Start a fresh context"),
+    ("compact", "Summarize now, keeping the last 2 turns"),
+    ("config", "Show or change settings"),
+    ("tools", "List the tools and MCP servers"),
+    ("tasks", "List scheduled tasks; /tasks cancel ID"),
+    ("help", "List commands"),
+]
+
+Reply = Callable[[Inbound, str], Awaitable[None]]
+OnConfigChange = Callable[[], Awaitable[None]]
+StartupCheck = Callable[[Config], list[str]]
+
+EFFECT_NOTE = {
+    "live": "saved; applies from the next step",
+    "channel": "saved; the channel restarts with it",
+    "restart": "saved; applies after the gateway restarts",
+}
+
+
+def parse_command(text: str) -> tuple[str, list[str]] | None:
+    stripped = text.strip()
+    if not stripped.startswith("/") or len(stripped) < 2:
+        return None
+    head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
+    name = head[1:].split("@", 1)[0].lower()
+    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks"}:
+        return None
+    return name, rest
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and (data or not prefix):  # an empty section (mcp.servers) is a setting too
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def masked_settings(services: Services) -> dict[str, Any]:
+    flat = flatten(services.cfg.model_dump(mode="json"))
+    return {k: ("***" if is_secret_key(k) and v else v) for k, v in flat.items()}
+
+
+# What everyone may read with /config: the budgets and limits that shape their answers.
+# The rest (admins, addresses, the system prompt, channels) is for admins.
+EVERYONE_KEYS = frozenset({"agent_max_context_tokens", "agent_max_context_turns", "agent_max_steps",
+                           "tool_result_max_chars", "history_tool_result_max_chars", "session_retention_days",
+                           "memory_max_tokens"})
+
+
+def shown_to_everyone(key: str) -> bool:
+    return key in EVERYONE_KEYS or key.startswith("limits.")
+
+
+def suggest_key(key: str, known: list[str]) -> str | None:
+    """The setting a mistyped KEY most likely meant: a close spelling, or the one key whose
+    last part it is (`port` → `http.port`)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    tails = [k for k in known if k.rsplit(".", 1)[-1] == key]
+    if len(tails) == 1:
+        return tails[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def chat_refusal(key: str, value: Any) -> str | None:
+    """Why `/config KEY VALUE` may not set this from chat: secrets, and the addresses
+    secrets are sent to, are the operator's (config.json and the environment). Values set
+    here are stored as typed: a `${NAME}` in them is never expanded."""
+    for path in flatten(value, f"{key}.") if isinstance(value, dict) else [key]:
+        if is_secret_key(path):
+            return f"{path} is a secret: it can only be changed in config.json or the environment, not in chat."
+        if is_credential_destination(path):
+            return (f"{path} decides where credentials are sent: it can only be changed in config.json, "
+                    "not in chat.")
+        if is_operator_only(path):
+            return (f"{path}: MCP servers are programs the gateway runs and addresses it sends credentials "
+                    "to; add or change them in config.json, not in chat.")
+    return None
+
+
+class Commands:
+    def __init__(self, services: Services, sessions: SessionManager, pairing: Pairing, *,
+                 reply: Reply, on_config_change: OnConfigChange | None = None,
+                 check: StartupCheck | None = None, settings: ChatSettings | None = None) -> None:
+        self.s = services
+        self.sessions = sessions
+        self.pairing = pairing
+        self.reply = reply
+        self.on_config_change = on_config_change
+        self.check = check
+        # Changes made in chat, kept in the database (shared with other gateways: SPEC §10).
+        self.settings = settings
+        self._config_lock = settings.lock if settings is not None else asyncio.Lock()
+
+    async def handle(self, inbound: Inbound, key: str, scope: str) -> bool:
+        """True when `inbound` was a command (answered or queued)."""
+        parsed = parse_command(inbound.text)
+        if parsed is None:
+            return False
+        name, args = parsed
+        if name in ("help", "start"):
+            await self._answer(inbound, HELP)
+        elif name == "config":
+            await self._answer(inbound, await self.config(inbound, args))
+        elif name == "approve":
+            await self._answer(inbound, await self.approve(inbound, args))
+        elif name == "tools":
+            await self._answer(inbound, self.tools())
+        elif name == "tasks":
+            await self._answer(inbound, await self.tasks(inbound, scope, args))
+        elif name == "new" or (name == "context" and args[:1] == ["clear"]):
+            await self._queue(inbound, key, scope, self._clear)
+        elif name == "context":
+            identity = inbound.identity
+
+            async def stats(live: LiveSession) -> str:
+                return await self._stats(live, identity)
+
+            await self._queue(inbound, key, scope, stats)
+        elif name == "compact":
+            await self._queue(inbound, key, scope, self._compact)
+        return True
+
+    async def _answer(self, inbound: Inbound, text: str) -> None:
+        await self.reply(inbound, text)
+        await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
+
+    async def _queue(self, inbound: Inbound, key: str, scope: str,
+                     run: Callable[[LiveSession], Awaitable[str]]) -> None:
+        if not await self.sessions.submit(key, scope, CommandJob(inbound, run)):
+            await self._answer(inbound, "I'm still working on your earlier messages; try again in a moment.")
+
+    # -- session commands (run inside the session queue) ----------------------------------
+
+    async def _stats(self, live: LiveSession, identity: str) -> str:
+        cfg = self.s.cfg
+        admin = is_admin(cfg, identity)
+        system = await self.sessions.agent.system_prompt(live, cfg)
+        stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
+                              budget=cfg.context_budget(), counter=self.s.counter)
+        # Strategy names, the token calibration and the job runs are the operator's view.
+        text = format_context_stats(stats, details=admin)
+        runs = await self.s.store.job_runs(limit=3) if admin else []
+        if runs:
+            text += "\nLast jobs: " + ", ".join(f"{r.job} {slot_words(r.slot)}: {r.outcome}" for r in runs)
+        if self.s.usage is not None:
+            text += "\n" + await self.s.usage.describe(cfg, identity)
+        return text
+
+    async def _clear(self, live: LiveSession) -> str:
+        turn = max(await self.s.store.last_turn(live.key), live.ctx.current_turn)
+        live.ctx.clear()
+        live.context_start = turn + 1
+        await self.s.store.set_context_start(live.key, turn + 1)
+        return "Started a fresh context. Earlier messages stay stored and can be found with memory search."
+
+    async def _compact(self, live: LiveSession) -> str:
+        before = live.ctx.turn_count
+        effect = compact(live.ctx, keep_turns=2, counter=self.s.counter)
+        dropped = before - live.ctx.turn_count
+        if dropped <= 0:
+            return "Nothing to compact yet: the context holds 2 turns or fewer."
+        # No effect means a summary prepared ahead (the prefetch) covers the dropped turns
+        # already: it is injected from the next turn on like a fresh one.
+        if effect is not None:
+            self.sessions.agent.summarizer.submit(live, effect)
+        what = "are being summarized" if effect is not None else "are covered by the summary already made"
+        return (f"Compacted: {dropped} earlier turn{'s' if dropped != 1 else ''} left the live context and {what}; "
+                "the last 2 turns stay as they are.")
+
+    # -- /config and /approve ---------------------------------------------------------------
+
+    async def config(self, inbound: Inbound, args: list[str]) -> str:
+        settings = masked_settings(self.s)
+        admin = is_admin(self.s.cfg, inbound.identity)
+        visible = settings if admin else {k: v for k, v in settings.items() if shown_to_everyone(k)}
+        if not args:
+            title = "Settings (secrets shown as ***)" if admin else "Budgets and limits (admins see every setting)"
+            return f"{title}:\n" + _settings_block(visible)
+        key = args[0]
+        if len(args) > 1 and is_operator_only(key):  # also for servers that do not exist yet
+            return chat_refusal(key, parse_value(args[1])) or ""
+        if key not in settings:
+            section = {k: v for k, v in visible.items() if k.startswith(f"{key}.")}
+            if section and len(args) == 1:
+                return _settings_block(section)
+            hint = suggest_key(key, list(settings))
+            did_you_mean = f" Did you mean {hint}?" if hint else ""
+            return f"There is no setting {key!r}.{did_you_mean} Send /config to list them."
+        if key not in visible:
+            return f"{key} is shown to admins only."
+        if len(args) == 1:
+            return f"{key} = {json.dumps(settings[key], ensure_ascii=False)}"
+        if not admin:
+            return f"Only admins can change settings (you are {inbound.identity}; see the `admins` setting)."
+        value = parse_value(args[1])
+        refusal = chat_refusal(key, value)
+        if refusal is not None:
+            return refusal
+        return await self._write_setting(key, value, by=inbound.identity)
+
+    async def _write_setting(self, key: str, value: Any, *, by: str) -> str:
+        holder = self.s.config
+        if holder.path is None:
+            return "This gateway runs without a config file, so settings cannot be changed here."
+        async with self._config_lock:
+            try:
+                raw_text = await asyncio.to_thread(holder.path.read_text, encoding="utf-8")
+                raw = json.loads(raw_text)
+            except (OSError, ValueError) as err:
+                return f"Cannot read {holder.path.name}: {err}"
+            set_dotted(raw, key, value)
+            try:
+                if self.settings is not None:
+                    # With other gateways: their chat changes stay on top of this file.
+                    new_cfg = self.settings.stage(raw, key, value)
+                else:
+                    new_cfg = parse_config(raw)
+                    problems = self.check(new_cfg) if self.check is not None else []
+                    if problems:
+                        raise ConfigError(problems)
+            except ConfigError as err:
+                return "Not changed: " + "; ".join(err.problems)
+            if self.settings is not None and self.settings.shared:
+                try:
+                    await self.settings.record(key, value, by=by, file=raw)
+                except Exception as err:  # the other gateways would not get it: change nothing
+                    log.warning("setting not changed: the database did not take it",
+                                extra={"key": key, "error": str(err)[:200]})
+                    return f"Not changed: the database did not take it ({type(err).__name__}); try again."
+            try:
+                await asyncio.to_thread(atomic_write_text, holder.path,
+                                        json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+            except OSError as err:
+                if self.settings is None or not self.settings.shared:
+                    return f"Not changed: cannot write {holder.path.name}: {err.strerror or err}"
+                # The database has it (every gateway applies it from there); a read-only
+                # config file, as in the compose cluster profile, only misses the copy.
+                log.warning("setting kept in the database only: the config file is not writable",
+                            extra={"key": key, "error": str(err)[:200]})
+            if self.settings is not None and not self.settings.shared:
+                await self.settings.record(key, value, by=by, file=raw)  # the history, best effort
+            holder.swap(new_cfg)
+            log.info("setting changed in chat", extra={"key": key})
+        if self.on_config_change is not None:
+            await self.on_config_change()
+        shown = masked_settings(self.s).get(key)
+        return f"{key} = {json.dumps(shown, ensure_ascii=False)} ({EFFECT_NOTE[change_effect(key)]})"
+
+    def tools(self) -> str:
+        """/tools: every tool a turn here may call, and each MCP server's state."""
+        registry = self.s.tools
+        mcp = self.s.mcp
+        by_server: dict[str, list[str]] = {}
+        builtin: list[str] = []
+        for name in registry.names:
+            server = getattr(registry.get(name), "server", None)
+            if mcp is not None and server is not None:
+                by_server.setdefault(server, []).append(name)
+            else:
+                builtin.append(name)
+        lines = [f"Tools ({len(registry.names)}):", "built-in: " + ", ".join(builtin)]
+        statuses = mcp.statuses() if mcp is not None else []
+        if not statuses:
+            lines.append("MCP servers: none configured (mcp.servers in config.json)")
+            return "\n".join(lines)
+        lines.append("MCP servers:")
+        for status in statuses:
+            lines.append(f"- {status.name}: {status.describe()}")
+            if by_server.get(status.name):
+                lines.append("  " + ", ".join(by_server[status.name]))
+        return "\n".join(lines)
+
+    async def tasks(self, inbound: Inbound, scope: str, args: list[str]) -> str:
+        """/tasks: the scope's scheduled tasks; /tasks cancel ID; /tasks all (admins)."""
+        tasks = self.s.tasks
+        if tasks is None:
+            return "Scheduled tasks are not available here."
+        cfg = self.s.cfg
+        sub = args[0].lower() if args else ""
+        if sub == "cancel":
+            if len(args) < 2:
+                return "Usage: /tasks cancel ID (the ids are in /tasks)"
+            try:
+                task = await tasks.cancel(args[1], scope=scope, identity=inbound.identity, cfg=cfg)
+            except TaskError as err:
+                return f"Not cancelled: {err}."
+            return f"Cancelled task {task.id} ({task.preview()})."
+        if sub not in ("", "all"):
+            return "Usage: /tasks lists this chat's scheduled tasks; /tasks cancel ID cancels one."
+        everything = sub == "all"
+        if everything and not is_admin(cfg, inbound.identity):
+            return "Only admins can list every chat's tasks."
+        found = await tasks.visible(scope, everything=everything)
+        if not found:
+            return ("No scheduled tasks." if everything else
+                    "No scheduled tasks in this chat. Ask me to schedule one, e.g. \"remind me in 20 minutes "
+                    "to stretch\".")
+        where = "in every chat" if everything else "in this chat"
+        return "\n".join([f"Scheduled tasks {where} ({len(found)}, next runs in local time):",
+                          *tasks.describe(found, cfg, with_scope=everything),
+                          "Cancel one with /tasks cancel ID."])
+
+    async def approve(self, inbound: Inbound, args: list[str]) -> str:
+        if not is_admin(self.s.cfg, inbound.identity):
+            return "Only admins can approve pairing codes."
+        if not args:
+            return "Usage: /approve CODE"
+        identity = await self.pairing.approve(args[0], approved_by=inbound.identity)
+        if identity is None:
+            return await self.pairing.explain_failure(args[0])
+        log.info("pairing approved", extra={"identity": identity, "by": inbound.identity})
+        told = await self._tell_approved(identity)
+        return f"Approved {identity}." + ("" if told else " They can chat from their next message.")
+
+    async def _tell_approved(self, identity: str) -> bool:
+        """Tell the person in their DM (the chat id of a DM is the user id in Telegram; Slack
+        opens the app's DM for a user id). Best effort: approval stands either way."""
+        channel, _, user_id = identity.partition(":")
+        person = Inbound(channel=channel, chat_id=user_id, user_id=user_id, text="", event_id=f"approved:{user_id}")
+        try:
+            await asyncio.wait_for(self.reply(person, APPROVED_NOTICE), timeout=15)
+        except Exception as err:
+            log.warning("could not tell an approved person", extra={"identity": identity, "error": str(err)[:200]})
+            return False
+        return True
+
+
+def _settings_block(settings: dict[str, Any]) -> str:
+    lines = [f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in sorted(settings.items())]
+    return "```\n" + "\n".join(lines) + "\n```"

@@ -1,0 +1,321 @@
+"""Per-session order across gateways (SPEC §10).
+
+On a shared database any gateway may accept a message, but a session's turns still run
+one at a time, in arrival order, cluster-wide. The database is the queue: the router
+records each event (with its arrival number) and, once it is a turn, marks it `queued`.
+A gateway that holds the lease `session:<key>` runs the session's waiting events oldest
+first, whichever gateway accepted them (replies to Telegram and Slack go out from any
+gateway), with every message it writes fenced by the lease's token. Before running it
+rebuilds the session from the store: another gateway may have run turns since.
+
+A web or terminal message is answered into the request that brought it, so only the
+gateway that accepted it runs it while that gateway lives; the others stop there and
+let it take the lease. Commands that need the session to themselves (/compact) queue
+locally and run under the lease too.
+
+Nothing is lost between gateways: after releasing a lease a worker looks again, so an
+event that arrived while the lease was held is never left behind, and every gateway
+sweeps about once a second for sessions with waiting events and no live lease — the
+sessions of a gateway that died, taken over once its leases expire and resumed like
+after a restart (a turn that was running continues from what it stored)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.access import LOCAL_CHANNELS
+from gateway.store.fence import FENCE, FencedOut
+from gateway.turns.commands import parse_command
+from gateway.turns.sessions import (
+    CommandJob,
+    Job,
+    SessionManager,
+    TurnJob,
+)
+from gateway.types import Inbound, inbound_from_dict
+
+if TYPE_CHECKING:
+    from gateway.store.postgres import QueuedEvent
+    from gateway.turns.live import LiveSession
+
+log = logging.getLogger("gateway.cluster")
+
+SWEEP_INTERVAL_S = 1.0
+# An event still only "accepted" is being decided on by the gateway that took it (access,
+# command, queue). Past SETTLE_S it is the leftover of a gateway that died deciding, once
+# that gateway is gone; a live one is given until DECIDE_LIMIT_S (an inline command whose
+# reply waits out a platform's rate limit), after which it is taken as stuck.
+SETTLE_S = 10.0
+DECIDE_LIMIT_S = 120.0
+SETTLE_POLL_S = 0.05
+SLOW_POLL_S = 0.5
+LEASE_RETRY_S = 0.2  # waiting for another gateway to finish a session this one must run
+STOP_POLL_S = 0.5
+
+
+Keys = Callable[[Inbound], tuple[str, str]]
+LeftoverCommand = Callable[[Inbound], Awaitable[None]]
+
+
+class ClusterSessionManager(SessionManager):
+    """SessionManager whose queue is the shared database and whose turns run under a lease."""
+
+    def __init__(self, *args: Any, keys: Keys, can_deliver: Callable[[str], bool] = lambda _channel: True,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leases = self.s.leases
+        self.keys = keys
+        self.can_deliver = can_deliver  # `gateway chat` runs the terminal only
+        self.on_leftover_command: LeftoverCommand | None = None
+        self._workers: dict[str, asyncio.Task[Any]] = {}
+        self._commands: dict[str, list[CommandJob]] = {}
+        self._wake_again: set[str] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._alive: tuple[float, set[str]] = (0.0, set())
+        # What the session looked like in the store when this gateway last let it go: the
+        # cached session is still good when nobody wrote to it since.
+        self._left_at: dict[str, tuple[int, int]] = {}
+        self.restore_whole = True
+
+    # -- intake -------------------------------------------------------------------------
+
+    async def submit(self, key: str, scope: str, job: Job) -> bool:
+        if self._stopping:
+            return False
+        store = self.s.store
+        inbound = job.inbound
+        if isinstance(job, CommandJob):
+            # Runs here (its closure lives here); "command" keeps other gateways off it.
+            await store.mark_event(inbound.channel, inbound.event_id, "command")
+            self._commands.setdefault(key, []).append(job)
+        elif job.resume_turn is None:
+            waiting = await store.session_events(key, limit=self.s.cfg.limits.session_queue_size + 2)
+            ahead = sum(1 for ev in waiting if ev.status != "running" and ev.event_id != inbound.event_id)
+            if ahead >= self.s.cfg.limits.session_queue_size:
+                self.s.metrics.busy.inc()
+                return False
+            await store.mark_event(inbound.channel, inbound.event_id, "queued")
+        self.wake(key, scope, inbound.channel)
+        return True
+
+    def wake(self, key: str, scope: str | None = None, channel: str | None = None) -> None:
+        """Make sure a worker looks at the session (it may find another gateway on it)."""
+        if key in self._workers:
+            self._wake_again.add(key)
+            return
+        task = self.s.background.spawn(self._work_cluster(key, scope, channel), name=f"session:{key}")
+        if task is not None:
+            self._workers[key] = task
+
+    def worker_of(self, key: str) -> asyncio.Task[Any] | None:
+        # From the moment a message is queued: the worker may still wait for the lease.
+        return self._workers.get(key)
+
+    def queued(self) -> int:
+        return sum(len(jobs) for jobs in self._commands.values()) + len(self._workers)
+
+    # -- the worker -------------------------------------------------------------------------
+
+    async def _work_cluster(self, key: str, scope: str | None, channel: str | None) -> None:
+        name = f"session:{key}"
+        try:
+            await self.open.wait()
+            while not self._stopping:
+                self._wake_again.discard(key)
+                events = await self.s.store.session_events(key)
+                mine = self._must_run_here(events) or bool(self._commands.get(key))
+                if not events and not mine:
+                    if key in self._wake_again:
+                        continue
+                    return
+                if not mine and not await self._may_run(events[0]):
+                    return  # the next turn is for another gateway to run
+                token = await self.leases.acquire(name)
+                if token is None:
+                    if not mine:
+                        return  # the holder runs them, and looks again before letting go
+                    await asyncio.sleep(LEASE_RETRY_S)
+                    continue
+                try:
+                    progressed = await self._hold(key, scope, channel, name, token, events)
+                    self._left_at[key] = await self.s.store.session_mark(key)
+                except FencedOut:
+                    # This gateway stalled and another took the session over: it runs the rest.
+                    log.warning("session handed over while running", extra={"session": key})
+                    progressed = True
+                finally:
+                    await self.leases.release(name)
+                if not progressed and key not in self._wake_again:
+                    # Only another live gateway's web/terminal events wait: theirs to run.
+                    # A command queued here waits for them (no sweep would wake it).
+                    if not self._commands.get(key):
+                        return
+                    await asyncio.sleep(LEASE_RETRY_S)
+        finally:
+            self._workers.pop(key, None)
+            live = self.live.get(key)
+            if live is not None and live.worker is asyncio.current_task():
+                live.worker = None
+
+    def _must_run_here(self, events: list[QueuedEvent]) -> bool:
+        """Whether this gateway must run some of them itself (it accepted a web or terminal
+        message of the session), so it waits for the lease instead of leaving them."""
+        return any(ev.channel in LOCAL_CHANNELS and ev.instance == self.leases.instance for ev in events)
+
+    async def _hold(self, key: str, scope: str | None, channel: str | None, name: str, token: int,
+                    events: list[QueuedEvent]) -> bool:
+        """Run what waits while holding the lease; whether anything ran."""
+        first = events[0] if events else None
+        if scope is None or channel is None:
+            scope, channel = await self._scope_of(key, first)
+        # Another gateway may have run turns since this one last did: then rebuild.
+        if key not in self.live or self._left_at.pop(key, None) != await self.s.store.session_mark(key):
+            self._forget(key)
+        live = await self.get_live(key, scope, channel)
+        live.worker = asyncio.current_task()
+        FENCE.set((key, token))
+        lost = self.leases.lost(name)
+        ran = False
+        tried: set[tuple[str, str]] = set()
+        while not self._stopping:
+            events = await self.s.store.session_events(key)
+            if not events:
+                commands = self._commands.pop(key, [])
+                for job in commands:
+                    await self._guarded(live, job, lost)
+                    ran = True
+                if not commands:
+                    return ran
+                continue
+            ev = events[0]
+            if ev.status == "accepted" and not await self._left_undecided(ev):
+                # Its gateway is still deciding what it is.
+                await asyncio.sleep(SETTLE_POLL_S if ev.age_s < SETTLE_S else SLOW_POLL_S)
+                continue
+            if not await self._may_run(ev):
+                return ran
+            if (ev.channel, ev.event_id) in tried:
+                # It ran and its turn did not end (a crash or a storage error, already told
+                # to the person): do not run it again and again; a restart would not either.
+                log.error("turn did not end; marked failed", extra={"session": key, "event": ev.event_id})
+                await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
+                continue
+            tried.add((ev.channel, ev.event_id))
+            job = await self._job_for(ev)
+            if job is None:
+                ran = True
+                continue
+            await self._guarded(live, job, lost)
+            ran = True
+        return ran
+
+    async def _guarded(self, live: LiveSession, job: Job, lost: asyncio.Event) -> None:
+        """One job, cut short when the lease is lost (its writes would be refused anyway)."""
+        run = asyncio.ensure_future(self._run_job(live, job))
+        watch = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not run.done():
+            run.cancel()
+            await asyncio.wait({run}, timeout=5)
+            log.warning("turn stopped: the session's lease was lost to another gateway", extra={"session": live.key})
+            raise FencedOut(live.key, -1)
+        run.result()
+
+    async def _may_run(self, ev: QueuedEvent) -> bool:
+        if not self.can_deliver(ev.channel):
+            return False  # a gateway running that channel answers it
+        if ev.channel not in LOCAL_CHANNELS or ev.instance == self.leases.instance:
+            return True
+        # Another gateway's web/terminal message: its request waits there, unless that
+        # gateway is gone (then the reply is kept for the history, as after a restart).
+        return ev.instance not in await self._alive_instances()
+
+    async def _left_undecided(self, ev: QueuedEvent) -> bool:
+        """Whether an event still only accepted was left by its gateway, so this one decides it."""
+        if ev.age_s < SETTLE_S:
+            return False
+        if ev.age_s >= DECIDE_LIMIT_S or ev.instance is None:
+            return True
+        return ev.instance not in await self._alive_instances(fresh=True)
+
+    async def _alive_instances(self, *, fresh: bool = False) -> set[str]:
+        at, alive = self._alive
+        if fresh or time.monotonic() - at > SWEEP_INTERVAL_S:
+            alive = await self.leases.alive_instances()
+            self._alive = (time.monotonic(), alive)
+        return alive
+
+    async def _job_for(self, ev: QueuedEvent) -> TurnJob | None:
+        store = self.s.store
+        try:
+            inbound = inbound_from_dict(ev.inbound or {})
+        except (KeyError, TypeError, ValueError):
+            log.warning("unreadable waiting event", extra={"event": ev.event_id})
+            await store.mark_event(ev.channel, ev.event_id, "failed")
+            return None
+        if ev.instance not in (None, self.leases.instance) and ev.instance not in await self._alive_instances():
+            self.s.metrics.takeovers.inc()  # its gateway died or stalled with the turn waiting
+        if ev.status == "running":
+            return TurnJob(inbound, resume_turn=ev.turn)
+        if ev.status == "accepted":
+            # The gateway that accepted it died before deciding; decide as a restart would.
+            log.info("taking over an event its gateway never queued", extra={"event": ev.event_id})
+            if parse_command(inbound.text) is not None:
+                if self.on_leftover_command is not None:
+                    await self.on_leftover_command(inbound)
+                await store.mark_event(ev.channel, ev.event_id, "answered")
+                return None
+        return TurnJob(inbound)
+
+    async def _scope_of(self, key: str, ev: QueuedEvent | None) -> tuple[str, str]:
+        row = await self.s.store.get_session(key)
+        if row is not None:
+            return row.scope, row.channel
+        if ev is not None and ev.inbound:
+            inbound = inbound_from_dict(ev.inbound)
+            return self.keys(inbound)[1], inbound.channel
+        raise RuntimeError(f"session {key} has no stored scope")
+
+    def _forget(self, key: str) -> None:
+        self.live.pop(key, None)
+        self._last_turns.pop(key, None)
+        self._left_at.pop(key, None)
+
+    # -- sweeping and stopping ----------------------------------------------------------------
+
+    def start_sweeping(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="sessions:sweep")
+
+    async def _sweep_forever(self) -> None:
+        await self.open.wait()
+        while not self._stopping:
+            try:
+                async with asyncio.timeout(SWEEP_INTERVAL_S * 5):
+                    keys = await self.s.store.unleased_sessions(settle_s=SETTLE_S,
+                                                                decide_limit_s=DECIDE_LIMIT_S)
+                for key in keys:
+                    if key not in self._workers:
+                        self.wake(key)
+            except (TimeoutError, OSError, sqlite3.Error) as err:
+                log.warning("sweep for waiting sessions failed", extra={"error": str(err)[:200]})
+            except Exception:
+                log.exception("sweep for waiting sessions failed")
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
+    async def stop(self, timeout: float) -> None:
+        self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.wait({self._sweeper}, timeout=STOP_POLL_S * 4)
+            self._sweeper = None
+        workers = set(self._workers.values())
+        if workers:
+            await asyncio.wait(workers, timeout=timeout)
