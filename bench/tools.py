@@ -62,7 +62,8 @@ from bench.context_cost import (
     replay,
     replaying,
 )
-from gateway.config.schema import Config, McpConfig, McpServerConfig, parse_config
+from gateway.config.load import parse_config
+from gateway.config.schema import Config, McpConfig, McpServerConfig
 from gateway.tools.base import Tool, ToolContext, ToolError, schema
 from gateway.tools.current_time import CurrentTime
 from gateway.tools.mcp import McpManager, McpTool

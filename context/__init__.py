@@ -6,12 +6,10 @@ message, and calls `prepare()` before each decision step; effects in the result
 """
 
 from .budget import Budget
+from .effects import Prepared, SummarizeTurns, TrimEvent
 from .engine import (
     FINAL_INSTRUCTION,
-    Prepared,
     SessionContext,
-    SummarizeTurns,
-    TrimEvent,
     compact,
     context_stats,
     prepare,

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from gateway.types import Attachment, Message
 
 from .budget import Budget
+from .effects import Prepared, Strategy, SummarizeTurns, SummaryReason, TrimEvent
 from .images import (
     IMAGE_HISTORY_TURNS,
     images_of,
@@ -29,7 +30,7 @@ from .images import (
     with_images,
     with_placeholders,
 )
-from .stats import ContextStats, format_context_stats  # format_context_stats: re-exported
+from .stats import ContextStats
 from .summary import injection_text
 from .tokens import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, TokenCounter
 from .truncate import Kind, excerpt_length, shorten
@@ -44,20 +45,8 @@ __all__ = [
     "TrimEvent",
     "compact",
     "context_stats",
-    "format_context_stats",
     "prepare",
     "recover_overflow",
-]
-
-SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow", "restore"]
-Strategy = Literal[
-    "turn_budget",
-    "token_budget_halve",
-    "compress_history",
-    "cut_current_turn",
-    "stage2",
-    "overflow_trim",
-    "compact",
 ]
 
 HALVING_MIN_TURNS = 5  # below this the token budget compresses instead of halving (§4.3)
@@ -82,45 +71,6 @@ FINAL_INSTRUCTION = (
     "[Gateway: this turn has reached its step limit. Do not call any tools now. Give your "
     "final answer to the user with what you have, and say what is still missing, if anything.]"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SummarizeTurns:
-    """Effect: summarize these dropped turns in the background, then call
-    `ctx.offer_summary(text, upto_turn)` (with `extractive_summary(effect)` on failure).
-
-    `messages` are the raw messages of every dropped turn no delivered summary covers yet
-    (all roles, full content), so each summary is complete on its own even when an
-    earlier one is still running. Turns >= `new_from_turn` appear in no earlier effect:
-    archive only those to dialog/ to avoid duplicates.
-    """
-
-    session_key: str
-    messages: tuple[Message, ...]
-    previous_summary: str | None
-    upto_turn: int  # highest turn number covered
-    reason: SummaryReason
-    new_from_turn: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TrimEvent:
-    """What a rule did, for /context, logs and metrics."""
-
-    strategy: Strategy
-    tokens_before: int
-    tokens_after: int
-    turns_before: int
-    turns_after: int
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    messages: list[dict[str, Any]]  # OpenAI chat format, system message first; read-only
-    tokens: int  # the whole request's exact count (tools included) × the session's calibration
-    effects: list[SummarizeTurns]
-    events: list[TrimEvent]
-    user_notice: str | None  # set only when the request cannot fit: do not send, tell the user
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import TrimEvent
+    from .effects import TrimEvent
 
 _STRATEGY_WORDS = {
     "turn_budget": "turn budget: dropped the earliest half of the turns",

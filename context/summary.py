@@ -11,7 +11,7 @@ from gateway.types import Message
 from .turns import final_reply, split_turns, user_message
 
 if TYPE_CHECKING:
-    from .engine import SummarizeTurns
+    from .effects import SummarizeTurns
 
 SUMMARY_SECTIONS = (
     "Goal",

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gateway.config.schema import Config, ConfigError, config_warnings, load_config, parse_config, startup_problems
+from gateway.config.checks import config_warnings, startup_problems
+from gateway.config.load import ConfigError, load_config, parse_config
+from gateway.config.schema import Config
 from gateway.ops.logs import setup_logging
 
 DEFAULT_CONFIG = Path("config.json")

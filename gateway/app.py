@@ -22,18 +22,13 @@ from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.cluster.leadership import Leadership
 from gateway.cluster.leases import open_leases
+from gateway.config.changes import change_effect, changed_keys
 from gateway.config.chat import ChatSettings
+from gateway.config.checks import config_warnings, startup_problems
 from gateway.config.holder import ConfigHolder
+from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
-from gateway.config.schema import (
-    Config,
-    ConfigError,
-    change_effect,
-    changed_keys,
-    config_warnings,
-    secret_text,
-    startup_problems,
-)
+from gateway.config.schema import Config, secret_text
 from gateway.http.server import HttpServer, build_app
 from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import memory_scope, session_key, workspace_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 from playwright.async_api import async_playwright
 
 from gateway.app import Gateway
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from tests.conftest import chat, write_config
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.app import Gateway
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.store.backends import open_store
 from gateway.store.sqlite import Store
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from gateway.access import PAIRING_TTL_S, Pairing, decide
-from gateway.config.schema import parse_config
+from gateway.config.load import parse_config
 from gateway.store.sqlite import Store
 from gateway.types import Inbound
 

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.config.schema import ConfigError
+from gateway.config.load import ConfigError
 from tests.conftest import GatewayFactory, chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel

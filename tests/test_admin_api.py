@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from gateway.app import Gateway
-from gateway.config.schema import ConfigError, parse_config, startup_problems
+from gateway.config.checks import startup_problems
+from gateway.config.load import ConfigError, parse_config
 from gateway.ops.admin import RecentErrors, describe_tool_sources
 from gateway.ops.logs import Redactor
 from gateway.tools.base import Tool

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.app import Gateway
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.ops import cli as cli_ops
 from gateway.turns import commands
 from tests.conftest import StoreFactory, chat, deep_merge, write_config

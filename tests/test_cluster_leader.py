@@ -17,7 +17,7 @@ import pytest
 from gateway.app import Gateway
 from gateway.cluster.leadership import GIVE_UP_TTLS, Leadership
 from gateway.cluster.leases import ClusterLeases, SoloLeases
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.store.backends import open_store
 from tests.conftest import write_config
 from tests.fakes import slack_server

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from gateway.app import Gateway, StartupError
 from gateway.cluster.leases import ClusterLeases
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import chat, write_config
 from tests.fakes import telegram_server

@@ -13,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config.schema import (
-    ConfigError,
-    atomic_write_text,
-    config_warnings,
-    load_config,
-    parse_config,
-    startup_problems,
-    usable_webhook_secret,
-)
+from gateway.config.checks import config_warnings, startup_problems, usable_webhook_secret
+from gateway.config.load import ConfigError, atomic_write_text, load_config, parse_config
 from tests.conftest import write_config
 from tests.fakes.openai_server import FakeModel
 
@@ -294,7 +287,8 @@ def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
 def test_every_secret_field_is_a_secret_key() -> None:
     from pydantic import BaseModel, SecretStr
 
-    from gateway.config.schema import Config, is_secret_key
+    from gateway.config.changes import is_secret_key
+    from gateway.config.schema import Config
 
     def walk(model: type[BaseModel], prefix: str) -> list[tuple[str, bool]]:
         out = []
@@ -318,7 +312,8 @@ def test_every_secret_field_is_a_secret_key() -> None:
 
 def test_media_settings_and_the_transcription_key() -> None:
     from gateway.app import secret_values
-    from gateway.config.schema import is_credential_destination, is_secret_key, known_vision
+    from gateway.config.changes import is_credential_destination, is_secret_key
+    from gateway.config.schema import known_vision
 
     cfg = parse_config({}, environ={})
     assert (cfg.model.vision, cfg.model.sees_images()) == (None, True)  # gpt-4o-mini: from the table

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.config import docs as config_docs
-from gateway.config.schema import change_effect
+from gateway.config.changes import change_effect
 
 ROOT = Path(__file__).resolve().parents[1]
 

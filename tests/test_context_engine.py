@@ -19,7 +19,7 @@ from context import (
     prepare,
     recover_overflow,
 )
-from context.engine import Prepared
+from context.effects import Prepared
 from context.turns import MISSING_RESULT
 from gateway.types import Message, ToolCall
 

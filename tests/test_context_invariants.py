@@ -36,7 +36,7 @@ from context import (
     prepare,
     recover_overflow,
 )
-from context.engine import Prepared
+from context.effects import Prepared
 from context.tokens import (
     IMAGE_TOKENS,
     MESSAGE_OVERHEAD,

@@ -24,8 +24,9 @@ import pytest
 
 import gateway.config.reload
 from gateway.app import Gateway
+from gateway.config.changes import change_effect
 from gateway.config.reload import ConfigWatcher
-from gateway.config.schema import Config, change_effect
+from gateway.config.schema import Config
 from gateway.turns.commands import flatten
 from gateway.turns.sessions import TIMEOUT_REPLY
 from gateway.types import Inbound, Message
@@ -835,7 +836,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
 
 
 def test_the_readme_lists_how_keys_apply() -> None:
-    from gateway.config.schema import CHANNEL_SECTIONS, RESTART_KEYS
+    from gateway.config.changes import CHANNEL_SECTIONS, RESTART_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = {line.split("|")[2].strip(): set(re.findall(r"`([a-z_.*]+)`", line.split("|")[1]))

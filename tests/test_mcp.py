@@ -25,7 +25,8 @@ import pytest_asyncio
 import gateway.config.reload
 import gateway.tools.mcp as mcp_module
 from gateway.app import Gateway
-from gateway.config.schema import ConfigError, parse_config, startup_problems
+from gateway.config.checks import startup_problems
+from gateway.config.load import ConfigError, parse_config
 from gateway.keys import workspace_dir
 from gateway.tools.base import ToolContext, ToolError
 from gateway.tools.mcp import TOOL_NAME, fitted_name, normalized_schema

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from gateway.config.schema import Config, parse_config
+from gateway.config.load import parse_config
+from gateway.config.schema import Config
 from gateway.media import FileRefused, Media, prepare_image, save_download
 from gateway.model.errors import ModelError
 from gateway.model.transcribe import Transcriber, TranscriptionSettings

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from gateway.config.schema import ConfigError, ModelConfig, parse_config, parse_config_text
+from gateway.config.load import ConfigError, parse_config, parse_config_text
+from gateway.config.schema import ModelConfig
 from gateway.model.client import ModelClient
 from gateway.model.errors import ModelError
 from tests.conftest import GatewayFactory, chat

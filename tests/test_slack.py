@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from slack_sdk.errors import SlackApiError
 
 from channels.base import Channel, WebhookChannel
-from channels.slack.adapter import SlackChannel, parse_command, parse_event, reply_thread, verify_signature
+from channels.slack.adapter import SlackChannel
+from channels.slack.events import parse_command, parse_event, reply_thread, verify_signature
 from channels.slack.format import MESSAGE_LIMIT, slack_to_text, split_message, to_mrkdwn
 from gateway.config.schema import SlackConfig
 from gateway.keys import memory_scope, scope_dirname, session_key

@@ -18,7 +18,8 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from channels.base import ReplyStream, StreamingChannel
-from channels.slack.adapter import SlackChannel, parse_event
+from channels.slack.adapter import SlackChannel
+from channels.slack.events import parse_event
 from channels.slack.format import MESSAGE_LIMIT, clean_text, split_message, to_mrkdwn
 from gateway.config.schema import SlackConfig
 from gateway.keys import memory_scope, scope_dirname

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from gateway.app import Gateway
-from gateway.config.schema import Config, ConfigError, load_config, parse_config, startup_problems
+from gateway.config.checks import startup_problems
+from gateway.config.load import ConfigError, load_config, parse_config
+from gateway.config.schema import Config
 from gateway.memory.purge import purge
 from gateway.store.postgres import PgStore, to_postgres
 from gateway.store.sqlite import Store

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from channels.base import ReplyRefSink, ReplyStream, StreamingChannel
 from channels.terminal.channel import BOT, TerminalChannel
 from gateway.app import Gateway
-from gateway.config.schema import load_config
+from gateway.config.load import load_config
 from gateway.ops.metrics import Metrics
 from gateway.store.sqlite import Store
 from gateway.tools.status import tool_status

@@ -20,7 +20,7 @@ from telegram.error import InvalidToken
 from telegramify_markdown import convert
 
 from channels.base import Channel, WebhookChannel
-from channels.telegram.adapter import BotIdentity, TelegramChannel, parse_update, safe_file_name
+from channels.telegram.adapter import TelegramChannel
 from channels.telegram.format import (
     MAX_ENTITIES,
     TELEGRAM_TEXT_LIMIT,
@@ -28,8 +28,10 @@ from channels.telegram.format import (
     split_chunks,
     utf16_len,
 )
+from channels.telegram.updates import BotIdentity, parse_update
 from gateway.config.schema import TelegramConfig
 from gateway.keys import memory_scope, scope_dirname, session_key
+from gateway.media import safe_file_name
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 from tests.fakes import telegram_server
 from tests.fakes.media_files import make_image, make_ogg_opus

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from gateway.app import secret_values
-from gateway.config.schema import ConfigError, parse_config, startup_problems
+from gateway.config.checks import startup_problems
+from gateway.config.load import ConfigError, parse_config
 from gateway.keys import workspace_dir
 from gateway.tools import ssrf
 from gateway.tools.base import ToolContext, ToolError, status_line

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def from_config(cfg: SlackConfig, hooks: ChannelHooks) -> SlackChannel:
-    from channels.slack.adapter import SlackChannel  # slack-bolt loads only when used
+    from channels.slack.adapter import SlackChannel
 
     return SlackChannel(cfg, hooks.handle, workspace_for=hooks.workspace_for, admits=hooks.admits,
                         file_limit=hooks.file_limit, observe=hooks.observe, stream_interval=hooks.stream_interval)

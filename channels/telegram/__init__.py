@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def from_config(cfg: TelegramConfig, hooks: ChannelHooks) -> TelegramChannel:
-    from channels.telegram.adapter import TelegramChannel  # the Bot API library loads only when used
+    from channels.telegram.adapter import TelegramChannel
 
     return TelegramChannel(cfg, hooks.handle, workspace_for=hooks.workspace_for, commands=hooks.commands,
                            admits=hooks.admits, file_limit=hooks.file_limit, observe=hooks.observe,

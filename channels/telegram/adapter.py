@@ -21,13 +21,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from telegram import Bot, BotCommand, MessageEntity, ReplyParameters, Update
+from telegram import Bot, BotCommand, MessageEntity, ReplyParameters
 from telegram.constants import ChatAction
 from telegram.error import (
     BadRequest,
@@ -42,25 +42,26 @@ from telegram.error import (
 from yarl import URL
 
 from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
-from channels.telegram.format import Chunk, render_markdown, sanitize_text, utf16_offsets
+from channels.telegram.format import Chunk, render_markdown
 from channels.telegram.stream import ChatPaces, TelegramReplyStream, parse_reply_ref
 from channels.telegram.stream import is_format_error as _is_format_error
 from channels.telegram.stream import retry_seconds as _retry_seconds
 from channels.telegram.transport import AiohttpRequest
-from gateway.config.schema import TelegramConfig, usable_webhook_secret
+from channels.telegram.updates import BotIdentity, ParsedMessage, PendingFile, is_int, parse_update
+from gateway.config.checks import usable_webhook_secret
+from gateway.config.schema import TelegramConfig
 from gateway.http.proxy import env_proxy
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.media import (
     FileRefused,
     ReplyFile,
     discard_saved,
-    kind_of,
     local_chunks,
     safe_file_name,
     save_download,
     too_large,
 )
-from gateway.types import Attachment, AttachmentKind, Inbound
+from gateway.types import Attachment, Inbound
 
 log = logging.getLogger(__name__)
 
@@ -87,212 +88,6 @@ NO_WEBHOOK_SECRET = ("telegram: webhook mode needs channels.telegram.webhook_sec
                      "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
 
 Sleep = Callable[[float], Awaitable[None]]
-
-
-# ---------------------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True, slots=True)
-class BotIdentity:
-    """Who we are, from getMe: needed to see mentions, replies and our own messages."""
-
-    id: int
-    username: str
-
-
-@dataclass(frozen=True, slots=True)
-class PendingFile:
-    """A file of a message still on Telegram's servers."""
-
-    file_id: str
-    name: str
-    mime: str | None = None
-    size: int | None = None  # as Telegram reports it
-    kind: AttachmentKind = "file"
-    duration_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedMessage:
-    inbound: Inbound  # text without the file notes; attachments added after download
-    file: PendingFile | None = None
-
-
-def parse_update(raw: Any, me: BotIdentity, bot: Bot | None = None) -> ParsedMessage | None:
-    """One Bot API update (decoded JSON) as a normalized message, or None when it is not a
-    person's message we answer (logged at debug). Never raises."""
-    if not isinstance(raw, dict):
-        return _dropped(None, "not a JSON object")
-    update_id = raw.get("update_id")
-    if not _is_int(update_id):
-        return _dropped(None, "no update_id")
-    if not isinstance(raw.get("message"), dict):
-        kinds = sorted(str(k) for k in raw if k != "update_id")[:3]
-        return _dropped(update_id, f"ignored update kind {kinds}")
-    try:
-        update = Update.de_json(raw, bot)
-        return _from_message(update_id, update, me)
-    except Exception as exc:  # hostile or malformed input: drop, never crash
-        return _dropped(update_id, f"unparsable ({type(exc).__name__}: {exc})")
-
-
-def _from_message(update_id: int, update: Update, me: BotIdentity) -> ParsedMessage | None:
-    msg = update.message
-    if msg is None:
-        return _dropped(update_id, "no message")
-    chat = msg.chat
-    chat_type = str(chat.type)
-    if chat_type not in ("private", "group", "supergroup"):
-        return _dropped(update_id, f"chat type {chat_type!r}")
-    user = msg.from_user
-    if user is None or not _is_int(user.id):
-        return _dropped(update_id, "no sender")
-    if user.is_bot is not False:  # ourselves, other bots, anonymous admins, channel relays
-        return _dropped(update_id, "sent by a bot")
-    if not _is_int(msg.message_id) or not _is_int(chat.id):
-        return _dropped(update_id, "bad ids")
-
-    text: str | None = msg.text if isinstance(msg.text, str) else None
-    entities: Sequence[MessageEntity] = msg.entities or ()
-    if text is None:
-        text = msg.caption if isinstance(msg.caption, str) else None
-        entities = msg.caption_entities or ()
-    pending = _pending_file(msg)
-    if text is None and pending is None:
-        # stickers, polls, locations, service messages (joins, pins, topics …)
-        return _dropped(update_id, "no text and no file")
-
-    clean, mentioned, for_other_bot = _address(sanitize_text(text or ""), entities, me)
-    if for_other_bot:
-        return _dropped(update_id, "a command addressed to another bot")
-
-    thread_id: str | None = None
-    if msg.is_topic_message is True and _is_int(msg.message_thread_id):
-        thread_id = str(msg.message_thread_id)
-
-    reply_to_bot = False
-    parent = msg.reply_to_message
-    if parent is not None and parent.from_user is not None and parent.from_user.id == me.id:
-        # In a forum topic every message "replies" to the topic's creation message.
-        topic_root = parent.forum_topic_created is not None or (
-            thread_id is not None and parent.message_id == msg.message_thread_id
-        )
-        reply_to_bot = not topic_root
-
-    inbound = Inbound(
-        channel="telegram",
-        chat_id=str(chat.id),
-        user_id=str(user.id),
-        text=clean,
-        event_id=str(update_id),
-        message_id=str(msg.message_id),
-        thread_id=thread_id,
-        is_group=chat_type != "private",
-        mentioned=mentioned,
-        reply_to_bot=reply_to_bot,
-        user_name=_display_name(user.first_name, user.last_name, user.username),
-        extra={"chat_type": chat_type},
-    )
-    return ParsedMessage(inbound, pending)
-
-
-def _address(text: str, entities: Sequence[MessageEntity], me: BotIdentity) -> tuple[str, bool, bool]:
-    """Find mentions of us; returns (text without "@ourname", mentioned, for another bot).
-
-    `/cmd@ourname args` becomes `/cmd args`; `/cmd@otherbot` is someone else's command."""
-    offsets = utf16_offsets(text)
-    index = {u: i for i, u in enumerate(offsets)}
-    ours = "@" + me.username.lower() if me.username else None
-    mentioned = for_other_bot = False
-    edits: list[tuple[int, int, str]] = []  # (start, end, replacement) in Python indices
-    for ent in entities:
-        if not isinstance(ent, MessageEntity) or not _is_int(ent.offset) or not _is_int(ent.length):
-            continue
-        start, end = index.get(ent.offset), index.get(ent.offset + ent.length)
-        if start is None or end is None or end <= start:
-            continue
-        piece = text[start:end]
-        kind = str(ent.type)
-        if kind == "mention" and ours is not None and piece.lower() == ours:
-            mentioned = True
-            edits.append((start, end, ""))
-        elif kind == "text_mention" and ent.user is not None and ent.user.id == me.id:
-            mentioned = True
-        elif kind == "bot_command" and start == 0 and "@" in piece:
-            command, _, target = piece.partition("@")
-            if ours is not None and "@" + target.lower() == ours:
-                mentioned = True
-                edits.append((start, end, command))
-            else:
-                for_other_bot = True
-    for start, end, replacement in sorted(edits, reverse=True):
-        before, after = text[:start], text[end:]
-        if not replacement and (not before or before[-1].isspace()) and after[:1] == " ":
-            after = after[1:]  # "hi @bot there" → "hi there", not "hi  there"
-        text = before + replacement + after
-    return text.strip(), mentioned, for_other_bot
-
-
-def _pending_file(msg: Any) -> PendingFile | None:
-    """The message's file: the largest size of a photo, a voice note, a video note, an
-    audio file or a document. Names are ours where Telegram gives none."""
-    mid = msg.message_id
-    photos = msg.photo
-    if photos:
-        best = max(photos, key=_photo_rank)
-        if isinstance(best.file_id, str) and best.file_id:
-            return PendingFile(best.file_id, f"photo_{mid}.jpg", "image/jpeg", _int_or(best.file_size, None), "image")
-    for media, name, default_mime in ((msg.voice, f"voice_{mid}.ogg", "audio/ogg"),
-                                      (msg.video_note, f"video_note_{mid}.mp4", "video/mp4")):
-        if media is not None and isinstance(media.file_id, str) and media.file_id:
-            mime = getattr(media, "mime_type", None)
-            return PendingFile(media.file_id, name, mime if isinstance(mime, str) else default_mime,
-                               _int_or(media.file_size, None), "voice", _duration(media))
-    audio = msg.audio
-    if audio is not None and isinstance(audio.file_id, str) and audio.file_id:
-        mime = audio.mime_type if isinstance(audio.mime_type, str) else "audio/mpeg"
-        name = audio.file_name if isinstance(audio.file_name, str) and audio.file_name else f"audio_{mid}.mp3"
-        return PendingFile(audio.file_id, name, mime, _int_or(audio.file_size, None), "audio", _duration(audio))
-    doc = msg.document
-    if doc is not None and isinstance(doc.file_id, str) and doc.file_id:
-        name = doc.file_name if isinstance(doc.file_name, str) and doc.file_name else "document"
-        mime = doc.mime_type if isinstance(doc.mime_type, str) else None
-        return PendingFile(doc.file_id, name, mime, _int_or(doc.file_size, None), kind_of(mime, name))
-    return None
-
-
-def _duration(media: Any) -> float | None:
-    value = getattr(media, "duration", None)
-    if _is_int(value) and value >= 0:
-        return float(value)
-    if hasattr(value, "total_seconds"):  # PTB may hand a timedelta
-        seconds = float(value.total_seconds())
-        return seconds if seconds >= 0 else None
-    return None
-
-
-def _photo_rank(photo: Any) -> tuple[int, int]:
-    return _int_or(photo.file_size, 0), _int_or(photo.width, 0) * _int_or(photo.height, 0)
-
-
-def _display_name(first: Any, last: Any, username: Any) -> str | None:
-    parts = [p for p in (first, last) if isinstance(p, str) and p.strip()]
-    name = " ".join(parts) or (username if isinstance(username, str) else "")
-    name = " ".join(sanitize_text(name).split())[:128]
-    return name or None
-
-
-def _dropped(update_id: Any, reason: str) -> None:
-    log.debug("telegram update %s ignored: %s", update_id, reason)
-    return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_or(value: Any, default: Any) -> Any:
-    return value if _is_int(value) else default
 
 
 # ---------------------------------------------------------------------------- channel
@@ -606,7 +401,7 @@ class TelegramChannel:
         """Process one polled update and move the offset past it; False when the router
         failed and the update should be fetched again."""
         update_id = raw.get("update_id") if isinstance(raw, dict) else None
-        if not _is_int(update_id):
+        if not is_int(update_id):
             log.debug("telegram: update without a usable update_id skipped")
             return True
         if update_id < self._offset:
@@ -696,7 +491,7 @@ class TelegramChannel:
             if "too big" in str(exc).lower():
                 raise FileRefused("it is larger than 20 MB, the most Telegram lets bots download") from None
             raise
-        if _is_int(tg_file.file_size) and tg_file.file_size > limit:
+        if is_int(tg_file.file_size) and tg_file.file_size > limit:
             raise too_large(limit)
         source = tg_file.file_path
         if not source:

@@ -25,17 +25,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.config.changes import changed_keys, is_credential_destination, is_operator_only, is_secret_key
 from gateway.config.holder import ConfigHolder
-from gateway.config.schema import (
-    Config,
-    ConfigError,
-    changed_keys,
-    is_credential_destination,
-    is_operator_only,
-    is_secret_key,
-    json_problem,
-    parse_config,
-)
+from gateway.config.load import ConfigError, json_problem, parse_config
+from gateway.config.schema import Config
 
 log = logging.getLogger("gateway.chat_settings")
 

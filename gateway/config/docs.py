@@ -27,7 +27,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from gateway.config.schema import Config, change_effect, is_credential_destination, is_secret_key
+from gateway.config.changes import change_effect, is_credential_destination, is_secret_key
+from gateway.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_PATH = ROOT / "docs" / "configuration.md"

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import watchfiles
 
+from gateway.config.changes import changed_keys
 from gateway.config.holder import ConfigHolder
-from gateway.config.schema import Config, ConfigError, atomic_write_text, changed_keys
+from gateway.config.load import ConfigError, atomic_write_text
+from gateway.config.schema import Config
 
 Parse = Callable[[str], Config]  # the file's text → the config to run (chat changes on top)
 Check = Callable[[Config], list[str]]  # what this gateway could not run

@@ -27,7 +27,7 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
-from gateway.config.schema import atomic_write_text
+from gateway.config.load import atomic_write_text
 from gateway.keys import scope_dirname, workspace_dir
 from gateway.store.api import StoreBackend
 from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from context.engine import Prepared, prepare, recover_overflow
+from context.effects import Prepared
+from context.engine import prepare, recover_overflow
 from context.truncate import cut_tool_result
 from gateway.clock import local_day
-from gateway.config.schema import Config, atomic_write_text
+from gateway.config.load import atomic_write_text
+from gateway.config.schema import Config
 from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import ModelError
 from gateway.model.replies import ModelReply

@@ -12,19 +12,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from context.engine import compact, context_stats, format_context_stats
+from context.engine import compact, context_stats
+from context.stats import format_context_stats
 from gateway.access import APPROVED_NOTICE, Pairing, is_admin
+from gateway.config.changes import change_effect, is_credential_destination, is_operator_only, is_secret_key
 from gateway.config.chat import ChatSettings, set_dotted
-from gateway.config.schema import (
-    Config,
-    ConfigError,
-    atomic_write_text,
-    change_effect,
-    is_credential_destination,
-    is_operator_only,
-    is_secret_key,
-    parse_config,
-)
+from gateway.config.load import ConfigError, atomic_write_text, parse_config
+from gateway.config.schema import Config
 from gateway.services import Services
 from gateway.store.rows import slot_words
 from gateway.tasks.schedule import TaskError

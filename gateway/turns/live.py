@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from context.engine import SessionContext, TrimEvent
+    from context.effects import TrimEvent
+    from context.engine import SessionContext
     from gateway.types import Inbound
 
 

@@ -21,7 +21,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import datetime
 from typing import Any
 
-from context.engine import SummarizeTurns, SummaryReason
+from context.effects import SummarizeTurns, SummaryReason
 from context.summary import extractive_summary, summary_request
 from gateway.model.errors import ModelError
 from gateway.services import Services

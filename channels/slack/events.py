@@ -1,0 +1,208 @@
+"""A Slack event or slash command as the gateway's `Inbound`, and the request signature
+check (SPEC §9). Pure, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from channels.slack.format import clean_text, slack_to_text
+from gateway.media import (
+    kind_of,
+)
+from gateway.types import AttachmentKind, Inbound
+
+log = logging.getLogger("channels.slack")
+
+SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are replays
+# Message subtypes that are a person's new post; every other subtype (edits, deletes,
+# joins, bot messages, …) is not something to answer.
+_ANSWERED_SUBTYPES = frozenset({None, "file_share", "thread_broadcast"})
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_COMMAND = re.compile(r"/[a-z0-9_.-]{1,32}")
+
+@dataclass(frozen=True, slots=True)
+class SlackFile:
+    """A file shared with a message, as Slack describes it (downloaded later)."""
+
+    id: str
+    name: str
+    url: str
+    size: int
+    mime: str | None
+    kind: AttachmentKind = "file"
+    duration_s: float | None = None  # audio clips recorded in Slack carry it
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedEvent:
+    inbound: Inbound
+    files: tuple[SlackFile, ...] = ()
+
+
+def slack_id(value: Any) -> str | None:
+    """A Slack id or timestamp, or None for anything else (junk never reaches keys or paths)."""
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    return None
+
+
+def profile_name(profile: Any) -> str | None:
+    if not isinstance(profile, dict):
+        return None
+    for key in ("display_name", "real_name", "name"):
+        value = profile.get(key)
+        if isinstance(value, str) and value.strip():
+            return clean_text(value.strip())[:80]
+    return None
+
+
+def _files(raw: Any) -> tuple[SlackFile, ...]:
+    if not isinstance(raw, list):
+        return ()
+    found = []
+    for item in raw[:20]:
+        if not isinstance(item, dict) or item.get("mode") in ("tombstone", "hidden_by_limit"):
+            continue
+        file_id = slack_id(item.get("id"))
+        url = item.get("url_private_download") or item.get("url_private")
+        if file_id is None or not isinstance(url, str):
+            continue
+        name = item.get("name")
+        size = item.get("size")
+        mime = item.get("mimetype") if isinstance(item.get("mimetype"), str) else None
+        # One line: a name must not be able to fake another "[file: …]" note.
+        shown = " ".join(clean_text(name).split())[:200] if isinstance(name, str) and name.strip() else file_id
+        kind = kind_of(mime, shown)
+        if kind == "audio" and item.get("subtype") == "slack_audio":
+            kind = "voice"  # a clip recorded in Slack: a voice message
+        duration = item.get("duration_ms")
+        found.append(
+            SlackFile(
+                id=file_id,
+                name=shown,
+                url=url,
+                size=size if isinstance(size, int) and size >= 0 else 0,
+                mime=mime,
+                kind=kind,
+                duration_s=duration / 1000 if isinstance(duration, int) and duration >= 0 else None,
+            )
+        )
+    return tuple(found)
+
+
+def parse_event(
+    event: Any, *, bot_user_id: str | None, bot_id: str | None = None, team_id: str | None = None
+) -> ParsedEvent | None:
+    """One Events API `event` → what the router gets, or None when it is not a person's
+    new message to us (the caller logs and acknowledges). `team_id` is the envelope's."""
+    if not isinstance(event, dict):
+        return None
+    kind = event.get("type")
+    if kind not in ("message", "app_mention"):
+        return None
+    subtype = event.get("subtype")
+    if not (subtype is None or (isinstance(subtype, str) and subtype in _ANSWERED_SUBTYPES)):
+        return None
+    if event.get("bot_id") or event.get("bot_profile"):
+        return None  # any bot, ours included
+    user, channel, ts = slack_id(event.get("user")), slack_id(event.get("channel")), slack_id(event.get("ts"))
+    if user is None or channel is None or ts is None:
+        return None
+    if user in (bot_user_id, bot_id):
+        return None
+    raw_text = event.get("text")
+    text, mentioned = slack_to_text(raw_text if isinstance(raw_text, str) else "", bot_user_id)
+    files = _files(event.get("files"))
+    if not text and not files:
+        return None
+    channel_type = event.get("channel_type")
+    is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
+    parent_user = event.get("parent_user_id")
+    thread = slack_id(event.get("thread_ts"))
+    if thread == ts:
+        thread = None  # a thread's parent may carry its own ts as thread_ts: still top-level
+    inbound = Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=text,
+        # Not Slack's event_id: the `message` and `app_mention` twins of one post have
+        # different event ids, but the same channel and ts.
+        event_id=f"{channel}:{ts}",
+        message_id=ts,
+        thread_id=thread,
+        is_group=not is_dm,
+        mentioned=mentioned or kind == "app_mention",
+        reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
+        user_name=profile_name(event.get("user_profile")),
+        # The person's team: a native stream in a channel names its recipient (SPEC §5.1).
+        extra=_team_extra(event, team_id),
+    )
+    return ParsedEvent(inbound, files)
+
+
+def _team_extra(event: dict[str, Any], team_id: str | None) -> dict[str, Any]:
+    team = slack_id(event.get("user_team")) or slack_id(event.get("team")) or slack_id(team_id)
+    return {"team_id": team} if team else {}
+
+
+def parse_command(payload: Any) -> Inbound | None:
+    """A slash-command payload → an Inbound whose text is `/command args`."""
+    if not isinstance(payload, dict):
+        return None
+    command = payload.get("command")
+    user, channel = slack_id(payload.get("user_id")), slack_id(payload.get("channel_id"))
+    trigger = payload.get("trigger_id")
+    if not isinstance(command, str) or not _COMMAND.fullmatch(command):
+        return None
+    if user is None or channel is None or not isinstance(trigger, str) or not trigger:
+        return None
+    raw_args = payload.get("text")
+    args, _ = slack_to_text(raw_args if isinstance(raw_args, str) else "", None)
+    extra: dict[str, Any] = {"command": command}
+    response_url = payload.get("response_url")
+    if isinstance(response_url, str) and response_url.startswith(("https://", "http://")):
+        extra["response_url"] = response_url
+    user_name = payload.get("user_name")
+    return Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user,
+        text=f"{command} {args}".strip(),
+        event_id="cmd:" + clean_text(trigger)[:100],
+        is_group=not channel.startswith("D"),
+        mentioned=True,  # a slash command is addressed to the bot by definition
+        user_name=clean_text(user_name)[:80] if isinstance(user_name, str) and user_name else None,
+        extra=extra,
+    )
+
+
+def verify_signature(
+    secret: str, body: bytes, timestamp: str | None, signature: str | None, *, now: float,
+    max_age: float = SIGNATURE_MAX_AGE_S,
+) -> bool:
+    """Slack's request signature: `v0=` HMAC-SHA256 of `v0:{timestamp}:{body}`."""
+    if not secret or not timestamp or not signature:
+        return False
+    try:
+        sent_at = int(timestamp)
+    except ValueError:
+        return False
+    if abs(now - sent_at) > max_age:
+        return False
+    base = b"v0:" + timestamp.encode() + b":" + body
+    expected = "v0=" + hmac.new(secret.encode(), base, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace"))
+
+
+def reply_thread(inbound: Inbound) -> str | None:
+    """Where a reply goes: where the message was written. A thread is its own session, so
+    a reply in a thread stays there; a top-level message belongs to the channel's top-level
+    session (per person or shared, `group_session_scope`), so its reply is top-level too:
+    a thread opened for it would be a new session that forgets the question."""
+    return inbound.thread_id
