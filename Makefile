@@ -6,7 +6,7 @@ SCRIPT_BENCHES := context_engine context_cost purge
 .PHONY: test bench bench-cluster soak screenshots
 
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 3 --dist worksteal
 
 # Tables on stdout, JSON and PNG charts under bench/out/; the charts are copied to docs/img/.
 bench:

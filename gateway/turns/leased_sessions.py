@@ -261,7 +261,9 @@ class ClusterSessionManager(SessionManager):
             log.warning("unreadable waiting event", extra={"event": ev.event_id})
             await store.mark_event(ev.channel, ev.event_id, "failed")
             return None
-        if ev.instance not in (None, self.leases.instance) and ev.instance not in await self._alive_instances():
+        # Asked afresh (a rare path): a list cached before its gateway stalled would miss the takeover.
+        if ev.instance not in (None, self.leases.instance) and ev.instance not in await self._alive_instances(
+                fresh=True):
             self.s.metrics.takeovers.inc()  # its gateway died or stalled with the turn waiting
         if ev.status == "running":
             return TurnJob(inbound, resume_turn=ev.turn)
