@@ -30,17 +30,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import anyio
-import httpx
-from anyio.abc import TaskGroup
-from mcp import ClientSession, McpError, StdioServerParameters, types
-from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.message import SessionMessage
 
 from gateway.config.schema import McpConfig, McpServerConfig
 from gateway.tools.base import ToolContext, ToolError, ToolImage, ToolOutput
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+    from mcp import ClientSession, McpError, types
+
     from gateway.ops.metrics import Metrics
 
 log = logging.getLogger("gateway.mcp")
@@ -149,6 +146,7 @@ def result_output(result: types.CallToolResult, tool: str, server: str = "", rem
     """A tool result for the model: text content as is, other content as readable lines,
     images handed on to be saved (the agent adds a line naming each saved file). An
     `isError` result raises ToolError (the model reads "error: …")."""
+    from mcp import types  # the SDK loads with the first server, not at start
     parts: list[str] = []
     images: list[ToolImage] = []
     for item in result.content:
@@ -353,6 +351,8 @@ class _Server:
 
     async def _connection(self, up_since: list[float]) -> None:
         """One connection, start to end; returns only when asked to stop."""
+        from mcp import ClientSession, types
+        from mcp.shared.message import SessionMessage
         async with AsyncExitStack() as stack:
             read, write = await self._open_transport(stack)
             # The session reads through this relay, so the end of the server's stream is
@@ -373,6 +373,10 @@ class _Server:
                 tg.cancel_scope.cancel()
 
     async def _open_transport(self, stack: AsyncExitStack) -> tuple[Any, Any]:
+        import httpx
+        from mcp import StdioServerParameters
+        from mcp.client.stdio import stdio_client
+        from mcp.client.streamable_http import streamable_http_client
         cfg = self.cfg
         if cfg.command is not None:
             errlog = await self._stderr_log()
@@ -423,6 +427,7 @@ class _Server:
         raise ConnectionLost("the server closed the connection")
 
     async def _list_tools(self, session: ClientSession) -> tuple[RemoteTool, ...]:
+        from mcp import types
         offered: dict[str, RemoteTool] = {}
         cursor: str | None = None
         for _ in range(100):  # pages; a server that never stops paging is cut off
@@ -449,6 +454,7 @@ class _Server:
         log.info("MCP server ready", extra={"server": self.name, "tools": len(offered)})
 
     async def _on_message(self, message: Any) -> None:
+        from mcp import types
         # Runs inside the session's reader: only queue work here, never wait on the session.
         if isinstance(message, types.ServerNotification) and isinstance(message.root,
                                                                          types.ToolListChangedNotification):
@@ -486,6 +492,7 @@ class _Server:
             log.info("MCP server changed its tools", extra={"server": self.name, "tools": len(offered)})
 
     async def _perform(self, session: ClientSession, call: _Call) -> None:
+        from mcp import McpError
         if call.abandoned:
             return
         self._in_flight += 1
@@ -508,6 +515,8 @@ class _Server:
             call.settle(ToolError(f"the MCP server {self.name} went away during the call"))
 
     def _refused(self, call: _Call, err: McpError) -> str:
+        import httpx
+        from mcp import types
         code = err.error.code
         if code == httpx.codes.REQUEST_TIMEOUT:
             return self._too_slow(call.shown)
@@ -518,6 +527,8 @@ class _Server:
     async def _reason(self, err: BaseException, *, started: bool) -> str:
         """Why the connection ended, for /tools and the log; a server that failed while
         starting also gets the last line it wrote to stderr (usually the actual cause)."""
+        import httpx
+        from mcp import McpError
         leaf = _first_cause(err)
         cfg = self.cfg
         if isinstance(leaf, TimeoutError):

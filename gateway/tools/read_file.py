@@ -14,8 +14,6 @@ import io
 from pathlib import Path
 from typing import Any
 
-from pypdf import PdfReader
-
 from context.truncate import read_window
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
@@ -54,6 +52,8 @@ def _read(path: Path, rel: str) -> str:
 def _pdf_text(path: str, mtime_ns: int, size: int) -> str:
     """A PDF's text, page by page under a `--- page N of M ---` line; cached for the
     next read_file call that continues it (keyed by path, mtime and size)."""
+    from pypdf import PdfReader  # loads with the first PDF, not at start
+
     try:
         with open(path, "rb") as fh:
             reader = PdfReader(io.BytesIO(fh.read()))
