@@ -31,7 +31,7 @@ from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.http.server import HttpServer, build_app
 from gateway.jobs.tasks import TaskScheduler
-from gateway.keys import memory_scope, session_key, workspace_dir
+from gateway.keys import session_key, workspace_dir
 from gateway.media import Media, ReplyFile
 from gateway.model.client import ModelClient
 from gateway.model.slots import ModelSlots
@@ -92,6 +92,8 @@ def secret_values(cfg: Config) -> list[str]:
         if model is not None:
             values.append(model.key_value())
     t, s, w = cfg.channels.telegram, cfg.channels.slack, cfg.channels.web
+    for alias in cfg.models:  # every alias's key, also one that inherits `model`'s
+        values.append(cfg.model_for(alias).key_value())
     for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token,
                    cfg.http.admin_token, cfg.tools.web_search.api_key, cfg.transcription.api_key):
         if secret is not None:
@@ -135,7 +137,7 @@ class Gateway:
         self.chat_settings: ChatSettings | None = None  # /config changes kept in the database
         self.mcp: McpManager | None = None
         self.tasks: TaskScheduler | None = None
-        self._model_cfgs: tuple[Any, Any] = (config.model, config.summary_model)  # the clients' settings
+        self._model_cfgs: tuple[Any, ...] = self._model_settings(config)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
 
@@ -155,7 +157,20 @@ class Gateway:
         models = {"main": ModelClient(cfg.model, on_call=on_call)}
         if cfg.summary_model is not None:
             models["summary"] = ModelClient(cfg.summary_model, on_call=on_call)
+        for alias in cfg.models:
+            models[f"alias:{alias}"] = ModelClient(cfg.model_for(alias), on_call=on_call)
         return models
+
+    @staticmethod
+    def _model_settings(cfg: Config) -> tuple[Any, ...]:
+        """What the model clients are built from: a change rebuilds them."""
+        return (cfg.model, cfg.summary_model, tuple(sorted((a, cfg.model_for(a)) for a in cfg.models)))
+
+    @staticmethod
+    def _counters(cfg: Config) -> dict[str, TokenCounter]:
+        """A tokenizer per model name the aliases use (loading one takes a while: off the loop)."""
+        names = {cfg.model_for(alias).name for alias in cfg.models} - {cfg.model.name}
+        return {name: TokenCounter(name) for name in names}
 
     def startup_problems(self, cfg: Config) -> list[str]:
         """What in `cfg` this gateway could not run with (its channels and HTTP server)."""
@@ -178,7 +193,7 @@ class Gateway:
             self.chat_settings = ChatSettings(store, self.holder, check=self.startup_problems, apply=self.apply_config)
             if await self.chat_settings.join():
                 cfg = self._applied = self.cfg
-                self._model_cfgs = (cfg.model, cfg.summary_model)
+                self._model_cfgs = self._model_settings(cfg)
             leases = open_leases(store)
             await leases.start()
         except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
@@ -188,10 +203,11 @@ class Gateway:
         metrics.watch_store(store.write_stats)
         metrics.leases_held.set_function(leases.held)
         counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
+        counters = await asyncio.to_thread(self._counters, cfg)
         services = Services(
             config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
             tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
-            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases,
+            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
         )
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
         services.memory = self._memory(services)
@@ -359,7 +375,7 @@ class Gateway:
 
     def workspace_for(self, inbound: Inbound) -> Path:
         # No mkdir here (it runs on the loop): adapters create directories off the loop.
-        return workspace_dir(self.holder.data_dir, memory_scope(inbound, self.cfg.group_session_scope))
+        return workspace_dir(self.holder.data_dir, self.router.keys(inbound)[1])  # the bound agent's scope
 
     def _build_channels(self, cfg: Config) -> None:
         from channels.web.adapter import WebChannel
@@ -496,9 +512,10 @@ class Gateway:
         if cfg.model.name != old.model.name:
             s.counter = await asyncio.to_thread(TokenCounter, cfg.model.name)  # its tokenizer
         old_models = s.models
-        if (cfg.model, cfg.summary_model) != self._model_cfgs:
+        if self._model_settings(cfg) != self._model_cfgs:
+            s.counters = await asyncio.to_thread(self._counters, cfg)
             s.models = self._models(cfg, s.metrics)
-            self._model_cfgs = (cfg.model, cfg.summary_model)
+            self._model_cfgs = self._model_settings(cfg)
             for client in old_models.values():
                 # Turns already talking to the old client finish on it.
                 s.background.spawn(client.close(grace_s=cfg.model.timeout_s), name="close-model")

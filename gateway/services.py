@@ -28,7 +28,9 @@ class Services:
     metrics: Metrics
     counter: TokenCounter
     tools: ToolRegistry
-    models: dict[str, ModelClient] = field(default_factory=dict)  # "main", "summary"
+    # "main" (`model`), "summary" (`summary_model`), "alias:<name>" (each `models.<name>`).
+    models: dict[str, ModelClient] = field(default_factory=dict)
+    counters: dict[str, TokenCounter] = field(default_factory=dict)  # by model name, besides `counter`
     memory: Any = None  # gateway.memory.files.Memory when available
     usage: Any = None  # gateway.turns.usage.Usage
     mcp: Any = None  # gateway.tools.mcp.McpManager
@@ -50,3 +52,15 @@ class Services:
     @property
     def summary_model(self) -> ModelClient:
         return self.models.get("summary") or self.models["main"]
+
+    def client_for(self, alias: str | None) -> ModelClient:
+        """The client of model `alias` (`model` for None); `model`'s when a reload took it away."""
+        if alias is None:
+            return self.model
+        return self.models.get(f"alias:{alias}") or self.model
+
+    def counter_for(self, model_name: str) -> TokenCounter:
+        """The tokenizer of `model_name`: a session's budgets follow its model (SPEC §5.5)."""
+        if model_name == self.cfg.model.name:
+            return self.counter
+        return self.counters.get(model_name, self.counter)

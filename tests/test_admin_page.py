@@ -23,6 +23,31 @@ ADMIN = "admin-token-0123456789abcdef"
 ROTATED = "admin-token-rotated-0123456789"
 
 
+async def test_agents_their_bindings_and_each_sessions_agent_and_model(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:  # noqa: F811
+    gw = await make_gateway(http={"admin_token": ADMIN}, models={"strong": {"name": "strong-model"}},
+                            agents={"coder": {"model": "strong", "system_prompt": "You write code."}},
+                            bindings=[{"match": {"channel": "web", "chat": "dev"}, "agent": "coder"}])
+    assert gw.http is not None
+    fake_model.respond_with(lambda body: "ok")
+    await chat(gw, "dev", "fix it")
+    await chat(gw, "alice", "hi")
+    context = await browser.new_context()
+    page, errors = await open_page(context, f"http://127.0.0.1:{gw.http.port}/admin")
+    await page.fill("#token", ADMIN)
+    await page.press("#token", "Enter")
+    coder = page.locator("#agents tbody tr", has_text="coder")
+    await coder.wait_for(timeout=5000)
+    assert (await coder.locator("td").all_text_contents())[:4] == ["coder", "strong-model", "channel web, chat dev",
+                                                                    "1"]
+    default = await page.locator("#agents tbody tr", has_text="default").locator("td").all_text_contents()
+    assert default[1] == fake_model.model_name and default[3] == "1"
+    dev = await page.locator("#sessions tbody tr", has_text="web:dev").locator("td").all_text_contents()
+    assert dev[2:4] == ["coder", "strong-model"]
+    assert errors == []
+    await context.close()
+
+
 async def test_the_token_prompt_then_sessions(make_gateway: GatewayFactory, fake_model: FakeModel,
                                               browser: Browser, tmp_path: Path) -> None:  # noqa: F811
     gw = await make_gateway(http={"admin_token": ADMIN})
@@ -47,7 +72,8 @@ async def test_the_token_prompt_then_sessions(make_gateway: GatewayFactory, fake
     row = page.locator("#sessions tbody tr", has_text="web:alice")
     await row.wait_for(timeout=5000)
     cells = await row.locator("td").all_text_contents()
-    assert cells[1] == "web" and cells[3] == "1" and int(cells[4]) > 0
+    assert cells[1] == "web" and cells[2] == "default" and cells[3] == fake_model.model_name
+    assert cells[5] == "1" and int(cells[6]) > 0
     assert await page.locator("#sessions-total").text_content() == "(1)"
     await expect(page.locator("#channels")).to_contain_text("web")
     await expect(page.locator("#jobs tbody")).to_contain_text("purge")

@@ -33,7 +33,7 @@ from gateway.types import Inbound, Message
 from tests.conftest import GatewayFactory
 from tests.fakes import search_server, slack_server, telegram_server, web_server
 from tests.fakes.media_files import make_image, make_ogg_opus
-from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall
+from tests.fakes.openai_server import ErrorReply, FakeModel, Reply, ScriptedCall
 from tests.fakes.search_server import FakeSearch
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
@@ -194,6 +194,33 @@ async def p_steps(r: Rig) -> None:
 async def p_system_prompt(r: Rig) -> None:
     await r.say("prompt", "hi")
     assert r.system().startswith("You are the table test bot.")
+
+
+async def p_fallbacks(r: Rig) -> None:
+    r.model.respond_with(lambda body: Reply(text="from backup") if body["model"] == "backup-model"
+                         else ErrorReply(503, {"error": {"message": "overloaded", "type": "server_error"}}))
+    assert await r.say("fallback", "hi") == "from backup"
+    counted = f'gateway_model_fallbacks_total{{from="{r.gw.cfg.model.name}",to="backup-model"}} 1.0'
+    assert counted in r.services.metrics.render().decode()
+
+
+async def p_models(r: Rig) -> None:
+    assert "strong" in await r.say("pick", "/model")
+    assert "strong-model" in await r.say("pick", "/model strong")
+    await r.say("pick", "hi")
+    assert r.model.requests[-1]["model"] == "strong-model"
+
+
+async def p_agents(r: Rig) -> None:
+    await r.say("bound", "hi")
+    assert r.system().startswith("Row helper prompt.")
+
+
+async def p_bindings(r: Rig) -> None:
+    await r.say("rebound", "hi")
+    assert r.system().startswith("Base helper prompt.")
+    await r.say("bound", "hi")  # bound no more: the top level answers there now
+    assert not r.system().startswith("Base helper prompt.")
 
 
 async def p_timezone(r: Rig) -> None:
@@ -636,6 +663,10 @@ ROWS = [
     Row("model.max_retries", 0, "live", p_max_retries),
     Row("model.temperature", 0.5, "live", p_temperature),
     Row("model.vision", True, "live", p_vision),
+    Row("model.fallbacks", ["backup"], "live", p_fallbacks),
+    Row("models", {"backup": {"name": "backup-model"}, "strong": {"name": "strong-model"}}, "live", p_models),
+    Row("agents", {"helper": {"system_prompt": "Row helper prompt."}}, "live", p_agents),
+    Row("bindings", [{"match": {"channel": "web", "chat": "rebound"}, "agent": "helper"}], "live", p_bindings),
     Row("summary_model", lambda r: {"name": "summary-x", "base_url": r.model.base_url, "api_key": "sk-summary"},
         "live", p_summary_model),
     Row("channels.telegram.enabled", False, "channel", p_tg_gone),
@@ -789,6 +820,9 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
             "web": {"token": WEB_TOKEN},
         },
         limits={"max_concurrent_model_calls": 1},
+        models={"backup": {"name": "backup-model"}},
+        agents={"helper": {"system_prompt": "Base helper prompt."}},
+        bindings=[{"match": {"channel": "web", "chat": "bound"}, "agent": "helper"}],
         tools={"web_fetch": {"allow_private_networks": True},
                "web_search": {"provider": "brave", "base_url": fake_search.base_url,
                               "api_key": fake_search.brave_token}},

@@ -76,7 +76,7 @@ from gateway.media import (
 from gateway.types import Attachment, Inbound
 from gateway.workspace import PathNotAllowed
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.slack")
 FILE_MAX_BYTES = 50 * 1024 * 1024  # files a reply names: read whole into memory, so kept modest (Slack takes 1 GB)
 
 SLASH_COMMANDS = ("/context", "/config", "/compact", "/help", "/new")
@@ -202,7 +202,7 @@ class SlackChannel:
         app_token = self._cfg.app_token.get_secret_value() if self._cfg.app_token else ""
         self._socket = SocketModeClient(
             app_token=app_token, web_client=self._client, ping_interval=self._ping_interval_s,
-            logger=logging.getLogger(f"{__name__}.socket"),
+            logger=logging.getLogger("channels.slack.socket"),
         )
         self._socket.socket_mode_request_listeners.append(self._on_socket_request)
         # The client retries a failed connect forever; it runs as our task, so a Slack
@@ -272,7 +272,7 @@ class SlackChannel:
         app = AsyncApp(
             client=client,
             name="gateway",
-            logger=logging.getLogger(f"{__name__}.bolt"),
+            logger=logging.getLogger("channels.slack.bolt"),
             # Listeners finish (the router has recorded the event) before the ack goes out.
             process_before_response=True,
             # handle_webhook verifies signatures itself (401 for bad or stale ones).

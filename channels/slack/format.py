@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from slackify_markdown import slackify_markdown
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.slack")
 
 # Slack truncates `text` far later (40k), but recommends 4,000 and renders long
 # messages poorly; 3,900 leaves room for the fence we may add or reopen.

@@ -42,7 +42,7 @@ from slack_sdk.web.async_slack_response import AsyncSlackResponse
 from channels.base import ReplyRefSink, StreamObserver
 from channels.slack.format import clean_text, ends_in_code_block, escape_mrkdwn, split_message, to_mrkdwn
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.slack")
 
 Format = Literal["markdown", "mrkdwn"]  # native messages hold Markdown, update ones mrkdwn
 Sleep = Callable[[float], Awaitable[None]]

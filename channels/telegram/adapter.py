@@ -63,7 +63,7 @@ from gateway.media import (
 )
 from gateway.types import Attachment, Inbound
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.telegram")
 
 ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not turns
 DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default (the cloud Bot API's own)

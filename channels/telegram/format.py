@@ -25,7 +25,7 @@ from typing import Any
 import pyromark
 from telegramify_markdown import convert
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.telegram")
 
 TELEGRAM_TEXT_LIMIT = 4096  # UTF-16 code units per message
 MAX_ENTITIES = 100  # Telegram ignores formatting past this many entities in one message

@@ -50,7 +50,7 @@ from channels.telegram.format import (
     utf16_len,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("channels.telegram")
 
 MAX_RETRY_WAIT_S = 60.0  # longest flood-control wait honoured in one go
 CALL_TIMEOUT_S = 15.0  # connect / write / read timeout of each Bot API call of a stream

@@ -99,6 +99,33 @@ MEANINGS: dict[str, str] = {
     "summary_model.max_retries": "Retries of a summary call after a 429, a 5xx or a timeout.",
     "summary_model.temperature": "Sampling temperature of the summary model; `null` leaves it to the provider.",
     "summary_model.vision": "Not used: summaries are written from text (images are named by their files).",
+    "model.fallbacks": "Aliases of `models` tried in order, in the same step, when a call to the model fails "
+                       "after its retries with 429, 5xx, a timeout or a refused connection; never on a 4xx that "
+                       "is the request's fault.",
+    "models": "Named models that agents, fallbacks and `/model` refer to by alias; each has the shape of "
+              "`model`, and a field left out is taken from `model`.",
+    "models.<name>.name": "The model id sent to the provider; `null`: `model.name`.",
+    "models.<name>.base_url": "Its OpenAI-compatible endpoint; `null`: `model.base_url`. An alias on another "
+                              "provider should set its own `api_key`.",
+    "models.<name>.api_key": "Its API key (a `${ENV}` reference); `null`: `model.api_key`.",
+    "models.<name>.context_window": "Its window in tokens; budgets follow the model a session uses.",
+    "models.<name>.max_output_tokens": "Its output reserve; `null`: `model.max_output_tokens`.",
+    "models.<name>.timeout_s": "Seconds one request may take; `null`: `model.timeout_s`.",
+    "models.<name>.max_retries": "Retries of a transient failure before a fallback; `null`: `model.max_retries`.",
+    "models.<name>.temperature": "Its sampling temperature; `null`: `model.temperature`.",
+    "models.<name>.vision": "Whether it takes images; `null`: `model.vision`, else from the model's name.",
+    "agents": "Agents besides `default` (the top level); which one answers a message is decided by `bindings`.",
+    "agents.<name>.system_prompt": "Its instructions; `null`: `system_prompt_file`, else the top level's.",
+    "agents.<name>.system_prompt_file": "A file holding its instructions (relative to the config file), read "
+                                        "again when it changes.",
+    "agents.<name>.model": "The alias of `models` it answers with; `null`: `model`.",
+    "agents.<name>.fallbacks": "Aliases tried when its model fails; `null`: `model.fallbacks`.",
+    "agents.<name>.tools": "The tools it may use (names, `*` patterns allowed, e.g. `\"web_*\"`); `null`: all.",
+    "agents.<name>.skills": "The skills it may use (names), or `\"*\"` for all.",
+    "agents.<name>.models": "The aliases its people may pick with `/model`; `null`: every alias of `models`.",
+    "bindings": "Which agent answers where: a list of `{\"match\": {\"channel\", \"chat\", \"thread\", "
+                "\"user\"}, \"agent\"}`; the first entry whose given fields all equal the message's (ids as "
+                "strings) wins; none: `default`. In a shared session an entry naming a `user` never matches.",
     "channels.telegram.enabled": "Run the Telegram bot (setup: [telegram.md](telegram.md)).",
     "channels.telegram.token": "The bot token from @BotFather.",
     "channels.telegram.mode": "Long polling (no public address needed) or a webhook at "

@@ -147,6 +147,9 @@ def parse_config(raw: dict[str, Any], environ: dict[str, str] | None = None) -> 
         cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    problems = cfg.reference_problems()
+    if problems:
+        raise ConfigError(problems)
     unset: list[tuple[str, str]] = []
     cfg = _resolve_secrets(cfg, "", os.environ if environ is None else environ, unset)
     cfg._unset_env = tuple(unset)

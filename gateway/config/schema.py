@@ -116,6 +116,63 @@ class ModelConfig(_Strict):
         return secret_text(self.api_key)
 
 
+class MainModelConfig(ModelConfig):
+    """`model`: the default agent's model, and the aliases tried when it fails (SPEC §5.5)."""
+
+    fallbacks: tuple[str, ...] = ()
+
+
+class ModelAlias(_Strict):
+    """`models.<alias>`: the shape of `model`; a field left out is taken from `model`."""
+
+    name: str | None = None
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    context_window: int | None = Field(default=None, gt=0)
+    max_output_tokens: int | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0)
+    max_retries: int | None = Field(default=None, ge=0, le=10)
+    temperature: float | None = None
+    vision: bool | None = None
+
+
+# An agent's name is part of its memory scopes (`<agent>/<scope>`) and of key paths.
+AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+class AgentConfig(_Strict):
+    """`agents.<name>` (SPEC §5.5); a field left unset comes from the top level (`default`)."""
+
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None  # relative to the config file
+    model: str | None = None  # an alias of `models`
+    fallbacks: tuple[str, ...] | None = None  # aliases; else `model.fallbacks`
+    tools: tuple[str, ...] | None = None  # tool names, `*` patterns allowed; else every tool
+    skills: tuple[str, ...] | Literal["*"] = "*"
+    models: tuple[str, ...] | None = None  # aliases its people may pick with /model; else every alias
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> AgentConfig:
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            raise ValueError("give system_prompt or system_prompt_file, not both")
+        return self
+
+
+class BindingMatch(_Strict):
+    """What a message must have for a binding to pick its agent: every given field equal
+    (ids as the platform gives them, as strings). None of them: every message."""
+
+    channel: str | None = None
+    chat: str | None = None
+    thread: str | None = None
+    user: str | None = None
+
+
+class Binding(_Strict):
+    match: BindingMatch = BindingMatch()
+    agent: str
+
+
 class AccessConfig(_Strict):
     dm_policy: Literal["open", "allowlist", "pairing"] = "pairing"
     allow_from: tuple[str, ...] = ()
@@ -343,8 +400,11 @@ class Config(_Strict):
     admins: tuple[str, ...] = ()
     access: AccessConfig = AccessConfig()
     group_session_scope: Literal["user", "group"] = "user"
-    model: ModelConfig = ModelConfig()
+    model: MainModelConfig = MainModelConfig()
     summary_model: ModelConfig | None = None
+    models: dict[str, ModelAlias] = {}
+    agents: dict[str, AgentConfig] = {}
+    bindings: tuple[Binding, ...] = ()
     channels: ChannelsConfig = ChannelsConfig()
     http: HttpConfig = HttpConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -387,17 +447,59 @@ class Config(_Strict):
         path = Path(self.data_dir)
         return path if path.is_absolute() else (base / path)
 
-    def context_budget(self) -> Budget:
-        """The limits of one request for the context engine (SPEC §4.3), from this snapshot."""
+    def context_budget(self, model: ModelConfig | None = None) -> Budget:
+        """The limits of one request for the context engine (SPEC §4.3), from this snapshot,
+        for `model` (the session's; default `model`): budgets follow its window."""
+        model = model or self.model
         return Budget(
             max_tokens=self.agent_max_context_tokens,
             max_turns=self.agent_max_context_turns,
-            context_window=self.model.window(),
-            max_output_tokens=self.model.max_output_tokens,
+            context_window=model.window(),
+            max_output_tokens=model.max_output_tokens,
             tool_result_max_chars=self.tool_result_max_chars,
             history_tool_result_max_chars=self.history_tool_result_max_chars,
-            vision=self.model.sees_images(),
+            vision=model.sees_images(),
         )
+
+    def model_for(self, alias: str | None) -> ModelConfig:
+        """The settings of model `alias` (`models.<alias>` over `model`); `model` for None."""
+        if alias is None:
+            return self.model
+        given = self.models[alias]
+        base = ModelConfig.model_validate(self.model.model_dump(exclude={"fallbacks"}))
+        return base.model_copy(update={name: getattr(given, name) for name in given.model_fields_set})
+
+    def agent(self, name: str) -> AgentConfig:
+        """`agents.<name>`; the top level (no overrides) for `default`."""
+        return self.agents.get(name) or AgentConfig()
+
+    def reference_problems(self) -> list[str]:
+        """Names that point nowhere: an unknown agent in a binding, an unknown alias where
+        an alias is expected (check-config reports them with their key paths)."""
+        problems = []
+        aliases = sorted(self.models)
+        known = f" (models: {', '.join(aliases)})" if aliases else " (no models.<alias> is defined)"
+
+        def alias_ok(path: str, alias: str) -> None:
+            if alias not in self.models:
+                problems.append(f"{path}: unknown model alias {alias!r}{known}")
+
+        for i, alias in enumerate(self.model.fallbacks):
+            alias_ok(f"model.fallbacks.{i}", alias)
+        for name, agent in self.agents.items():
+            if name == "default" or not AGENT_NAME.fullmatch(name):
+                problems.append(f"agents.{name}: an agent's name is 1-32 lowercase letters, digits, '_' and '-', "
+                                "and not 'default' (the top level is the agent default)")
+            if agent.model is not None:
+                alias_ok(f"agents.{name}.model", agent.model)
+            for key in ("fallbacks", "models"):
+                for i, alias in enumerate(getattr(agent, key) or ()):
+                    alias_ok(f"agents.{name}.{key}.{i}", alias)
+        agents = sorted(["default", *self.agents])
+        for i, binding in enumerate(self.bindings):
+            if binding.agent != "default" and binding.agent not in self.agents:
+                problems.append(f"bindings.{i}.agent: unknown agent {binding.agent!r} (agents: {', '.join(agents)})")
+        return problems
 
     def transcription_endpoint(self) -> tuple[str | None, str | None]:
         """(base URL, API key) of speech to text: `transcription`'s own, else the model's."""

@@ -25,6 +25,7 @@ from typing import Any, TypedDict
 from aiohttp import hdrs, web
 
 from gateway.access import Pairing
+from gateway.agents import agent_of_scope, agent_view, model_chain
 from gateway.config.cron import zone
 from gateway.config.schema import LOOPBACK_HOSTS, Config, secret_text
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
@@ -38,6 +39,7 @@ ERRORS_KEPT = 50
 USAGE_DAYS = 14
 USAGE_PEOPLE_MAX = 200
 SESSIONS_DEFAULT, SESSIONS_MAX = 50, 200
+AGENT_SESSIONS = 500  # the agents view tallies this many of the most recent sessions
 RECENT_RUNS = 20
 READY_TIMEOUT_S = 10.0
 APPROVED_BY = "admin-page"
@@ -181,7 +183,7 @@ class AdminApi:
 
     def routes(self) -> list[web.RouteDef]:
         api = {"sessions": self.sessions, "pairings": self.pairings, "usage": self.usage, "jobs": self.jobs,
-               "status": self.status, "errors": self.recent_errors}
+               "status": self.status, "errors": self.recent_errors, "agents": self.agents}
         return [web.get("/admin", self.page), web.get("/admin/", self.slash),
                 web.get("/admin/static/{name}", self.static_file),
                 *(web.get(f"/admin/api/{name}", self._guarded(view)) for name, view in api.items()),
@@ -277,10 +279,37 @@ class AdminApi:
         last = rows[-1] if rows else None
         return _ok({
             "sessions": [{"key": r.key, "channel": r.channel, "last_activity": r.updated_at, "turns": r.turns,
-                          "tokens_today": r.tokens_today} for r in rows],
+                          "tokens_today": r.tokens_today, "agent": agent_of_scope(r.scope),
+                          "model": self._model_of(r.scope, r.model)} for r in rows],
             "next": {"before_at": last.updated_at, "before_key": last.key} if more and last else None,
             "total": await self.store.count_sessions(),
         })
+
+    def _model_of(self, scope: str, alias: str | None) -> str:
+        """The model a session answers with: its /model pick, else its agent's."""
+        cfg = self.config()
+        return model_chain(cfg, agent_view(cfg, agent_of_scope(scope)), alias)[0][1].name
+
+    async def agents(self, _request: web.Request) -> web.Response:
+        """The agents (SPEC §5.5), what binds messages to them, and their recent sessions
+        and today's message tokens (over the AGENT_SESSIONS most recent sessions)."""
+        cfg = self.config()
+        rows = await self.store.recent_sessions(limit=AGENT_SESSIONS, day_start=self._today().timestamp())
+        seen: dict[str, list[int]] = {}
+        for r in rows:
+            tally = seen.setdefault(agent_of_scope(r.scope), [0, 0])
+            tally[0] += 1
+            tally[1] += r.tokens_today
+        agents = []
+        for name in ["default", *sorted(cfg.agents)]:
+            view = agent_view(cfg, name)
+            alias, model = model_chain(cfg, view, None)[0]
+            sessions, tokens = seen.get(name, [0, 0])
+            agents.append({"name": name, "model": model.name, "alias": alias, "fallbacks": list(view.fallbacks),
+                           "tools": list(view.settings.tools) if view.settings.tools is not None else None,
+                           "skills": view.skill_names(), "sessions": sessions, "tokens_today": tokens})
+        bindings = [{"match": b.match.model_dump(exclude_none=True), "agent": b.agent} for b in cfg.bindings]
+        return _ok({"agents": agents, "bindings": bindings})
 
     async def pairings(self, _request: web.Request) -> web.Response:
         pending = await self.store.pending_pairings(self.pairing.clock())

@@ -20,6 +20,10 @@ class Metrics:
         self.inbound = Counter("gateway_inbound_messages_total", "Inbound messages", ["channel"], registry=r)
         self.turns = Counter("gateway_turns_total", "Turns finished", ["channel", "outcome"], registry=r)
         self.model_calls = Counter("gateway_model_calls_total", "Model HTTP attempts", ["outcome"], registry=r)
+        self.model_fallbacks = Counter(
+            "gateway_model_fallbacks_total", "Model calls handed to a fallback after the model failed (SPEC §5.5)",
+            ["from", "to"], registry=r,
+        )
         self.model_latency = Histogram(
             "gateway_model_latency_seconds", "Model call latency", registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),

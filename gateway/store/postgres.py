@@ -198,6 +198,7 @@ class PgStore:
     run_many = Store.run_many
     ensure_session = Store.ensure_session
     get_session = Store.get_session
+    set_session_model = Store.set_session_model
     set_context_start = Store.set_context_start
     count_sessions = Store.count_sessions
     messages = Store.messages
@@ -458,14 +459,15 @@ class PgStore:
         if before is not None:
             after_clause, args = "WHERE (s.updated_at, s.key) < (CAST(? AS DOUBLE PRECISION), CAST(? AS TEXT))", before
         rows = await self._rows(
-            "SELECT s.key, s.channel, s.updated_at, "
+            "SELECT s.key, s.channel, s.updated_at, s.scope, s.model, "
             "(SELECT coalesce(max(turn), 0) FROM messages WHERE session_key = s.key) AS turns, "
             "(SELECT coalesce(sum(token_count), 0) FROM messages WHERE session_key = s.key AND created_at >= ?) "
             f"AS tokens_today FROM sessions s {after_clause} ORDER BY s.updated_at DESC, s.key DESC LIMIT ?",
             (float(day_start), *args, limit),
         )
         return [SessionSummary(key=r["key"], channel=r["channel"], updated_at=r["updated_at"],
-                               turns=int(r["turns"]), tokens_today=int(r["tokens_today"])) for r in rows]
+                               turns=int(r["turns"]), tokens_today=int(r["tokens_today"]), scope=r["scope"],
+                               model=r["model"]) for r in rows]
 
     async def pending_pairings(self, now: float, *, limit: int = 100) -> list[PendingPairing]:
         rows = await self._rows(

@@ -54,6 +54,7 @@ class SessionRow:
     created_at: float
     updated_at: float
     context_start_turn: int
+    model: str | None = None  # the model alias picked with /model (SPEC §5.5); None: the agent's
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,8 @@ class SessionSummary:
     updated_at: float
     turns: int
     tokens_today: int  # tokenizer counts of the messages stored since `day_start`
+    scope: str = ""  # its memory scope: `<agent>/<scope>` for agents other than default
+    model: str | None = None  # the alias picked with /model; None: the agent's model
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +187,7 @@ def attachments_from_json(text: str | None) -> tuple[Attachment, ...]:
 def session_row(row: Any) -> SessionRow:
     return SessionRow(
         key=row["key"], scope=row["scope"], channel=row["channel"], created_at=row["created_at"],
-        updated_at=row["updated_at"], context_start_turn=row["context_start_turn"],
+        updated_at=row["updated_at"], context_start_turn=row["context_start_turn"], model=row["model"],
     )
 
 

@@ -284,6 +284,10 @@ class Store:
             "UPDATE sessions SET context_start_turn=?, updated_at=? WHERE key=?", (turn, time.time(), key)
         )
 
+    async def set_session_model(self, key: str, alias: str | None) -> None:
+        """The model alias the session uses from its next step (None: its agent's)."""
+        await self._rows("UPDATE sessions SET model=?, updated_at=? WHERE key=?", (alias, time.time(), key))
+
     async def count_sessions(self) -> int:
         rows = await self._rows("SELECT count(*) FROM sessions")
         return int(rows[0][0]) if rows else 0
@@ -501,14 +505,15 @@ class Store:
         if before is not None:
             after_clause, args = "WHERE (s.updated_at, s.key) < (?, ?)", before
         rows = await self._rows(
-            "SELECT s.key, s.channel, s.updated_at, "
+            "SELECT s.key, s.channel, s.updated_at, s.scope, s.model, "
             "(SELECT coalesce(max(turn), 0) FROM messages WHERE session_key = s.key) AS turns, "
             "(SELECT coalesce(sum(token_count), 0) FROM messages WHERE session_key = s.key AND created_at >= ?) "
             f"AS tokens_today FROM sessions s {after_clause} ORDER BY s.updated_at DESC, s.key DESC LIMIT ?",
             (day_start, *args, limit),
         )
         return [SessionSummary(key=r["key"], channel=r["channel"], updated_at=r["updated_at"],
-                               turns=int(r["turns"]), tokens_today=int(r["tokens_today"])) for r in rows]
+                               turns=int(r["turns"]), tokens_today=int(r["tokens_today"]), scope=r["scope"],
+                               model=r["model"]) for r in rows]
 
     async def pending_pairings(self, now: float, *, limit: int = 100) -> list[PendingPairing]:
         """Codes still waiting for an admin (not approved, not expired), newest first."""

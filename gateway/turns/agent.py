@@ -15,17 +15,17 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from context.effects import Prepared
 from context.engine import prepare, recover_overflow
 from context.truncate import cut_tool_result
+from gateway.agents import AgentView, PromptFiles, agent_view, model_chain, system_prompt_text
 from gateway.clock import local_day
 from gateway.config.load import atomic_write_text
-from gateway.config.schema import Config
+from gateway.config.schema import Config, ModelConfig
 from gateway.media import FileRefused, save_tool_image
-from gateway.model.errors import ModelError
+from gateway.model.errors import RETRYABLE_KINDS, ModelError
 from gateway.model.replies import ModelReply
 from gateway.services import Services
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
@@ -86,13 +86,50 @@ def today_line(cfg: Config) -> str:
     return f"Today is {day} ({zone})."
 
 
+@dataclass(slots=True)
+class Step:
+    """What one decision step of a session works with: its agent and the models it tries."""
+
+    view: AgentView
+    chain: list[tuple[str | None, ModelConfig]]  # (alias, settings): the first, then fallbacks
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.chain[0][1]
+
+
 class Agent:
     def __init__(self, services: Services, summarizer: Summarizer) -> None:
         self.s = services
         self.summarizer = summarizer
+        self.prompt_files = PromptFiles(services.config.base_dir)
+        # (agent, the registry's list) → that agent's tools, one list per registry list, so
+        # token counts and providers' prompt caches see the same list step after step.
+        self._tool_lists: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+
+    def step(self, live: LiveSession, cfg: Config) -> Step:
+        view = agent_view(cfg, live.agent)
+        return Step(view, model_chain(cfg, view, live.model_alias))
+
+    def tool_schemas(self, view: AgentView) -> list[dict[str, Any]]:
+        """The tools `view`'s agent may use, in the registry's order (SPEC §5.5)."""
+        everything = self.s.tools.schemas()
+        if view.settings.tools is None:
+            return everything
+        cached = self._tool_lists.get(view.name)
+        if cached is not None and cached[0] is everything:
+            return cached[1]
+        mine = [t for t in everything if view.tool_allowed(str(t.get("function", {}).get("name", "")))]
+        self._tool_lists[view.name] = (everything, mine)
+        return mine
 
     async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
-        parts = [cfg.system_prompt.strip(), today_line(cfg)]
+        view = agent_view(cfg, live.agent)
+        if view.settings.system_prompt_file is not None and view.settings.system_prompt is None:
+            own = await asyncio.to_thread(system_prompt_text, cfg, view, self.prompt_files)
+        else:
+            own = system_prompt_text(cfg, view, self.prompt_files)
+        parts = [own.strip(), today_line(cfg)]
         parts.append(
             "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
             "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
@@ -132,18 +169,39 @@ class Agent:
         for effect in prepared.effects:
             self.summarizer.submit(live, effect)
 
-    async def _call_model(self, prepared: Prepared, tools: list[dict[str, Any]] | None,
-                          feed: StepFeed | None = None, workspace: Path | None = None) -> ModelReply:
+    async def _call_model(self, live: LiveSession, step: Step, prepared: Prepared,
+                          tools: list[dict[str, Any]] | None, feed: StepFeed | None = None) -> ModelReply:
+        """One decision step's model call: the session's model, then each fallback in turn
+        when a call fails after its retries with 429, 5xx, a timeout or a refused
+        connection (SPEC §5.5); streamed the same way. Never on an error that is the
+        request's (a 4xx, an overflow: §4.4 handles that)."""
         messages = prepared.messages
-        if workspace is not None and self.s.media is not None:
+        if self.s.media is not None:
             # The engine names image files; their bytes go in only now (SPEC §5.4).
-            messages = await self.s.media.resolve_images(messages, workspace)
-        async with self.s.model_slots:
-            if feed is None:
-                return await self.s.model.complete(messages, tools=tools or None)
-            feed.next_step()
-            return await self.s.model.complete(messages, tools=tools or None,
-                                               on_text=feed.text, on_retry=feed.retry)
+            messages = await self.s.media.resolve_images(messages, live.workspace)
+        for i, (alias, settings) in enumerate(step.chain):
+            client = self.s.client_for(alias)
+            try:
+                async with self.s.model_slots:
+                    if feed is None:
+                        reply = await client.complete(messages, tools=tools or None)
+                    else:
+                        feed.next_step()
+                        reply = await client.complete(messages, tools=tools or None,
+                                                      on_text=feed.text, on_retry=feed.retry)
+            except ModelError as err:
+                if i + 1 >= len(step.chain) or err.kind not in RETRYABLE_KINDS:
+                    raise
+                following = step.chain[i + 1][1].name
+                self.s.metrics.model_fallbacks.labels(settings.name, following).inc()
+                log.warning("model failed; trying the fallback", extra={
+                    "session": live.key, "model": settings.name, "fallback": following, "kind": err.kind})
+                if feed is not None:
+                    await feed.retry()  # what the failed model showed goes; the fallback's comes
+                continue
+            live.last_model = settings.name
+            return reply
+        raise AssertionError("a model chain is never empty")
 
     async def run_turn(self, live: LiveSession, stream: ReplyStream | None = None) -> TurnResult:
         """Run the current turn (its user message is already stored) to a final reply.
@@ -161,16 +219,18 @@ class Agent:
             # Steps 1..agent_max_steps may call tools; when the last of them still asked
             # for one, this extra step has no tools and must answer (SPEC §1, §5).
             final = step > cfg.agent_max_steps
-            tools = [] if final else self.s.tools.schemas()
-            budget = cfg.context_budget()
+            plan = self.step(live, cfg)
+            tools = [] if final else self.tool_schemas(plan.view)
+            budget = cfg.context_budget(plan.model)  # the session's model's window (SPEC §5.5)
+            counter = self.s.counter_for(plan.model.name)
             system = await self.system_prompt(live, cfg)
             prepared = prepare(live.ctx, system_prompt=system, tools=tools, budget=budget,
-                               counter=self.s.counter, final=final)
+                               counter=counter, final=final)
             self._apply(live, prepared)
             if prepared.user_notice:
                 return TurnResult(prepared.user_notice, "notice")
             try:
-                reply = await self._call_model(prepared, tools, feed, live.workspace)
+                reply = await self._call_model(live, plan, prepared, tools, feed)
             except ModelError as err:
                 if err.kind != "overflow":
                     log.warning("model error", extra={"session": live.key, "kind": err.kind,
@@ -179,7 +239,7 @@ class Agent:
                 if recovered:
                     return await self._clear_after_overflow(live)
                 recovered = True
-                outcome = await self._recover(live, cfg, system, tools, err, feed)
+                outcome = await self._recover(live, cfg, plan, system, tools, err, feed)
                 if outcome is None:
                     return await self._clear_after_overflow(live)
                 if isinstance(outcome, ModelError):
@@ -217,18 +277,19 @@ class Agent:
                 await self._run_tool(live, cfg, call)
 
     async def _recover(
-        self, live: LiveSession, cfg: Config, system: str, tools: list[dict[str, Any]], err: ModelError,
-        feed: StepFeed | None = None,
+        self, live: LiveSession, cfg: Config, plan: Step, system: str, tools: list[dict[str, Any]],
+        err: ModelError, feed: StepFeed | None = None,
     ) -> tuple[ModelReply, Prepared] | ModelError | None:
         """SPEC §4.4: summarize all to memory, trim aggressively, retry the step once.
         None when the retry overflows again; the error when it fails otherwise."""
         log.warning("context overflow; recovering", extra={"session": live.key,
                                                           "provider_limit": err.provider_limit})
-        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools, budget=cfg.context_budget(),
-                                    counter=self.s.counter, provider_limit=err.provider_limit)
+        prepared = recover_overflow(live.ctx, system_prompt=system, tools=tools,
+                                    budget=cfg.context_budget(plan.model),
+                                    counter=self.s.counter_for(plan.model.name), provider_limit=err.provider_limit)
         self._apply(live, prepared)
         try:
-            reply = await self._call_model(prepared, tools, feed, live.workspace)
+            reply = await self._call_model(live, plan, prepared, tools, feed)
         except ModelError as again:
             if again.kind == "overflow":
                 self.s.metrics.overflow_recoveries.labels("cleared").inc()
@@ -281,9 +342,10 @@ class Agent:
         return out
 
     async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
-        tool = self.s.tools.get(call.name)
+        view = agent_view(cfg, live.agent)
+        tool = self.s.tools.get(call.name) if view.tool_allowed(call.name) else None
         if tool is None:
-            known = ", ".join(self.s.tools.names)
+            known = ", ".join(name for name in self.s.tools.names if view.tool_allowed(name))
             return ToolOutput(f"error: there is no tool named {call.name!r}; available: {known}"), "unknown"
         try:
             args = json.loads(call.arguments or "{}")

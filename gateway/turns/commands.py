@@ -15,10 +15,12 @@ from typing import Any
 from context.engine import compact, context_stats
 from context.stats import format_context_stats
 from gateway.access import APPROVED_NOTICE, Pairing, is_admin
+from gateway.agents import agent_view, model_chain
 from gateway.config.changes import change_effect, is_credential_destination, is_operator_only, is_secret_key
 from gateway.config.chat import ChatSettings, set_dotted
 from gateway.config.load import ConfigError, atomic_write_text, parse_config
 from gateway.config.schema import Config
+from gateway.keys import is_shared
 from gateway.services import Services
 from gateway.store.rows import slot_words
 from gateway.tasks.schedule import TaskError
@@ -35,6 +37,9 @@ HELP = """Commands:
 /config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /tools: the tools I can use here, and the state of each MCP server
 /tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
+/model: the model answering here and the ones you may pick; /model NAME picks one, /model default goes back
+/agent: the agent that answers here, its model and skills
+/usage: your tokens and messages today and this month, and what your daily budget leaves
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
@@ -45,6 +50,9 @@ BOT_COMMANDS: list[tuple[str, str]] = [
     ("config", "Show or change settings"),
     ("tools", "List the tools and MCP servers"),
     ("tasks", "List scheduled tasks; /tasks cancel ID"),
+    ("model", "Show or pick the model for this chat"),
+    ("agent", "Which agent answers here"),
+    ("usage", "Your usage today and this month"),
     ("help", "List commands"),
 ]
 
@@ -65,7 +73,8 @@ def parse_command(text: str) -> tuple[str, list[str]] | None:
         return None
     head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
     name = head[1:].split("@", 1)[0].lower()
-    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks"}:
+    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks", "model",
+                    "agent", "usage"}:
         return None
     return name, rest
 
@@ -172,6 +181,15 @@ class Commands:
             await self._queue(inbound, key, scope, stats)
         elif name == "compact":
             await self._queue(inbound, key, scope, self._compact)
+        elif name == "model":
+            async def model(live: LiveSession) -> str:
+                return await self._model(live, inbound, args)
+
+            await self._queue(inbound, key, scope, model)
+        elif name == "agent":
+            await self._queue(inbound, key, scope, self._agent)
+        elif name == "usage":
+            await self._answer(inbound, await self.usage(inbound))
         return True
 
     async def _answer(self, inbound: Inbound, text: str) -> None:
@@ -189,16 +207,69 @@ class Commands:
         cfg = self.s.cfg
         admin = is_admin(cfg, identity)
         system = await self.sessions.agent.system_prompt(live, cfg)
-        stats = context_stats(live.ctx, system_prompt=system, tools=self.s.tools.schemas(),
-                              budget=cfg.context_budget(), counter=self.s.counter)
+        plan = self.sessions.agent.step(live, cfg)
+        stats = context_stats(live.ctx, system_prompt=system, tools=self.sessions.agent.tool_schemas(plan.view),
+                              budget=cfg.context_budget(plan.model), counter=self.s.counter_for(plan.model.name))
         # Strategy names, the token calibration and the job runs are the operator's view.
         text = format_context_stats(stats, details=admin)
+        answered = f" (the last answer came from {live.last_model})" if live.last_model else ""
+        text += f"\nAgent: {live.agent}; model: {plan.model.name}{answered}"
         runs = await self.s.store.job_runs(limit=3) if admin else []
         if runs:
             text += "\nLast jobs: " + ", ".join(f"{r.job} {slot_words(r.slot)}: {r.outcome}" for r in runs)
         if self.s.usage is not None:
             text += "\n" + await self.s.usage.describe(cfg, identity)
         return text
+
+    async def _model(self, live: LiveSession, inbound: Inbound, args: list[str]) -> str:
+        """/model: show the session's model, or pick one of the agent's aliases (SPEC §5.5)."""
+        cfg = self.s.cfg
+        view = agent_view(cfg, live.agent)
+        chain = model_chain(cfg, view, live.model_alias)
+        alias, settings = chain[0]
+        if not args:
+            using = f"{alias} ({settings.name})" if alias else settings.name
+            picked = " (picked for this chat)" if live.model_alias is not None and alias == live.model_alias else ""
+            lines = [f"Model here: {using}{picked}."]
+            if live.last_model and live.last_model != settings.name:
+                lines.append(f"The last answer came from {live.last_model} (a fallback).")
+            if view.choosable:
+                lines.append("You may pick: " + ", ".join(view.choosable) + ". Send /model NAME, or /model default.")
+            else:
+                lines.append("There are no other models to pick (models in config.json).")
+            return "\n".join(lines)
+        wanted = args[0]
+        if is_shared(inbound, cfg.group_session_scope) and not is_admin(cfg, inbound.identity):
+            return "Everyone here shares this conversation, so only admins can change its model."
+        if wanted.lower() == "default":
+            live.model_alias = None
+            await self.s.store.set_session_model(live.key, None)
+            own = model_chain(cfg, view, None)[0]
+            return f"Back to this agent's model: {own[1].name}."
+        if wanted not in cfg.models or wanted not in view.choosable:
+            choices = ", ".join(view.choosable) or "none"
+            return f"There is no model {wanted!r} to pick here. You may pick: {choices}."
+        live.model_alias = wanted
+        await self.s.store.set_session_model(live.key, wanted)
+        return f"This chat now uses {wanted} ({cfg.model_for(wanted).name}) from the next message."
+
+    async def _agent(self, live: LiveSession) -> str:
+        """/agent: who answers here, with which model and skills."""
+        cfg = self.s.cfg
+        view = agent_view(cfg, live.agent)
+        alias, settings = model_chain(cfg, view, live.model_alias)[0]
+        model = f"{alias} ({settings.name})" if alias else settings.name
+        skills = view.skill_names()
+        skill_text = "all skills" if skills is None else (", ".join(skills) or "none")
+        tools = "every tool" if view.settings.tools is None else ", ".join(view.settings.tools)
+        return (f"Agent here: {view.name}. Model: {model}. Skills: {skill_text}. Tools: {tools}."
+                + (" Fallbacks: " + ", ".join(view.fallbacks) + "." if view.fallbacks else ""))
+
+    async def usage(self, inbound: Inbound) -> str:
+        """/usage: this person's use today and this month, and what the daily budget leaves."""
+        if self.s.usage is None:
+            return "Usage is not recorded here."
+        return await self.s.usage.report(self.s.cfg, inbound.identity)
 
     async def _clear(self, live: LiveSession) -> str:
         turn = max(await self.s.store.last_turn(live.key), live.ctx.current_turn)
@@ -209,7 +280,8 @@ class Commands:
 
     async def _compact(self, live: LiveSession) -> str:
         before = live.ctx.turn_count
-        effect = compact(live.ctx, keep_turns=2, counter=self.s.counter)
+        effect = compact(live.ctx, keep_turns=2,
+                         counter=self.s.counter_for(self.sessions.agent.step(live, self.s.cfg).model.name))
         dropped = before - live.ctx.turn_count
         if dropped <= 0:
             return "Nothing to compact yet: the context holds 2 turns or fewer."

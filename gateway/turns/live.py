@@ -34,3 +34,6 @@ class LiveSession:
     turn_tokens_out: int = 0
     turn_steps: int = 0
     turn_trims: list[str] = field(default_factory=list)
+    agent: str = "default"  # the agent that answers here (SPEC §5.5; gateway/agents.py)
+    model_alias: str | None = None  # picked with /model; None: the agent's own model
+    last_model: str | None = None  # the model that answered the last step (a fallback, maybe)

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
 
 from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
+from gateway.agents import agent_scope, bound_agent
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
 from gateway.turns.commands import Commands, parse_command
@@ -51,8 +52,11 @@ class Router:
         self.resumed: set[tuple[str, str]] = set()
 
     def keys(self, inbound: Inbound) -> tuple[str, str]:
-        scope_mode = self.s.cfg.group_session_scope
-        return session_key(inbound, scope_mode), memory_scope(inbound, scope_mode)
+        """(session key, memory scope): the scope is the bound agent's (SPEC §5.5)."""
+        cfg = self.s.cfg
+        scope_mode = cfg.group_session_scope
+        scope = agent_scope(bound_agent(cfg, inbound), memory_scope(inbound, scope_mode))
+        return session_key(inbound, scope_mode), scope
 
     async def handle(self, inbound: Inbound) -> bool:
         """False when the event was seen before (a redelivery): nothing more happens."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from context.engine import SessionContext
 from context.restore import restore_messages
+from gateway.agents import agent_of_scope
 from gateway.keys import workspace_dir
 from gateway.media import Intake, ReplyFile, plain_intake, reply_files
 from gateway.services import Services
@@ -108,7 +109,8 @@ def _last_turns(stored: list[Message], max_turns: int) -> list[Message]:
 def _log_turn(live: LiveSession, started: float, outcome: str) -> None:
     """The one INFO line of a turn: what it cost and how it ended, never what was said."""
     log.info("turn ended", extra={
-        "session": live.key, "channel": live.channel, "steps": live.turn_steps,
+        "session": live.key, "channel": live.channel, "agent": live.agent, "model": live.last_model,
+        "steps": live.turn_steps,
         "tokens_in": live.turn_tokens_in, "tokens_out": live.turn_tokens_out,
         "duration_s": round(time.monotonic() - started, 2), "outcome": outcome, "trims": list(live.turn_trims),
     })
@@ -190,7 +192,8 @@ class SessionManager:
         workspace = workspace_dir(self.s.data_dir, scope)
         await asyncio.to_thread(make_private_dir, workspace)  # 0700, like the data dir (SPEC §9)
         live = LiveSession(key=key, scope=scope, channel=channel, workspace=workspace, ctx=ctx,
-                           queue=asyncio.Queue())  # bounded in submit(), by the live config
+                           queue=asyncio.Queue(),  # bounded in submit(), by the live config
+                           agent=agent_of_scope(scope), model_alias=row.model)
         live.context_start = start
         live.seq = len(open_turn)
         self._last_turns[key] = await store.last_turn(key)
@@ -228,6 +231,10 @@ class SessionManager:
         if self._stopping:
             return False
         live = await self.get_live(key, scope, job.inbound.channel)
+        if live.scope != scope and live.worker is None and live.queue.empty():
+            # The bindings changed: the session now has another agent, and its scope.
+            self.drop(key)
+            live = await self.get_live(key, scope, job.inbound.channel)
         if live.queue.qsize() >= self.s.cfg.limits.session_queue_size:
             self.s.metrics.busy.inc()
             return False

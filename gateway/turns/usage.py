@@ -40,6 +40,36 @@ class Usage:
                     "It resets at midnight; see you tomorrow!")
         return None
 
+    async def month(self, cfg: Config, identity: str) -> tuple[int, int]:
+        """(turns, tokens) of this calendar month so far, in the configured zone."""
+        first = today(cfg)[:8] + "01"
+        rows = await self.store.run(
+            "SELECT coalesce(sum(turns), 0), coalesce(sum(tokens), 0) FROM usage WHERE identity=? AND day >= ?",
+            (identity, first))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
+
+    async def report(self, cfg: Config, identity: str) -> str:
+        """/usage (SPEC §6): today and this month, and what the daily budgets leave."""
+        turns, tokens = await self.get(cfg, identity)
+        month_turns, month_tokens = await self.month(cfg, identity)
+        lines = [f"Today: {turns} message{'s' if turns != 1 else ''}, {tokens:,} tokens.",
+                 f"This month: {month_turns} message{'s' if month_turns != 1 else ''}, {month_tokens:,} tokens."]
+        limits = cfg.limits
+        if is_admin(cfg, identity):
+            lines.append("Daily budgets do not apply to admins.")
+        elif limits.turns_per_user_per_day is None and limits.tokens_per_user_per_day is None:
+            lines.append("There is no daily budget here.")
+        else:
+            left = []
+            if limits.turns_per_user_per_day is not None:
+                left.append(f"{max(0, limits.turns_per_user_per_day - turns)} of {limits.turns_per_user_per_day} "
+                            "messages")
+            if limits.tokens_per_user_per_day is not None:
+                left.append(f"{max(0, limits.tokens_per_user_per_day - tokens):,} of "
+                            f"{limits.tokens_per_user_per_day:,} tokens")
+            lines.append("Left today: " + " and ".join(left) + ".")
+        return "\n".join(lines)
+
     async def describe(self, cfg: Config, identity: str) -> str:
         turns, tokens = await self.get(cfg, identity)
         limits = cfg.limits

@@ -174,7 +174,8 @@
 
   function sessionRow(s) {
     const row = el("tr");
-    row.append(el("td", s.key, "mono"), wide(el("td", s.channel)), when(s.last_activity),
+    row.append(el("td", s.key, "mono"), wide(el("td", s.channel)), el("td", s.agent),
+               wide(el("td", s.model, "mono")), when(s.last_activity),
                el("td", number.format(s.turns), "num"), el("td", number.format(s.tokens_today), "num"));
     return row;
   }
@@ -194,10 +195,30 @@
     }
     for (const s of data.sessions) tbody.append(sessionRow(s));
     shownSessions += data.sessions.length;
-    if (!shownSessions) emptyRow(tbody, 5, "No sessions yet.");
+    if (!shownSessions) emptyRow(tbody, 7, "No sessions yet.");
     nextSessions = data.next;
     moreButton.hidden = !data.next;
     $("sessions-total").textContent = "(" + number.format(data.total) + ")";
+  }
+
+  function bindingText(match) {
+    const parts = Object.entries(match).map(([field, value]) => field + " " + value);
+    return parts.length ? parts.join(", ") : "every message";
+  }
+
+  async function loadAgents() {
+    const data = await api("agents");
+    const tbody = $("agents").tBodies[0];
+    tbody.replaceChildren();
+    for (const a of data.agents) {
+      const where = data.bindings.filter((b) => b.agent === a.name).map((b) => bindingText(b.match));
+      if (a.name === "default") where.push("everything no binding takes");
+      const model = el("td", a.model + (a.fallbacks.length ? " → " + a.fallbacks.join(", ") : ""), "mono");
+      const row = el("tr");
+      row.append(el("td", a.name), model, wide(el("td", where.join("; ") || "nowhere: no binding names it")),
+                 el("td", number.format(a.sessions), "num"), el("td", number.format(a.tokens_today), "num"));
+      tbody.append(row);
+    }
   }
 
   async function loadUsage() {
@@ -282,7 +303,7 @@
 
   // -- flow --------------------------------------------------------------------------
 
-  const views = { status: loadStatus, pairings: loadPairings, sessions: () => loadSessions(false),
+  const views = { status: loadStatus, pairings: loadPairings, agents: loadAgents, sessions: () => loadSessions(false),
                   usage: loadUsage, jobs: loadJobs, errors: loadErrors };
 
   function handleAuth(err) {

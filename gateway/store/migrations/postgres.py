@@ -246,4 +246,8 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX config_changes_key ON config_changes(key, id);
     """,
+    # 6: SQLite's migration 8: the model alias a session uses, picked with /model.
+    """
+    ALTER TABLE sessions ADD COLUMN model TEXT;
+    """,
 ]

@@ -247,4 +247,9 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX config_changes_key ON config_changes(key, id);
     """,
+    # 8: the model a session uses (SPEC §5.5): an alias of `models` picked with /model,
+    # kept across restarts; NULL is its agent's model.
+    """
+    ALTER TABLE sessions ADD COLUMN model TEXT;
+    """,
 ]
