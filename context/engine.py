@@ -30,6 +30,7 @@ from .images import (
     with_images,
     with_placeholders,
 )
+from .outside import outside_block, outside_source
 from .stats import ContextStats
 from .summary import injection_text
 from .tokens import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, TokenCounter
@@ -419,6 +420,9 @@ class _Request:
         images = images_of(msg) if show != "text" else ()
         if images and show == "placeholders":
             content = with_placeholders(content, images)
+        source = outside_source(msg.origin) if msg.role == "tool" else None
+        if source is not None:
+            content = outside_block(source, content)
         shown = msg if content is msg.content else replace(msg, content=content)
         d, tokens = to_openai(msg, content), self.counter.count_message(shown)
         if images and show == "parts" and msg.role == "user":  # a tool's images follow its step's results

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from context import injection_text
+from context.outside import unfence
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error
 
@@ -139,7 +140,7 @@ async def test_huge_tool_output_is_offloaded_and_can_be_followed(make_gateway: G
     fake_model.tool_call("read_file", {"path": "files/big.log"})
     fake_model.reply("read it")
     await chat(gw, "eve", "read the log")
-    result = next(m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool")["content"]
+    result = unfence(next(m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool")["content"])
     follow = re.search(r'read_file\(path="files/big.log", offset=(\d+)\)', result)
     assert follow, result[-600:]
     assert result.startswith(lines[: int(follow.group(1))])
@@ -151,7 +152,7 @@ async def test_huge_tool_output_is_offloaded_and_can_be_followed(make_gateway: G
         fake_model.tool_call("read_file", {"path": "files/big.log", "offset": offset})
         fake_model.reply("ok")
         await chat(gw, "eve", f"continue from {offset}")
-        tool_msg = [m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]
+        tool_msg = unfence([m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
         nxt = re.search(r'read_file\(path="files/big.log", offset=(\d+)\)', tool_msg)
         if nxt is None:
             collected += tool_msg

@@ -12,6 +12,7 @@ from typing import Any
 
 from PIL import Image
 
+from context.outside import unfence
 from gateway.app import Gateway
 from gateway.keys import workspace_dir
 from tests.conftest import GatewayFactory
@@ -215,7 +216,7 @@ async def test_a_telegram_pdf_is_named_and_read_with_read_file(
     await fake_telegram.wait_shown(5, lambda shown: shown == ["Revenue was 1,234 otters."])
     first, second = fake_model.requests
     assert last_user(first) == f"summarize this\n[file: files/report.pdf, {len(pdf) // 1024} KB]"
-    tool = [m for m in second["messages"] if m["role"] == "tool"][-1]["content"]
+    tool = unfence([m for m in second["messages"] if m["role"] == "tool"][-1]["content"])
     assert tool.startswith("--- page 1 of 2 ---\nQuarterly report (page 1)\nRevenue: 1,234 otters (page 1)")
 
 

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 import gateway.config.reload
+from context.outside import unfence
 from gateway.app import Gateway
 from gateway.config.changes import change_effect
 from gateway.config.reload import ConfigWatcher
@@ -103,7 +104,7 @@ class Rig:
         self.model.tool_call(name, args)
         self.model.reply("used it")
         await self.say(session, f"use {name}")
-        return str([m for m in self.model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
+        return unfence(str([m for m in self.model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]))
 
     def system(self) -> str:
         return str(self.model.requests[-1]["messages"][0]["content"])
@@ -411,7 +412,7 @@ async def p_mcp_servers(r: Rig) -> None:
     r.model.reply("called")
     await r.say("mcp", "use it")
     tool = [m for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-1]
-    assert tool["content"] == "echo: from a live change"
+    assert unfence(tool["content"]) == "echo: from a live change"
 
 
 async def scheduled(r: Rig, session: str, *calls: dict[str, str]) -> list[str]:
@@ -419,7 +420,7 @@ async def scheduled(r: Rig, session: str, *calls: dict[str, str]) -> list[str]:
     r.model.tool_calls([("schedule_task", args) for args in calls])
     r.model.reply("scheduled")
     await r.say(session, "schedule these")
-    return [m["content"] for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-len(calls):]
+    return [unfence(m["content"]) for m in r.model.requests[-1]["messages"] if m["role"] == "tool"][-len(calls):]
 
 
 async def p_tasks_per_scope(r: Rig) -> None:

@@ -24,6 +24,7 @@ import pytest_asyncio
 
 import gateway.config.reload
 import gateway.tools.mcp as mcp_module
+from context.outside import unfence
 from gateway.app import Gateway
 from gateway.config.checks import startup_problems
 from gateway.config.load import ConfigError, parse_config
@@ -69,7 +70,7 @@ async def call(gw: Gateway, tool: str, **args: Any) -> str:
 
 
 def tool_results(request: dict[str, Any]) -> list[str]:
-    return [m["content"] for m in request["messages"] if m["role"] == "tool"]
+    return [unfence(m["content"]) for m in request["messages"] if m["role"] == "tool"]
 
 
 def children() -> dict[int, tuple[str, str]]:
@@ -253,7 +254,7 @@ async def test_a_tools_image_is_saved_and_shown_to_a_model_with_vision(make_gate
     sent = fake_model.requests[-1]["messages"]
     roles = [m["role"] for m in sent]
     assert roles[-4:] == ["assistant", "tool", "tool", "user"]  # the image after the step's results
-    assert sent[-3]["content"] == "[image: files/mcp_echo_picture_1.png, 1×1]"
+    assert unfence(sent[-3]["content"]) == "[image: files/mcp_echo_picture_1.png, 1×1]"
     parts = sent[-1]["content"]
     assert parts[1]["type"] == "image_url"
     assert parts[1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(PNG).decode()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from context.outside import unfence
 from gateway.app import secret_values
 from gateway.config.checks import startup_problems
 from gateway.config.load import ConfigError, parse_config
@@ -420,7 +421,7 @@ async def test_e2e_the_model_fetches_a_page(make_gateway: GatewayFactory, fake_m
     assert await chat(gw, "ann", "what do otters do?") == "Otters use stones."
     first, second = fake_model.requests[-2:]
     assert "web_fetch" in tool_names(first) and "web_search" not in tool_names(first)
-    result = [m for m in second["messages"] if m["role"] == "tool"][-1]["content"]
+    result = unfence([m for m in second["messages"] if m["role"] == "tool"][-1]["content"])
     assert f"URL: {url}" in result and "crack shellfish open with stones" in result and "NAVJUNK" not in result
 
 
@@ -430,7 +431,7 @@ async def test_e2e_a_refusal_reaches_the_model_as_an_error(make_gateway: Gateway
     fake_model.tool_call("web_fetch", {"url": "http://169.254.169.254/latest/meta-data/"})
     fake_model.reply("I may not fetch that.")
     assert await chat(gw, "ann", "read the metadata") == "I may not fetch that."
-    result = [m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]
+    result = unfence([m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
     assert result == f"error: refused: 169.254.169.254 is a link-local address {ALLOW}"
 
 
@@ -445,7 +446,7 @@ async def test_e2e_a_large_page_is_cut_and_read_on_byte_exact(make_gateway: Gate
     fake_model.tool_call("web_fetch", {"url": url})
     fake_model.reply("it is long")
     await chat(gw, "bea", "fetch the long page")
-    result = [m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]
+    result = unfence([m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
     assert len(result) < 52_000  # tool_result_max_chars 50,000 plus the notice
     notice = re.search(r'The full output is saved as (tool_results/[^:]+\.txt): ([\d,]+) characters.*'
                        r'Continue with read_file\(path="([^"]+)", offset=(\d+)\)', result)
@@ -461,7 +462,7 @@ async def test_e2e_a_large_page_is_cut_and_read_on_byte_exact(make_gateway: Gate
         fake_model.tool_call("read_file", {"path": path, "offset": offset})
         fake_model.reply("more")
         await chat(gw, "bea", "continue")
-        part = [m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"]
+        part = unfence([m for m in fake_model.requests[-1]["messages"] if m["role"] == "tool"][-1]["content"])
         nxt = re.search(rf'Continue with read_file\(path="{re.escape(path)}", offset=(\d+)\)', part)
         if nxt is None:
             collected += part

@@ -42,6 +42,9 @@ class ToolOutput:
     text: str
     file_ref: FileRef | None = None
     images: tuple[ToolImage, ...] = ()
+    # Where the text came from when it is outside content (SPEC §5.7): "web page <url>",
+    # "MCP server <name>"…; the request shows it fenced as data (context/outside.py).
+    source: str | None = None
 
 
 class ToolError(Exception):

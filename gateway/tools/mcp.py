@@ -175,7 +175,8 @@ def result_output(result: types.CallToolResult, tool: str, server: str = "", rem
     text = "\n".join(parts)
     if result.isError:
         raise ToolError(text or f"{tool} reported an error without saying which")
-    return ToolOutput(text or ("" if images else "(no output)"), images=tuple(images))
+    return ToolOutput(text or ("" if images else "(no output)"), images=tuple(images),
+                      source=f"MCP server {server}, tool {remote}" if server else f"MCP tool {tool}")
 
 
 # -- one server ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from context.truncate import read_window
+from gateway.media import FILES_DIR
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
@@ -107,4 +108,7 @@ class ReadFile:
         rel_path = target.relative_to(root).as_posix()
         ref = FileRef(path=rel_path, start_offset=start_offset, start_line=first_line,
                       protected=rel_path.lower().endswith(".md"))
-        return ToolOutput(window, file_ref=ref)
+        # What people send is outside content like a web page (SPEC §5.7); notes, archives and
+        # saved tool outputs are the gateway's own.
+        sent = rel_path.startswith(f"{FILES_DIR}/")
+        return ToolOutput(window, file_ref=ref, source=f"file {rel_path} that a person sent" if sent else None)

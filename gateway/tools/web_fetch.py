@@ -242,4 +242,4 @@ class WebFetch:
             lines.append(f"(only the first {ctx.config.tools.web_fetch.max_bytes:,} bytes were read: "
                          "tools.web_fetch.max_bytes)")
         head = "\n".join(line for line in lines if line)
-        return ToolOutput(f"{head}\n\n{content or '(no readable text on this page)'}")
+        return ToolOutput(f"{head}\n\n{content or '(no readable text on this page)'}", source=f"web page {page.url}")

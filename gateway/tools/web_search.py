@@ -201,4 +201,4 @@ class WebSearch:
             raise ToolArgumentError(f"the query is {len(query):,} characters long; at most {MAX_QUERY_CHARS}")
         count = int(args.get("count") or DEFAULT_COUNT)
         results = await search(ctx.config.tools.web_search, query, count)
-        return ToolOutput(format_results(query, results))
+        return ToolOutput(format_results(query, results), source=f"web search results for {query!r}")

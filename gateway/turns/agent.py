@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from context.effects import Prepared
 from context.engine import prepare, recover_overflow
+from context.outside import OUTSIDE_PREFIX
+from context.outside import SYSTEM_NOTE as OUTSIDE_NOTE
 from context.truncate import cut_tool_result
 from gateway.agents import AgentView, PromptFiles, agent_view, model_chain, system_prompt_text
 from gateway.clock import local_day
@@ -134,6 +136,7 @@ class Agent:
             "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
             "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
         )
+        parts.append(OUTSIDE_NOTE)
         memory = self.s.memory
         if memory is not None and cfg.memory_max_tokens > 0:
             text = await memory.read_memory_md(
@@ -324,7 +327,8 @@ class Agent:
                 log.error("cannot save a tool result", extra={"session": live.key, "error": str(err)})
         await self.store(live, Message(role="tool", content=cut.content, turn=live.ctx.current_turn,
                                        tool_call_id=call.id, tool_name=call.name, truncation=cut.truncation,
-                                       attachments=tuple(att for att, _ in saved if att is not None)))
+                                       attachments=tuple(att for att, _ in saved if att is not None),
+                                       origin=f"{OUTSIDE_PREFIX}{output.source}" if output.source else None))
 
     async def _save_images(self, live: LiveSession, cfg: Config,
                            output: ToolOutput) -> list[tuple[Attachment | None, str]]:
