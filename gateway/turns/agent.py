@@ -28,6 +28,7 @@ from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import ModelError
 from gateway.model.replies import ModelReply
 from gateway.services import Services
+from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession
@@ -91,12 +92,21 @@ class Agent:
         self.s = services
         self.summarizer = summarizer
 
+    def usable_skills(self, cfg: Config) -> Skills:
+        """The skills this agent may use (SPEC §5.6): listed in its prompt, readable with
+        read_file, shown by /skills. Every skill for now; `agents.<name>.skills` narrows it."""
+        return allowed_skills(self.s.skills(), ALL)
+
     async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
         parts = [cfg.system_prompt.strip(), today_line(cfg)]
         parts.append(
             "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
             "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
         )
+        # Before MEMORY.md: skills change far less often, so the cached prefix lasts longer.
+        skills = prompt_section(self.usable_skills(cfg))
+        if skills:
+            parts.append(skills)
         memory = self.s.memory
         if memory is not None and cfg.memory_max_tokens > 0:
             text = await memory.read_memory_md(
@@ -293,7 +303,7 @@ class Agent:
             return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
                 "bad_arguments"
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s, inbound=live.inbound)
+                          services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg))
         timeout = tool_timeout(tool)
         try:
             out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)
