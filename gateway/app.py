@@ -39,6 +39,7 @@ from gateway.ops.admin import AdminApi, RecentErrors, ToolSourceState, describe_
 from gateway.ops.logs import REDACTOR, set_log_level
 from gateway.ops.metrics import Metrics
 from gateway.services import Services
+from gateway.skills.watcher import SkillWatcher
 from gateway.store.backends import open_store
 from gateway.store.rows import StoreError
 from gateway.tools.mcp import McpManager
@@ -137,6 +138,7 @@ class Gateway:
         self.chat_settings: ChatSettings | None = None  # /config changes kept in the database
         self.mcp: McpManager | None = None
         self.tasks: TaskScheduler | None = None
+        self.skill_watcher: SkillWatcher | None = None  # follows the skills' folders (SPEC §5.6)
         self._model_cfgs: tuple[Any, ...] = self._model_settings(config)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
@@ -213,6 +215,10 @@ class Gateway:
         services.memory = self._memory(services)
         services.usage = Usage(store)
         services.media = Media(lambda: self.holder.current)
+        # Found before the first turn; followed from the end of the start (below).
+        self.skill_watcher = SkillWatcher(cfg.skills.paths(self.holder.base_dir))
+        await self.skill_watcher.load()
+        services.skills = self.skill_watcher.skills
         self.services = services
         summarizer = Summarizer(services)
         self.agent = Agent(services, summarizer)
@@ -280,6 +286,7 @@ class Gateway:
         if not services.model.configured:
             log.warning("no model API key: every chat will answer with setup instructions "
                         "(set OPENAI_API_KEY or model.api_key in config.json)")
+        await self.skill_watcher.start()
         if self.watch_config:
             self.watcher = self.config_watcher()
             await self.watcher.start()
@@ -523,6 +530,8 @@ class Gateway:
             self.scheduler.update_config(cfg)
         if self.tasks is not None:
             self.tasks.update_config(cfg)
+        if self.skill_watcher is not None and cfg.skills != old.skills:
+            await self.skill_watcher.set_dirs(cfg.skills.paths(self.holder.base_dir))
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in PLATFORMS:
@@ -646,6 +655,8 @@ class Gateway:
         s = self.services
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.skill_watcher is not None:
+            await self.skill_watcher.stop()
         if self.chat_settings is not None:
             await self.chat_settings.stop()
         if self.tasks is not None:

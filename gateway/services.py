@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from gateway.config.holder import ConfigHolder
 from gateway.config.schema import Config
 from gateway.model.slots import ModelSlots
 from gateway.ops.metrics import Metrics
+from gateway.skills.catalog import NO_SKILLS, Skills
 from gateway.store.api import StoreBackend
 from gateway.tools.registry import ToolRegistry
 
@@ -36,6 +38,8 @@ class Services:
     mcp: Any = None  # gateway.tools.mcp.McpManager
     tasks: Any = None  # gateway.jobs.tasks.TaskScheduler
     media: Any = None  # gateway.media.Media: files people send (SPEC §5.4)
+    # The skills found now (SPEC §5.6); the wiring passes its watcher's, which follows edits.
+    skills: Callable[[], Skills] = field(default=lambda: NO_SKILLS)
     background: Background = field(default_factory=lambda: Background("gateway"))
     model_slots: ModelSlots = field(default_factory=lambda: ModelSlots(32))
     # Shared with other gateways on PostgreSQL (SPEC §10); a lone gateway holds every lease.

@@ -344,3 +344,20 @@ def test_the_readme_example_is_a_valid_config() -> None:
                              is_group=True)
     assert bound_agent(cfg, telegram_group) == "coder"
     assert cfg.model_for("strong").name == "gpt-4.1"
+
+
+async def test_an_agent_lists_only_its_own_skills(tmp_path: Path, make_gateway: GatewayFactory,
+                                                  fake_model: FakeModel) -> None:
+    for name in ("alpha", "beta"):
+        folder = tmp_path / "skills" / name
+        folder.mkdir(parents=True)
+        (folder / "SKILL.md").write_text(f"---\nname: {name}\ndescription: The {name} skill for tests.\n---\nDo it.\n")
+    gw = await make_gateway(agents={"coder": {"skills": ["alpha"]}},
+                            bindings=[{"match": {"channel": "web", "chat": "dev"}, "agent": "coder"}])
+    fake_model.respond_with(lambda body: "ok")
+    await chat(gw, "dev", "hi")
+    assert "The alpha skill" in system_of(fake_model.requests[-1])
+    assert "The beta skill" not in system_of(fake_model.requests[-1])
+    await chat(gw, "someone", "hi")
+    assert "The beta skill" in system_of(fake_model.requests[-1])  # the default agent may use every skill
+    assert "beta" not in await chat(gw, "dev", "/skills")

@@ -438,6 +438,16 @@ async def p_task_grace(r: Rig) -> None:
     assert r.gw.tasks is not None and r.gw.tasks.job_grace(r.base_task) == 120  # the running job's grace
 
 
+def more_skills(r: Rig) -> None:
+    folder = r.path.parent / "more-skills" / "extra"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "SKILL.md").write_text("---\nname: extra\ndescription: A skill from the other folder.\n---\n")
+
+
+async def p_skill_dirs(r: Rig) -> None:
+    assert "- extra: A skill from the other folder." in await r.say("skills", "/skills")
+
+
 async def p_log_level(r: Rig) -> None:
     assert logging.getLogger().level == logging.DEBUG
 
@@ -714,6 +724,7 @@ ROWS = [
     Row("transcription.timeout_s", 0.3, "live", p_transcription_timeout),
     Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
+    Row("skills.dirs", ["more-skills"], "live", p_skill_dirs, (more_skills, lambda r: None)),
     Row("tasks.max_per_scope", 1, "live", p_tasks_per_scope),
     Row("tasks.min_interval_s", 60, "live", p_task_interval),
     Row("tasks.misfire_grace_s", 120, "live", p_task_grace),

@@ -44,6 +44,12 @@ def is_operator_only(path: str) -> bool:
     return path == "mcp" or path.startswith("mcp.")
 
 
+def is_host_folder(path: str) -> bool:
+    """Keys naming folders of this machine whose files the agent may read (`skills.dirs`):
+    set in config.json only, so no chat can point the agent at another folder."""
+    return path == "skills" or path.startswith("skills.")
+
+
 def is_credential_destination(path: str) -> bool:
     """Keys that decide where a secret is sent (a model's key goes to its base_url, the bot
     token to the Bot API server, the webhook secret to webhook_url): changing them from

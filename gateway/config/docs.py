@@ -182,6 +182,10 @@ MEANINGS: dict[str, str] = {
                             "of a `cron` task.",
     "tasks.misfire_grace_s": "A task run missed while the gateway was down runs once after the start if it is "
                              "at most this many seconds late; later ones are skipped (and recorded as missed).",
+    "skills.dirs": "Folders whose subfolders each hold a skill (a `SKILL.md` with `name` and `description`), "
+                   "relative to the config file's directory (at most 16); a name found twice is the first "
+                   "folder's. Set in config.json only; changes, and edits of the skills, apply from the next "
+                   "request.",
     "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
                         "not the web chat's token.",
     "http.port": "Port of the HTTP server.",

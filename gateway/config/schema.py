@@ -67,6 +67,7 @@ LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]+")
 WEBHOOK_SECRET_MIN, WEBHOOK_SECRET_MAX = 16, 256
 ADMIN_TOKEN_MIN = 16  # the admin API is reachable from the network: no guessable words
+SKILL_DIRS_MAX = 16
 
 
 class _Strict(BaseModel):
@@ -379,6 +380,24 @@ class TasksConfig(_Strict):
     misfire_grace_s: int = Field(default=3600, ge=1)  # a run missed (gateway down) by more is skipped
 
 
+class SkillsConfig(_Strict):
+    """Where skills live (SPEC §5.6): folders whose subfolders hold a SKILL.md each."""
+
+    dirs: tuple[str, ...] = Field(default=("skills",), max_length=SKILL_DIRS_MAX)
+
+    @field_validator("dirs")
+    @classmethod
+    def _paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not path.strip() or "\x00" in path:
+                raise ValueError(f"{path!r} is not a folder path")
+        return value
+
+    def paths(self, base: Path) -> list[Path]:
+        """The folders, relative ones under `base` (the config file's directory)."""
+        return [Path(d) if Path(d).is_absolute() else base / d for d in self.dirs]
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -413,6 +432,7 @@ class Config(_Strict):
     tools: ToolsConfig = ToolsConfig()
     mcp: McpConfig = McpConfig()
     tasks: TasksConfig = TasksConfig()
+    skills: SkillsConfig = SkillsConfig()
     transcription: TranscriptionConfig = TranscriptionConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.

@@ -12,6 +12,7 @@ from context.truncate import FileRef
 
 if TYPE_CHECKING:
     from gateway.config.schema import Config
+    from gateway.skills.catalog import Skills
     from gateway.types import Inbound
 
 
@@ -25,6 +26,7 @@ class ToolContext:
     config: Config
     services: Any = None  # gateway.app.Services: store, memory (set by the agent)
     inbound: Inbound | None = None  # the message that started the turn (who asked, where to answer)
+    skills: Skills | None = None  # the skills this turn's agent may read under skills/ (SPEC §5.6)
 
 
 @dataclass(frozen=True, slots=True)

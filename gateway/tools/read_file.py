@@ -2,6 +2,8 @@
 
 Results are cut by stage 1 like any tool result, but the notice points at the file
 itself (no copy is saved), so every notice can be followed with another read_file call.
+Paths under `skills/` read the skills this agent may use (SPEC §5.6), read-only, never
+out of a skill's folder; the rest is the session's workspace.
 A PDF (a file people sent, say: SPEC §5.4) is read as its text, page by page, and its
 offsets count in that text; other binary files are refused with what they are.
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 from context.truncate import read_window
 from gateway.media import FILES_DIR
+from gateway.skills.catalog import NO_SKILLS, is_skill_path, skill_file
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
@@ -74,9 +77,9 @@ class ReadFile:
     name = "read_file"
     description = (
         "Read a text or PDF file in your workspace (saved tool results in tool_results/, notes in memory/, "
-        "archived conversation in dialog/, files people sent in files/). Long results are cut with a "
-        "notice that gives the exact read_file call to continue. Use start_line (1-based) or offset "
-        "(character offset) to continue."
+        "archived conversation in dialog/, files people sent in files/), or a skill's files (skills/<name>/SKILL.md "
+        "and the rest of its folder, read-only). Long results are cut with a notice that gives the exact read_file "
+        "call to continue. Use start_line (1-based) or offset (character offset) to continue."
     )
     parameters: dict[str, Any] = {
         "type": "object",
@@ -99,13 +102,16 @@ class ReadFile:
             raise ToolArgumentError(f"the path is {len(rel):,} characters long; paths in the workspace "
                                     f"are at most {MAX_PATH_CHARS:,}")
         try:
-            target = resolve_in_workspace(ctx.workspace, rel)
+            if is_skill_path(rel):
+                target, rel_path = await asyncio.to_thread(skill_file, ctx.skills or NO_SKILLS, rel)
+            else:
+                target = resolve_in_workspace(ctx.workspace, rel)
+                root = await asyncio.to_thread(Path(ctx.workspace).resolve)
+                rel_path = target.relative_to(root).as_posix()
         except PathNotAllowed as err:
             raise ToolError(str(err)) from None
         text = await asyncio.to_thread(_read, target, rel)
         window, start_offset, first_line = read_window(text, offset=offset, start_line=start_line)
-        root = await asyncio.to_thread(Path(ctx.workspace).resolve)
-        rel_path = target.relative_to(root).as_posix()
         ref = FileRef(path=rel_path, start_offset=start_offset, start_line=first_line,
                       protected=rel_path.lower().endswith(".md"))
         # What people send is outside content like a web page (SPEC §5.7); notes, archives and

@@ -30,6 +30,7 @@ from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import RETRYABLE_KINDS, ModelError
 from gateway.model.replies import ModelReply
 from gateway.services import Services
+from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession
@@ -125,6 +126,12 @@ class Agent:
         self._tool_lists[view.name] = (everything, mine)
         return mine
 
+    def usable_skills(self, cfg: Config, agent: str) -> Skills:
+        """The skills `agent` may use (SPEC §5.6; `agents.<name>.skills`): listed in its
+        prompt, readable with read_file, shown by /skills."""
+        names = agent_view(cfg, agent).skill_names()
+        return allowed_skills(self.s.skills(), ALL if names is None else names)
+
     async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
         view = agent_view(cfg, live.agent)
         if view.settings.system_prompt_file is not None and view.settings.system_prompt is None:
@@ -137,6 +144,10 @@ class Agent:
             "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
         )
         parts.append(OUTSIDE_NOTE)
+        # Before MEMORY.md: skills change far less often, so the cached prefix lasts longer.
+        skills = prompt_section(self.usable_skills(cfg, live.agent))
+        if skills:
+            parts.append(skills)
         memory = self.s.memory
         if memory is not None and cfg.memory_max_tokens > 0:
             text = await memory.read_memory_md(
@@ -359,7 +370,7 @@ class Agent:
             return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
                 "bad_arguments"
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s, inbound=live.inbound)
+                          services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg, live.agent))
         timeout = tool_timeout(tool)
         try:
             out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)

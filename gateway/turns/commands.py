@@ -15,8 +15,14 @@ from typing import Any
 from context.engine import compact, context_stats
 from context.stats import format_context_stats
 from gateway.access import APPROVED_NOTICE, Pairing, is_admin
-from gateway.agents import agent_view, model_chain
-from gateway.config.changes import change_effect, is_credential_destination, is_operator_only, is_secret_key
+from gateway.agents import agent_view, bound_agent, model_chain
+from gateway.config.changes import (
+    change_effect,
+    is_credential_destination,
+    is_host_folder,
+    is_operator_only,
+    is_secret_key,
+)
 from gateway.config.chat import ChatSettings, set_dotted
 from gateway.config.load import ConfigError, atomic_write_text, parse_config
 from gateway.config.schema import Config
@@ -36,6 +42,7 @@ HELP = """Commands:
 /compact: summarize the conversation now, keeping the last 2 turns
 /config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /tools: the tools I can use here, and the state of each MCP server
+/skills: the skills I can use here
 /tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
 /model: the model answering here and the ones you may pick; /model NAME picks one, /model default goes back
 /agent: the agent that answers here, its model and skills
@@ -49,6 +56,7 @@ BOT_COMMANDS: list[tuple[str, str]] = [
     ("compact", "Summarize now, keeping the last 2 turns"),
     ("config", "Show or change settings"),
     ("tools", "List the tools and MCP servers"),
+    ("skills", "List the skills I can use"),
     ("tasks", "List scheduled tasks; /tasks cancel ID"),
     ("model", "Show or pick the model for this chat"),
     ("agent", "Which agent answers here"),
@@ -74,7 +82,7 @@ def parse_command(text: str) -> tuple[str, list[str]] | None:
     head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
     name = head[1:].split("@", 1)[0].lower()
     if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks", "model",
-                    "agent", "usage"}:
+                    "agent", "usage", "skills"}:
         return None
     return name, rest
 
@@ -134,6 +142,9 @@ def chat_refusal(key: str, value: Any) -> str | None:
         if is_credential_destination(path):
             return (f"{path} decides where credentials are sent: it can only be changed in config.json, "
                     "not in chat.")
+        if is_host_folder(path):
+            return (f"{path} names folders of this machine the agent may read; change it in config.json, "
+                    "not in chat.")
         if is_operator_only(path):
             return (f"{path}: MCP servers are programs the gateway runs and addresses it sends credentials "
                     "to; add or change them in config.json, not in chat.")
@@ -168,6 +179,8 @@ class Commands:
             await self._answer(inbound, await self.approve(inbound, args))
         elif name == "tools":
             await self._answer(inbound, self.tools())
+        elif name == "skills":
+            await self._answer(inbound, self.skills(inbound))
         elif name == "tasks":
             await self._answer(inbound, await self.tasks(inbound, scope, args))
         elif name == "new" or (name == "context" and args[:1] == ["clear"]):
@@ -394,6 +407,19 @@ class Commands:
             lines.append(f"- {status.name}: {status.describe()}")
             if by_server.get(status.name):
                 lines.append("  " + ", ".join(by_server[status.name]))
+        return "\n".join(lines)
+
+    def skills(self, inbound: Inbound) -> str:
+        """/skills: the skills this agent may use, name and description (SPEC §5.6)."""
+        cfg = self.s.cfg
+        skills = self.sessions.agent.usable_skills(cfg, bound_agent(cfg, inbound))
+        if not skills:
+            where = (f"skills.dirs: {', '.join(cfg.skills.dirs) or 'none'}, relative to the config file"
+                     if is_admin(cfg, inbound.identity) else "skills.dirs in config.json")
+            return ("No skills here. A skill is a folder holding a SKILL.md (YAML front matter with name and "
+                    f"description, then the instructions), placed in one of the skills folders ({where}).")
+        lines = [f"Skills ({len(skills)}); I read one's instructions when a task calls for it:"]
+        lines += [f"- {skill.name}: {skill.description}" for skill in skills]
         return "\n".join(lines)
 
     async def tasks(self, inbound: Inbound, scope: str, args: list[str]) -> str:
