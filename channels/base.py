@@ -118,6 +118,43 @@ class WebhookChannel(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ApprovalCard:
+    """A tool call waiting for a person's yes (SPEC §5.7), as a channel shows it: the tool
+    and its whole arguments (never cut: a channel that cannot show them in one message
+    sends them as a file or an expandable block), with Allow and Deny."""
+
+    id: str  # what `/allow ID` and `/deny ID` name, and the buttons carry
+    tool: str
+    arguments: str  # the whole arguments, pretty-printed JSON (a command as it will run)
+    who: str  # who may answer, in words ("an admin", "anyone here")
+    timeout_s: float
+
+    def text(self) -> str:
+        """The card as plain text (channels without buttons, logs)."""
+        return (f"Approval needed ({self.id}): the assistant wants to run {self.tool} with:\n{self.arguments}\n"
+                f"{self.who.capitalize()} can answer /allow {self.id} or /deny {self.id} "
+                f"(no answer in {self.timeout_s:g} s is a deny).")
+
+
+@runtime_checkable
+class ApprovalChannel(Protocol):
+    """A channel that shows Allow/Deny on a card (buttons, or y/n in the terminal) and
+    reports a click through `ChannelHooks.decide`. Others get the card as text and people
+    answer with /allow ID or /deny ID."""
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """Show the card where `inbound` came from; an opaque reference to it (or None)."""
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        """The card is decided: disable its buttons and show `outcome` in their place."""
+
+
+# A click on a card's button: (approval id, who clicked (channel, chat, user as an
+# Inbound), allow?) → a short notice for the clicker ("Allowed.", "Only admins can answer this.").
+Decide = Callable[[str, Inbound, bool], Awaitable[str]]
+
+
+@dataclass(frozen=True, slots=True)
 class ChannelHooks:
     """What the gateway hands a messaging platform's channel when it builds one (each
     package under channels/ has `from_config(section, hooks)`): where inbound messages go,
@@ -130,3 +167,4 @@ class ChannelHooks:
     stream_interval: Callable[[], float]  # `stream_interval_s` now
     observe: StreamObserver  # counts this channel's stream events
     commands: Sequence[tuple[str, str]] = ()  # the command menu a platform shows (name, description)
+    decide: Decide | None = None  # a click on an approval card's Allow or Deny (SPEC §5.7)

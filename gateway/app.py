@@ -17,9 +17,10 @@ from zoneinfo import ZoneInfo
 
 import asyncpg
 
-from channels.base import ChannelHooks
+from channels.base import ApprovalCard, ApprovalChannel, ChannelHooks
 from context.tokens import TokenCounter
 from gateway.access import Pairing
+from gateway.approvals import Approvals
 from gateway.cluster.leadership import Leadership
 from gateway.cluster.leases import open_leases
 from gateway.config.changes import change_effect, changed_keys
@@ -231,6 +232,8 @@ class Gateway:
         else:
             self.sessions = SessionManager(services, self.agent, deliver=self.deliver, typing=self.typing,
                                            stream=self.stream, send_files=self.send_files)
+        services.approvals = Approvals(store, config=lambda: self.holder.current, show=self.show_approval,
+                                       settle=self.settle_approval)
         self.pairing = Pairing(store)
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems,
@@ -275,6 +278,7 @@ class Gateway:
             self.sessions.on_leftover_command = lambda inbound: self.router.answer_commands([inbound])
             self.sessions.start_sweeping()
         await self.router.answer_commands(pending_commands)
+        await services.approvals.start()  # waits a restart cut are denies, their cards updated
         await self._start_scheduler()
         await self.tasks.start()
         for client in services.models.values():
@@ -389,7 +393,8 @@ class Gateway:
 
         if cfg.channels.web.enabled and self.serve_http:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
-                                              history=self.web_history, **_web_settings(cfg),
+                                              history=self.web_history, decide=self.decide_approval,
+                                              **_web_settings(cfg),
                                               **self.stream_settings(WebChannel, "web"))
         for name in PLATFORMS:
             channel = self._make_channel(name, cfg)
@@ -411,7 +416,8 @@ class Gateway:
             return None
         hooks = ChannelHooks(handle=self.router.handle, admits=self.router.admits, workspace_for=self.workspace_for,
                              file_limit=self.file_limit, stream_interval=self.stream_interval,
-                             observe=self.stream_observer(name), commands=BOT_COMMANDS)
+                             observe=self.stream_observer(name), commands=BOT_COMMANDS,
+                             decide=self.decide_approval)
         return importlib.import_module(PLATFORMS[name]).from_config(section, hooks)
 
     def stream_observer(self, channel: str) -> StreamObserver:
@@ -573,6 +579,32 @@ class Gateway:
             return
         await channel.send(inbound, text)
 
+    async def show_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The approval card where the turn's message came from: buttons where the channel
+        has them (ApprovalChannel), else the card as text answered with /allow or /deny."""
+        channel = self.channels.get(inbound.channel)
+        if channel is None:
+            return None
+        if isinstance(channel, ApprovalChannel):
+            return await channel.ask_approval(inbound, card)
+        await channel.send(inbound, card.text())
+        return None
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        channel = self.channels.get(inbound.channel)
+        if channel is None:
+            return
+        if isinstance(channel, ApprovalChannel):
+            await channel.settle_approval(inbound, card, ref, outcome)
+        else:
+            await channel.send(inbound, f"Approval {card.id}: {outcome}")
+
+    async def decide_approval(self, approval_id: str, who: Inbound, allow: bool) -> str:
+        """A click on a card's Allow or Deny (ChannelHooks.decide)."""
+        if self.services is None or self.services.approvals is None:
+            return "The gateway is shutting down; try again in a moment."
+        return str(await self.services.approvals.decide(approval_id, who, allow))
+
     async def send_files(self, inbound: Inbound, files: list[ReplyFile]) -> None:
         """Files a reply names, through the channel when it can send files (else nothing)."""
         channel = self.channels.get(inbound.channel)
@@ -672,6 +704,9 @@ class Gateway:
             await asyncio.gather(*waits, return_exceptions=True)
         # Turns still running are cut now, before the channels go: none of them delivers
         # into a channel half stopped. What they stored stays; the next start resumes them.
+        # A turn waiting for an approval ends that wait as a deny, and its card says why.
+        if s.approvals is not None:
+            s.approvals.closing = True
         cut = [live.worker for live in self.sessions.live.values() if live.worker is not None]
         for worker in cut:
             worker.cancel()

@@ -154,6 +154,13 @@ async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
             print(f"cannot start: {err}", file=sys.stderr)
             return 2
         terminal.observe = gateway.stream_observer("terminal")
+        terminal.decide = gateway.decide_approval  # y/n for a tool that waits for a yes (SPEC §5.7)
+
+        async def ask_line(prompt: str) -> str | None:
+            keyboard.echo(True)
+            return await read_line(loop, keyboard, prompt)
+
+        terminal.ask_line = ask_line
         return await Chat(gateway, terminal, held, keyboard, interrupted).run()
     finally:
         keyboard.restore()

@@ -38,6 +38,7 @@ class Services:
     mcp: Any = None  # gateway.tools.mcp.McpManager
     tasks: Any = None  # gateway.jobs.tasks.TaskScheduler
     media: Any = None  # gateway.media.Media: files people send (SPEC §5.4)
+    approvals: Any = None  # gateway.approvals.Approvals: tools that wait for a person's yes (SPEC §5.7)
     # The skills found now (SPEC §5.6); the wiring passes its watcher's, which follows edits.
     skills: Callable[[], Skills] = field(default=lambda: NO_SKILLS)
     background: Background = field(default_factory=lambda: Background("gateway"))

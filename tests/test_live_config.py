@@ -224,6 +224,37 @@ async def p_bindings(r: Rig) -> None:
     assert not r.system().startswith("Base helper prompt.")
 
 
+async def p_exec_unasked(r: Rig) -> None:
+    assert not r.services.approvals.needed(r.gw.cfg, "exec")  # the agent consults this before each call
+    assert r.services.approvals.needed(r.gw.cfg.model_copy(update={"approvals": type(r.gw.cfg.approvals)()}), "exec")
+
+
+async def p_approval_tools(r: Rig) -> None:
+    r.model.tool_call("current_time", {})
+    r.model.reply("after the approval")
+    asking = asyncio.ensure_future(r.say("approver", "what time is it?"))
+    await until(lambda: bool(r.services.approvals._waiting), timeout=10)
+    (approval,) = list(r.services.approvals._waiting)
+    assert await r.say("boss", f"/allow {approval}") == "Allowed."
+    assert await asyncio.wait_for(asking, 10) == "after the approval"
+
+
+def _web_person(name: str) -> Inbound:
+    return Inbound(channel="web", chat_id=name, user_id=name, text="", event_id=f"probe-{name}")
+
+
+async def p_approvers(r: Rig) -> None:
+    # A participant of the session may answer now, not only an admin.
+    assert r.services.approvals.may_answer(r.gw.cfg, "web:helper", _web_person("helper"))
+    assert not r.services.approvals.may_answer(r.gw.cfg, "web:helper", _web_person("mallory"))
+
+
+async def p_approval_timeout(r: Rig) -> None:
+    verdict = await r.services.approvals.ask(session="web:waiting", turn=1, inbound=_web_person("waiting"),
+                                             tool="exec", arguments='{"command": "true"}')
+    assert not verdict.allowed and verdict.note == "Denied: nobody answered within 0.3 s."
+
+
 async def p_timezone(r: Rig) -> None:
     await r.say("zone", "hi")
     assert "(JST)" in r.system()
@@ -675,6 +706,9 @@ ROWS = [
     Row("model.temperature", 0.5, "live", p_temperature),
     Row("model.vision", True, "live", p_vision),
     Row("model.fallbacks", ["backup"], "live", p_fallbacks),
+    Row("approvals.tools.exec", "allow", "live", p_exec_unasked),
+    Row("approvals.approvers", "participants", "live", p_approvers),
+    Row("approvals.timeout_s", 0.3, "live", p_approval_timeout),
     Row("models", {"backup": {"name": "backup-model"}, "strong": {"name": "strong-model"}}, "live", p_models),
     Row("agents", {"helper": {"system_prompt": "Row helper prompt."}}, "live", p_agents),
     Row("bindings", [{"match": {"channel": "web", "chat": "rebound"}, "agent": "helper"}], "live", p_bindings),

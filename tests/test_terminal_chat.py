@@ -341,3 +341,34 @@ async def test_chat_on_a_shared_database_answers_here_and_leaves_other_channels_
         assert await store.event_status("telegram", "tg-1") == "queued"
     finally:
         await store.close()
+
+
+async def test_an_approval_is_a_y_or_n_question_in_the_terminal(fake_model: FakeModel, tmp_path: Path) -> None:
+    config = write_config(tmp_path, fake_model, approvals={"tools": {"current_time": "ask"}})
+    window = Window()
+    try:
+        await window.start(config, tmp_path)
+        await window.at_prompt()
+        fake_model.tool_call("current_time", {"timezone": "Asia/Tokyo"})
+        fake_model.reply("It is morning in Tokyo.")
+        window.type("what time is it in Tokyo?\r")
+        await window.until(r"Allow current_time\? \[y/N\]\Z")
+        assert '"timezone": "Asia/Tokyo"' in window.text and len(fake_model.requests) == 1
+        window.type("y\r")
+        await window.until(r"It is morning in Tokyo\..*you>\Z")
+        assert "Approval " in window.text and "Allowed by terminal:local." in window.text
+        assert "JST" in str(fake_model.requests[-1]["messages"][-1]["content"])
+
+        fake_model.tool_call("current_time", {})
+        fake_model.reply("No time, then.")
+        window.type("and now?\r")
+        await window.until(r"Allow current_time\? \[y/N\]\Z")
+        window.type("n\r")
+        await window.until(r"No time, then\..*you>\Z")
+        assert "Denied by terminal:local." in window.text
+        assert "not run" in str(fake_model.requests[-1]["messages"][-1]["content"])
+        window.type("\x04")  # Ctrl+D
+        assert await window.exit_code() == 0
+        assert "Traceback" not in window.raw
+    finally:
+        await window.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -234,3 +235,26 @@ async def test_screenshots_script_still_works(chromium_path: str, tmp_path: Path
     assert [p.name for p in saved] == list(SIZES)
     for shot in saved:
         assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 20_000
+
+
+async def test_an_approval_card_is_answered_with_a_click(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                         browser: Browser) -> None:
+    gw = await make_gateway(admins=["web:web-user"], approvals={"tools": {"current_time": "ask"}})
+    assert gw.http is not None
+    fake_model.tool_call("current_time", {"timezone": "Asia/Tokyo"})
+    fake_model.reply("It is morning in Tokyo.")
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "what time is it in Tokyo?")
+    await page.press("#text", "Enter")
+    card = page.locator(".msg.approval")
+    await card.wait_for(timeout=10_000)
+    await expect(card.locator(".approval-title")).to_have_text("Approval needed: current_time")
+    assert '"timezone": "Asia/Tokyo"' in (await card.locator(".approval-args").text_content() or "")
+    assert len(fake_model.requests) == 1  # nothing runs before the click
+    await card.locator("button.allow").click()
+    await expect(page.locator(".msg.bot:not([hidden])").last).to_have_text("It is morning in Tokyo.", timeout=10_000)
+    await expect(card).to_have_class(re.compile(r"\bdecided\b"), timeout=5000)
+    assert await card.locator("button").evaluate_all("bs => bs.every(b => b.disabled)")
+    await expect(card.locator(".approval-note")).to_have_text("Allowed by web:web-user.")
+    assert "JST" in str(fake_model.requests[-1]["messages"][-1]["content"])
+    assert errors == []

@@ -17,10 +17,10 @@ import math
 import shutil
 import sys
 import unicodedata
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TextIO
 
-from channels.base import ReplyRefSink, StreamObserver
+from channels.base import ApprovalCard, Decide, ReplyRefSink, StreamObserver
 from gateway.types import Inbound
 
 log = logging.getLogger("channels.terminal")
@@ -53,6 +53,12 @@ class TerminalChannel:
         self._colors: Any = None
         # (reply, already printed): every reply is printed by the channel itself.
         self.replies: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        # Approvals (SPEC §5.7), set by the chat loop: how to read the person's y/n, and
+        # where the answer goes. Without them the card says to answer /allow or /deny.
+        self.ask_line: Callable[[str], Awaitable[str | None]] | None = None
+        self.decide: Decide | None = None
+        self._asking: dict[str, asyncio.Task[None]] = {}
+        self._cards: set[str] = set()  # cards on screen: the "thinking…" spinner keeps quiet meanwhile
 
     async def start(self) -> None: ...
 
@@ -81,13 +87,44 @@ class TerminalChannel:
         if not self.tty:
             yield
             return
-        task = asyncio.get_running_loop().create_task(_spinner(self.out))
+        task = asyncio.get_running_loop().create_task(_spinner(self.out, lambda: bool(self._cards)))
         try:
             yield
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             self.write("\r\033[K")
+
+    # -- approvals (SPEC §5.7) ------------------------------------------------------------
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The card, whole, and a y/n question; the answer is read in the background (the
+        gateway only shows the card here and waits for the decision)."""
+        self._cards.add(card.id)
+        rule = "-" * 40
+        self.write(f"\r\033[K\n{rule}\nApproval needed ({card.id}): {card.tool} wants to run:\n"
+                   f"{card.arguments}\n{rule}\n")
+        if self.ask_line is None or self.decide is None:
+            self.write(f"Answer /allow {card.id} or /deny {card.id}.\n")
+        else:
+            self._asking[card.id] = asyncio.get_running_loop().create_task(self._answer(card))
+        return card.id
+
+    async def _answer(self, card: ApprovalCard) -> None:
+        assert self.ask_line is not None and self.decide is not None
+        line = await self.ask_line(f"Allow {card.tool}? [y/N] ")
+        allow = (line or "").strip().lower() in ("y", "yes")
+        me = Inbound(channel="terminal", chat_id="local", user_id="local", text="", event_id=f"approval:{card.id}")
+        self.write(await self.decide(card.id, me, allow) + "\n")
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        asking = self._asking.pop(card.id, None)
+        if asking is not None and not asking.done():
+            asking.cancel()  # decided elsewhere, or timed out: the question is over
+            await asyncio.gather(asking, return_exceptions=True)
+            self.write("\n")
+        self._cards.discard(card.id)
+        self.write(f"Approval {card.id}: {outcome}\n")
 
     # -- output -------------------------------------------------------------------------
 
@@ -253,10 +290,13 @@ def _rows(text: str, columns: int) -> int:
     return rows
 
 
-async def _spinner(out: TextIO) -> None:
+async def _spinner(out: TextIO, quiet: Callable[[], bool]) -> None:
     frames = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
     i = 0
     while True:
+        if quiet():  # a question is on the screen: the spinner would overwrite it
+            await asyncio.sleep(0.1)
+            continue
         out.write(f"\r{frames[i % len(frames)]} thinking…")
         out.flush()
         i += 1

@@ -55,7 +55,7 @@ class Keyboard:
                 termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
 
 
-def read_line(loop: asyncio.AbstractEventLoop, keyboard: Keyboard) -> asyncio.Future[str | None]:
+def read_line(loop: asyncio.AbstractEventLoop, keyboard: Keyboard, prompt: str = PROMPT) -> asyncio.Future[str | None]:
     """The next line typed after the prompt (None at end of input). input() blocks, so it
     runs in a daemon thread of its own: one still waiting when the chat ends does not
     hold the process. Echo goes off as soon as the line is in, before the answer starts."""
@@ -67,7 +67,7 @@ def read_line(loop: asyncio.AbstractEventLoop, keyboard: Keyboard) -> asyncio.Fu
 
     def read() -> None:
         try:
-            line: str | None = input(PROMPT)
+            line: str | None = input(prompt)
         except (EOFError, OSError, ValueError):  # Ctrl+D, or stdin went away
             line = None
         keyboard.echo(False)

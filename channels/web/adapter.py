@@ -10,7 +10,12 @@ text/plain POST needs no CORS preflight; `application/json` does, which we never
 With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent Events
 (SPEC §5.1): `delta` {"text"} as the reply grows, `status` {"text"} while tools run
 (it replaces what was shown), then `done` {"reply"} or `error` {"error"}.
-`GET /api/history?session=NAME[&limit=N]` returns the session's recent messages."""
+`GET /api/history?session=NAME[&limit=N]` returns the session's recent messages.
+
+A tool that waits for a person's yes (SPEC §5.7) shows as an `approval` event {"id", "tool",
+"arguments", "who", "timeout_s"} in the streamed reply, and `approval_done` {"id",
+"outcome"} once decided; the page's buttons answer with `POST /api/approvals/<id>`
+{"session", "decision": "allow"|"deny"}."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from channels.base import InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.base import ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.types import Inbound
@@ -69,7 +74,7 @@ class SseOutbox:
     replaces before that was written."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[str, list[str]]] = []  # (event, pieces of its text)
+        self.items: list[tuple[str, list[str] | dict[str, Any]]] = []  # (event, pieces of its text, or its data)
         self.wake = asyncio.Event()
         self.closed = False  # the request has gone; everything is dropped from now on
         self.failed = False  # the turn ended with an error message (`fail`)
@@ -77,18 +82,26 @@ class SseOutbox:
     def put(self, event: str, text: str) -> None:
         if self.closed:
             return
-        if event == "status":
-            self.items.clear()
-        if event == "delta" and self.items and self.items[-1][0] == "delta":
-            self.items[-1][1].append(text)  # joined once when written, however many pile up
+        if event == "status":  # what it replaces goes; a card waiting for an answer stays
+            self.items = [item for item in self.items if isinstance(item[1], dict)]
+        last = self.items[-1] if self.items else None
+        if event == "delta" and last is not None and last[0] == "delta" and isinstance(last[1], list):
+            last[1].append(text)  # joined once when written, however many pile up
         else:
             self.items.append((event, [text]))
         self.wake.set()
 
-    def take(self) -> list[tuple[str, dict[str, str]]]:
+    def put_data(self, event: str, data: dict[str, Any]) -> None:
+        """An event with data of its own (an approval card); never merged or dropped."""
+        if self.closed:
+            return
+        self.items.append((event, data))
+        self.wake.set()
+
+    def take(self) -> list[tuple[str, dict[str, Any]]]:
         items, self.items = self.items, []
         self.wake.clear()
-        return [(event, {"text": "".join(pieces)}) for event, pieces in items]
+        return [(event, body if isinstance(body, dict) else {"text": "".join(body)}) for event, body in items]
 
 
 class WebReplyStream:
@@ -130,8 +143,10 @@ class WebChannel:
     def __init__(self, handler: InboundHandler, *, token: str | None, max_chars: int,
                  reply_timeout_s: float, http_host: str = "127.0.0.1",
                  history: HistoryLookup | None = None,
-                 observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 decide: Decide | None = None) -> None:
         self.handler = handler
+        self.decide = decide
         self.token = token
         self._names = server_names(http_host)  # what a tokenless request's Host may name
         self.max_chars = max_chars
@@ -150,6 +165,7 @@ class WebChannel:
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.page), web.post("/api/chat", self.api_chat),
+                web.post("/api/approvals/{id}", self.api_approval),
                 web.get("/api/history", self.api_history),
                 web.get("/static/{name}", self.static_file),
                 web.get("/static/vendor/{name}", self.vendor_file)]
@@ -191,6 +207,46 @@ class WebChannel:
         if self.observe is not None:
             self.observe("reply")
         return WebReplyStream(outbox, fut)
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The card in the waiting request's stream; None when that request is not
+        streaming (or gone): /allow ID still answers it, and the timeout ends it."""
+        outbox = self._outboxes.get(inbound.event_id)
+        if outbox is None or outbox.closed:
+            return None
+        outbox.put_data("approval", {"id": card.id, "tool": card.tool, "arguments": card.arguments,
+                                     "who": card.who, "timeout_s": card.timeout_s})
+        return card.id
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        outbox = self._outboxes.get(inbound.event_id)
+        if outbox is not None:
+            outbox.put_data("approval_done", {"id": card.id, "outcome": outcome})
+
+    async def api_approval(self, request: web.Request) -> web.Response:
+        """The page's Allow or Deny: the session answering, as its person."""
+        refused = self._cross_site(request)
+        if refused is not None:
+            return _error(403, refused)
+        if not self._authorized(request):
+            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        if self.decide is None or not self._running:
+            return _error(503, "approvals are not available right now")
+        try:
+            body = await parse_json_body(await request.read())
+        except JsonBodyError as err:
+            return _error(400, f"{err}; send {{\"session\": \"alice\", \"decision\": \"allow\"}}")
+        session = body.get("session") if isinstance(body, dict) else None
+        decision = body.get("decision") if isinstance(body, dict) else None
+        if not isinstance(session, str) or not SESSION_NAME.fullmatch(session):
+            return _error(400, "session must be 1-64 characters of letters, digits, _ . @ -")
+        if decision not in ("allow", "deny"):
+            return _error(400, "decision must be \"allow\" or \"deny\"")
+        approval_id = request.match_info["id"][:32]
+        who = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="approval",
+                      user_name=session)
+        notice = await self.decide(approval_id, who, decision == "allow")
+        return web.json_response({"notice": notice}, headers={"Cache-Control": "no-store"})
 
     async def _package_file(self, path: str) -> tuple[bytes, str]:
         cached = self._static.get(path)
@@ -377,6 +433,8 @@ class WebChannel:
                     await outbox.wake.wait()
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
+        for event, data in outbox.take():  # what came with the reply (a card settled last)
+            await resp.write(_sse(event, data))
         try:
             reply = fut.result()
         except Exception as err:  # ConnectionAbortedError: the gateway is shutting down
@@ -388,7 +446,7 @@ def _wants_stream(request: web.Request, body: dict[str, Any]) -> bool:
     return body.get("stream") is True or "text/event-stream" in request.headers.get("Accept", "")
 
 
-def _sse(event: str, data: dict[str, str]) -> bytes:
+def _sse(event: str, data: dict[str, Any]) -> bytes:
     # json.dumps escapes newlines, so the data is always one `data:` line.
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 

@@ -217,6 +217,11 @@ MEANINGS: dict[str, str] = {
     "transcription.api_key": "Its API key; `null` uses `model.api_key`.",
     "transcription.timeout_s": "Seconds one transcription may take before the person is told it failed.",
     "log_level": "Least severe log lines written.",
+    "approvals.tools": "Tools that wait for a person's yes before each call (`\"ask\"`; `\"allow\"` runs one "
+                       "without asking); a given object replaces the default, so `{}` means no tool asks.",
+    "approvals.approvers": "Who may answer: `admins`, or `participants` (anyone whose messages go into the "
+                           "session) and admins.",
+    "approvals.timeout_s": "Seconds a call waits for an answer; none in time is a deny.",
 }
 
 # Allowed values that validators check and the schema cannot show.

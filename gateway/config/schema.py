@@ -380,6 +380,15 @@ class TasksConfig(_Strict):
     misfire_grace_s: int = Field(default=3600, ge=1)  # a run missed (gateway down) by more is skipped
 
 
+class ApprovalsConfig(_Strict):
+    """Tools that wait for a person's yes before each call (SPEC §5.7)."""
+
+    # A given object replaces the default: `{}` means no tool asks ("allow" says so for one).
+    tools: dict[str, Literal["ask", "allow"]] = {"exec": "ask"}
+    approvers: Literal["admins", "participants"] = "admins"
+    timeout_s: float = Field(default=300, gt=0, le=86_400)  # no answer in time is a Deny
+
+
 class SkillsConfig(_Strict):
     """Where skills live (SPEC §5.6): folders whose subfolders hold a SKILL.md each."""
 
@@ -432,6 +441,7 @@ class Config(_Strict):
     tools: ToolsConfig = ToolsConfig()
     mcp: McpConfig = McpConfig()
     tasks: TasksConfig = TasksConfig()
+    approvals: ApprovalsConfig = ApprovalsConfig()
     skills: SkillsConfig = SkillsConfig()
     transcription: TranscriptionConfig = TranscriptionConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -369,6 +369,13 @@ class Agent:
         except (ValueError, TypeError) as err:
             return ToolOutput(f"error: the arguments are not a valid JSON object ({err}); call the tool again"), \
                 "bad_arguments"
+        approvals = self.s.approvals
+        if approvals is not None and live.inbound is not None and approvals.needed(cfg, call.name):
+            # Asked before each call, outside the tool's own timeout: a person takes what it takes.
+            verdict = await approvals.ask(session=live.key, turn=live.ctx.current_turn, inbound=live.inbound,
+                                          tool=call.name, arguments=call.arguments)
+            if not verdict.allowed:
+                return ToolOutput(f"error: the call was not run. {verdict.note}"), "denied"
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
                           services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg, live.agent))
         timeout = tool_timeout(tool)

@@ -47,6 +47,7 @@ HELP = """Commands:
 /model: the model answering here and the ones you may pick; /model NAME picks one, /model default goes back
 /agent: the agent that answers here, its model and skills
 /usage: your tokens and messages today and this month, and what your daily budget leaves
+/allow ID, /deny ID: answer an approval the assistant asked for (approvers)
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
@@ -82,7 +83,7 @@ def parse_command(text: str) -> tuple[str, list[str]] | None:
     head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
     name = head[1:].split("@", 1)[0].lower()
     if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks", "model",
-                    "agent", "usage", "skills"}:
+                    "agent", "usage", "skills", "allow", "deny"}:
         return None
     return name, rest
 
@@ -203,6 +204,8 @@ class Commands:
             await self._queue(inbound, key, scope, self._agent)
         elif name == "usage":
             await self._answer(inbound, await self.usage(inbound))
+        elif name in ("allow", "deny"):
+            await self._answer(inbound, await self.answer_approval(inbound, args, allow=name == "allow"))
         return True
 
     async def _answer(self, inbound: Inbound, text: str) -> None:
@@ -277,6 +280,14 @@ class Commands:
         tools = "every tool" if view.settings.tools is None else ", ".join(view.settings.tools)
         return (f"Agent here: {view.name}. Model: {model}. Skills: {skill_text}. Tools: {tools}."
                 + (" Fallbacks: " + ", ".join(view.fallbacks) + "." if view.fallbacks else ""))
+
+    async def answer_approval(self, inbound: Inbound, args: list[str], *, allow: bool) -> str:
+        """/allow ID, /deny ID (SPEC §5.7): the same path as a card's buttons."""
+        if self.s.approvals is None:
+            return "Approvals are not available here."
+        if not args:
+            return f"Send /{'allow' if allow else 'deny'} ID with the id the approval card shows."
+        return str(await self.s.approvals.decide(args[0], inbound, allow))
 
     async def usage(self, inbound: Inbound) -> str:
         """/usage: this person's use today and this month, and what the daily budget leaves."""

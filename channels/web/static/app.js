@@ -229,6 +229,69 @@
     };
   }
 
+  // A tool waiting for a yes (SPEC §5.7): the whole arguments and Allow / Deny.
+  const cards = new Map();
+
+  function approvalCard(data) {
+    const stick = nearBottom();
+    const card = document.createElement("div");
+    card.className = "msg approval";
+    const title = document.createElement("div");
+    title.className = "approval-title";
+    title.textContent = "Approval needed: " + data.tool;
+    const args = document.createElement("pre");
+    args.className = "approval-args";
+    args.textContent = data.arguments; // whole, never cut; it scrolls
+    const note = document.createElement("div");
+    note.className = "approval-note";
+    note.textContent = "Who may answer: " + data.who + ". No answer in " + data.timeout_s + " s is a deny.";
+    const buttons = document.createElement("div");
+    buttons.className = "approval-buttons";
+    const allow = document.createElement("button");
+    allow.type = "button";
+    allow.textContent = "Allow";
+    allow.className = "allow";
+    const deny = document.createElement("button");
+    deny.type = "button";
+    deny.textContent = "Deny";
+    for (const [button, decision] of [[allow, "allow"], [deny, "deny"]]) {
+      button.addEventListener("click", () => answerApproval(data.id, decision, card));
+    }
+    buttons.append(allow, deny);
+    card.append(title, args, note, buttons);
+    log.append(card);
+    cards.set(data.id, card);
+    scrollDown(stick);
+  }
+
+  async function answerApproval(id, decision, card) {
+    const buttons = card.querySelectorAll("button");
+    buttons.forEach((b) => { b.disabled = true; });
+    try {
+      const res = await fetch("api/approvals/" + encodeURIComponent(id), {
+        method: "POST",
+        headers: authHeaders({ "Content-Type": "application/json" }),
+        body: JSON.stringify({ session: session.value, decision: decision }),
+      });
+      const data = await res.json().catch(() => ({ error: "unreadable answer (HTTP " + res.status + ")" }));
+      if (card.classList.contains("decided")) return; // the outcome came first and says it all
+      card.querySelector(".approval-note").textContent = data.notice || data.error || ("HTTP " + res.status);
+      if (!res.ok || !/^(Allowed|Denied)\./.test(data.notice || "")) buttons.forEach((b) => { b.disabled = false; });
+    } catch (err) {
+      card.querySelector(".approval-note").textContent = "Could not answer: " + err.message;
+      buttons.forEach((b) => { b.disabled = false; });
+    }
+  }
+
+  function settleCard(data) {
+    const card = cards.get(data.id);
+    if (!card) return;
+    card.querySelectorAll("button").forEach((b) => { b.disabled = true; });
+    card.querySelector(".approval-note").textContent = data.outcome;
+    card.classList.add("decided");
+    cards.delete(data.id);
+  }
+
   // Server-Sent Events from a fetch body (EventSource cannot POST).
   async function readEvents(res, onEvent) {
     const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -285,6 +348,8 @@
         await readEvents(res, (event, data) => {
           if (event === "delta") reply.delta(data.text);
           else if (event === "status") reply.status(data.text);
+          else if (event === "approval") approvalCard(data);
+          else if (event === "approval_done") settleCard(data);
           else if (event === "done") { reply.done(data.reply); finished = true; }
           else if (event === "error") { reply.drop(); addMessage("error", data.error); finished = true; }
           return finished;

@@ -250,4 +250,23 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN model TEXT;
     """,
+    # 7: SQLite's migration 9: approvals.
+    """
+    CREATE TABLE approvals (
+        id TEXT PRIMARY KEY,
+        session_key TEXT NOT NULL,
+        turn BIGINT NOT NULL,
+        tool TEXT NOT NULL,
+        arguments TEXT NOT NULL,
+        asked_by TEXT,
+        asked_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL,
+        decision TEXT,
+        decided_by TEXT,
+        decided_at DOUBLE PRECISION,
+        inbound TEXT,
+        ref TEXT
+    );
+    CREATE INDEX approvals_session ON approvals(session_key, asked_at);
+    """,
 ]

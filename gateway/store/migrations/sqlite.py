@@ -252,4 +252,24 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN model TEXT;
     """,
+    # 9: approvals (SPEC §5.7): a tool call waiting for a person's yes, and the decision,
+    # stored with the session and turn that asked.
+    """
+    CREATE TABLE approvals (
+        id TEXT PRIMARY KEY,
+        session_key TEXT NOT NULL,
+        turn INTEGER NOT NULL,
+        tool TEXT NOT NULL,
+        arguments TEXT NOT NULL,
+        asked_by TEXT,
+        asked_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        decision TEXT,
+        decided_by TEXT,
+        decided_at REAL,
+        inbound TEXT,
+        ref TEXT
+    );
+    CREATE INDEX approvals_session ON approvals(session_key, asked_at);
+    """,
 ]
