@@ -246,4 +246,9 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX config_changes_key ON config_changes(key, id);
     """,
+    # 6: SQLite's migration 8: the task whose run made a task, to rate-limit chains.
+    """
+    ALTER TABLE tasks ADD COLUMN made_by_task TEXT;
+    CREATE INDEX tasks_made_by_task ON tasks(scope, created_at) WHERE made_by_task IS NOT NULL;
+    """,
 ]

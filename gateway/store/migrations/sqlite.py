@@ -247,4 +247,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX config_changes_key ON config_changes(key, id);
     """,
+    # 8: a task made during another task's run names that task, so the tasks that tasks
+    # make can be counted per scope and hour (an unattended chain is rate-limited).
+    """
+    ALTER TABLE tasks ADD COLUMN made_by_task TEXT;
+    CREATE INDEX tasks_made_by_task ON tasks(scope, created_at) WHERE made_by_task IS NOT NULL;
+    """,
 ]
