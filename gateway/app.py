@@ -585,8 +585,8 @@ class Gateway:
             details["cluster"] = {"instance": leases.instance, "leases": leases.held()}
         if self.leaderships:
             details["receiving"] = self.leader_roles()  # standby is never "not ready"
-        if self.mcp is not None:
-            details["mcp"] = {status.name: status.as_json() for status in self.mcp.statuses()}
+        if self.mcp is not None:  # /readyz needs no token: a state per server, never its error text
+            details["mcp"] = {status.name: {"state": status.public_state} for status in self.mcp.statuses()}
         return details
 
     async def ready(self) -> dict[str, str | None]:
