@@ -164,6 +164,9 @@ MEANINGS: dict[str, str] = {
     "http.keepalive_timeout_s": "Seconds an idle connection stays open between requests.",
     "http.max_connections_per_client": "Open connections allowed from one address (more get a 503); raise it "
                                        "behind a reverse proxy.",
+    "http.max_connections": "Open connections in all (null: from the open-files limit, leaving the rest of the "
+                            "gateway its descriptors); past it, new connections may only ask `/healthz` and "
+                            "`/readyz`, everything else gets a 503.",
     "limits.max_concurrent_model_calls": "Model calls in flight across all sessions.",
     "limits.session_queue_size": "Messages waiting in one session's queue; one more gets a short \"busy\" "
                                  "reply.",

@@ -168,6 +168,8 @@ class HttpConfig(_Strict):
     body_timeout_s: float = Field(default=30, gt=0)  # the whole request body
     keepalive_timeout_s: float = Field(default=15, gt=0)  # idle between requests
     max_connections_per_client: int = Field(default=64, ge=1)  # open connections from one address
+    # Open connections in all (None: from the open-files limit, leaving the rest its descriptors).
+    max_connections: int | None = Field(default=None, ge=8)
     # The admin page (/admin) is served only while this is set; its API needs it as a bearer token.
     admin_token: SecretStr | None = None
 
