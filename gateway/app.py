@@ -30,6 +30,7 @@ from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.http.server import HttpServer, build_app
+from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import memory_scope, session_key, workspace_dir
 from gateway.media import Media, ReplyFile
@@ -310,7 +311,13 @@ class Gateway:
         return AdminApi(config=lambda: self.cfg, store=services.store, pairing=self.pairing, ready=self.ready,
                         next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
                         tool_sources=self.tool_sources_state, errors=self.recent_errors,
-                        http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state)
+                        http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state,
+                        throttle=self._auth_throttle("admin"))
+
+    def _auth_throttle(self, api: str) -> AuthThrottle:
+        """Failed token checks of one API, per address, counted in gateway_auth_failures_total."""
+        assert self.services is not None
+        return AuthThrottle(api, on_failure=self.services.metrics.auth_failures.labels(api).inc)
 
     async def cluster_state(self) -> dict[str, Any] | None:
         """The gateways sharing the database (admin page), or None for a lone gateway."""
@@ -366,7 +373,8 @@ class Gateway:
 
         if cfg.channels.web.enabled and self.serve_http:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
-                                              history=self.web_history, **_web_settings(cfg),
+                                              history=self.web_history, throttle=self._auth_throttle("web"),
+                                              **_web_settings(cfg),
                                               **self.stream_settings(WebChannel, "web"))
         for name in PLATFORMS:
             channel = self._make_channel(name, cfg)

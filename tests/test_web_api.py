@@ -104,7 +104,7 @@ async def open_stream(http: aiohttp.ClientSession, base: str, payload: dict[str,
     resp = await http.post(base + "/api/chat", json=payload, headers=headers or {})
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
-    assert resp.headers["Cache-Control"].startswith("no-cache")
+    assert resp.headers["Cache-Control"].startswith("no-store")
     return resp
 
 
@@ -269,6 +269,23 @@ async def test_history_endpoint(served: Served) -> None:
                             headers={"Authorization": "Bearer sekret"}) as resp:
             assert resp.status == 200
     assert served.history_calls == [("alice", 7), ("alice", 50)]
+
+
+async def test_answers_that_carry_the_conversation_are_never_stored_by_a_cache(served: Served) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(served.base + "/api/history", params={"session": "alice"}) as resp:
+            assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+        request = asyncio.create_task(http.post(served.base + "/api/chat", json={"session": "js", "text": "hi"}))
+        await served.channel.send(await served.next_inbound(), "a private answer")
+        async with await request as resp:
+            assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+        resp = await open_stream(http, served.base, {"session": "sse", "text": "hi", "stream": True})
+        assert resp.headers["Cache-Control"].split(",")[0] == "no-store"
+        await served.channel.send(await served.next_inbound(), "streamed")
+        await Events(resp).rest()
+        resp.close()
+        async with http.get(served.base + "/api/history", params={"session": "a", "limit": "0"}) as resp:
+            assert resp.status == 400 and resp.headers["Cache-Control"] == "no-store"  # errors too
 
 
 async def test_page_and_its_files_are_served_with_a_strict_policy(served: Served) -> None:

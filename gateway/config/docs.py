@@ -125,7 +125,8 @@ MEANINGS: dict[str, str] = {
                                 "refuses them); `update`: post, then edit at most once per `stream_interval_s`; "
                                 "`off`: sent whole at the end.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
-    "channels.web.token": "Bearer token of the web chat and API; required when `http.host` is not a loopback "
+    "channels.web.token": "Bearer token of the web chat and API; required, at least 16 characters, when "
+                          "`http.host` is not a loopback address. Wrong tokens are answered ever more slowly per "
                           "address.",
     "channels.terminal.enabled": "Allow `python -m gateway chat`.",
     "http.host": "Address the HTTP server listens on (web chat, health, metrics, webhooks).",

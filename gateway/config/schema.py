@@ -67,6 +67,7 @@ LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]+")
 WEBHOOK_SECRET_MIN, WEBHOOK_SECRET_MAX = 16, 256
 ADMIN_TOKEN_MIN = 16  # the admin API is reachable from the network: no guessable words
+WEB_TOKEN_MIN = 16  # the same for the chat API once it listens beyond loopback
 
 
 class _Strict(BaseModel):
