@@ -381,14 +381,16 @@ class Gateway:
             if channel is not None:
                 self.channels[name] = channel
 
-    async def web_history(self, session: str, limit: int) -> list[HistoryItem]:
-        """The web page's view of a session: what was said, oldest first."""
+    async def web_history(self, session: str, limit: int,
+                          before: tuple[int, int] | None) -> tuple[list[HistoryItem], tuple[int, int] | None]:
+        """A page of the web page's view of a session: what was said, oldest first (bounded
+        in size: the store reads no more than the page holds)."""
         from channels.web.adapter import HistoryItem
 
         assert self.services is not None
         probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
-        stored = await self.services.store.chat_history(session_key(probe), limit=limit)
-        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in stored]
+        page = await self.services.store.chat_history_page(session_key(probe), limit=limit, before=before)
+        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in page.messages], page.older
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
         section = getattr(cfg.channels, name)

@@ -44,9 +44,10 @@ async def served() -> AsyncIterator[Served]:
         holder["s"].inbound.put_nowait(inbound)
         return True
 
-    async def history(session: str, limit: int) -> list[HistoryItem]:
+    async def history(session: str, limit: int,
+                      before: tuple[int, int] | None) -> tuple[list[HistoryItem], tuple[int, int] | None]:
         holder["s"].history_calls.append((session, limit))
-        return [HistoryItem("user", f"hi from {session}", 1.0), HistoryItem("assistant", "**hello**", 2.0)]
+        return [HistoryItem("user", f"hi from {session}", 1.0), HistoryItem("assistant", "**hello**", 2.0)], None
 
     channel = WebChannel(accept, token=None, max_chars=10_000, reply_timeout_s=5, history=history,
                          observe=lambda name: holder["s"].observed.append(name), heartbeat_s=0.05)
@@ -256,10 +257,11 @@ async def test_history_endpoint(served: Served) -> None:
             body = await resp.json()
         assert body == {"session": "alice", "messages": [
             {"role": "user", "text": "hi from alice", "at": 1.0},
-            {"role": "assistant", "text": "**hello**", "at": 2.0}]}
+            {"role": "assistant", "text": "**hello**", "at": 2.0}], "before": None}
         assert served.history_calls == [("alice", 7)]
         for params in ({"session": "../etc"}, {"session": "alice\n"}, {"session": "a", "limit": "0"},
-                       {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"}):
+                       {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"},
+                       {"session": "a", "before": "12"}, {"session": "a", "before": "1.2; drop"}):
             async with http.get(served.base + "/api/history", params=params) as resp:
                 assert resp.status == 400, params
         served.channel.token = "sekret"

@@ -10,7 +10,10 @@ text/plain POST needs no CORS preflight; `application/json` does, which we never
 With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent Events
 (SPEC §5.1): `delta` {"text"} as the reply grows, `status` {"text"} while tools run
 (it replaces what was shown), then `done` {"reply"} or `error` {"error"}.
-`GET /api/history?session=NAME[&limit=N]` returns the session's recent messages."""
+`GET /api/history?session=NAME[&limit=N][&before=CURSOR]` returns a page of the session's
+messages, newest page first: at most N and about HISTORY_PAGE_CHARS of text, with `before`,
+the cursor of the page before it (null at the start), so a client reads all of a long
+session page by page and no answer holds all of it."""
 
 from __future__ import annotations
 
@@ -61,8 +64,11 @@ class HistoryItem:
     at: float  # unix time it was stored
 
 
-# (session name, limit) → the session's last messages, oldest first.
-HistoryLookup = Callable[[str, int], Awaitable[list[HistoryItem]]]
+# (session name, limit, before: a (turn, seq) cursor or None) → the page's messages, oldest
+# first, and the cursor of the page before it (None: this one is the first).
+HistoryLookup = Callable[[str, int, tuple[int, int] | None],
+                         Awaitable[tuple[list[HistoryItem], tuple[int, int] | None]]]
+HISTORY_CURSOR = re.compile(r"(\d{1,18})\.(\d{1,9})")
 
 
 class SseOutbox:
@@ -254,14 +260,21 @@ class WebChannel:
             limit = 0
         if not 1 <= limit <= HISTORY_MAX:
             return _error(400, f"limit must be a whole number from 1 to {HISTORY_MAX}")
+        before: tuple[int, int] | None = None
+        if "before" in request.query:
+            cursor = HISTORY_CURSOR.fullmatch(request.query["before"])
+            if cursor is None:
+                return _error(400, "before must be the cursor a history answer gave (such as 12.3)")
+            before = (int(cursor[1]), int(cursor[2]))
         try:
             async with asyncio.timeout(10):
-                items = await self.history(session, limit)
+                items, older = await self.history(session, limit, before)
         except Exception as err:
             log.error("history could not be read", extra={"session": session, "error": str(err)[:300]})
             return _error(503, "the history could not be read right now; please try again later")
         return web.json_response({"session": session, "messages": [
-            {"role": item.role, "text": item.text, "at": item.at} for item in items]}, headers=API_HEADERS)
+            {"role": item.role, "text": item.text, "at": item.at} for item in items],
+            "before": f"{older[0]}.{older[1]}" if older is not None else None}, headers=API_HEADERS)
 
     async def _unauthorized(self, request: web.Request) -> web.Response | None:
         """The answer to a request without the right token (None: it may go on). Failed
