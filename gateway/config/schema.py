@@ -133,6 +133,8 @@ class TelegramConfig(_Strict):
     webhook_secret: SecretStr | None = None
     poll_timeout_s: int = Field(default=30, ge=0, le=60)
     streaming: Literal["edit", "off"] = "edit"  # edit: replies grow in place (SPEC §5.1)
+    # Off: a link the model was led to write is not fetched by Telegram's servers unclicked.
+    link_previews: bool = False
 
 
 class SlackConfig(_Strict):
@@ -143,6 +145,8 @@ class SlackConfig(_Strict):
     mode: Literal["socket", "http"] = "socket"
     base_url: str = "https://slack.com/api/"
     streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
+    # Off: a link the model was led to write is not fetched by Slack's servers unclicked.
+    unfurl_links: bool = False
 
 
 class WebConfig(_Strict):
