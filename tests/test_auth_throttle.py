@@ -158,7 +158,10 @@ async def test_wrong_tokens_get_slower_per_address_and_a_right_one_works_at_once
     assert auth_failures(gw, "web") == 10 and web.failures("127.0.0.3") == 0
 
     # Many wrong tokens at once from the guesser: only its held places are checked (answered
-    # after their delays); the rest are refused unchecked, with when to come back.
+    # after their delays); the rest are refused unchecked, with when to come back. (Longer
+    # delays here, so the burst surely arrives while the places are held.)
+    monkeypatch.setattr(throttle_module, "BASE_DELAY_S", 0.5)
+    monkeypatch.setattr(throttle_module, "MAX_DELAY_S", 4.0)
     answers = await asyncio.gather(*(call(gw, "/api/history", f"burst-{n}", "127.0.0.2") for n in range(HELD_MAX + 3)))
     statuses = sorted(status for status, _, _ in answers)
     assert statuses == [401] * HELD_MAX + [429] * 3, statuses
