@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+import gateway.http.server as server_module
 from gateway.app import Gateway
 from gateway.config.schema import HttpConfig
 from gateway.http.server import HttpServer, build_app
@@ -205,7 +206,7 @@ async def until_open(gw: Gateway, count: int) -> None:
 
 
 async def test_many_addresses_cannot_take_every_connection_nor_blind_the_probes(
-    make_gateway: GatewayFactory,
+    make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Idle connections from six addresses, each well under its own cap, fill the server's
     (24 here; derived from the open-files limit by default): it holds no more, anything but
@@ -216,9 +217,19 @@ async def test_many_addresses_cannot_take_every_connection_nor_blind_the_probes(
     watch = gw.http.watch
     crowd = []
     try:
+        monkeypatch.setattr(server_module, "PROBE_GRACE_S", 60.0)
         for n in range(30):
             crowd.append(await connect(gw, source=f"127.0.0.{2 + n % 6}"))  # and never a byte
         # (The server accepts in arrival order: each request below comes after the whole crowd.)
+        # A place is not taken from a connection that just came: its request may be on its way.
+        refused = await get(gw, "/healthz", source="127.0.0.19")
+        assert refused.startswith(b"HTTP/1.1 503") and b"too many connections" in refused, refused[:200]
+        monkeypatch.setattr(server_module, "PROBE_GRACE_S", 0.2)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not all(loop.time() - c.opened_at >= 0.2 for c in watch.probes):
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
         for attempt in range(7):
             health = await get(gw, "/healthz", source=f"127.0.0.{20 + attempt}")
             assert health.startswith(b"HTTP/1.1 200") and b'"ok"' in health, health[:200]

@@ -14,8 +14,9 @@ Many addresses together are bounded too: the server holds at most `max_connectio
 `accept()` never runs out of descriptors). The last few places are kept for the probes:
 a connection that arrives when the rest are taken may ask only for /healthz or /readyz
 (anything else gets a 503), is closed after its answer, and when those places are taken
-too the one that has waited longest without sending a request gives its place up. So a
-crowd of idle connections can neither take the server's descriptors nor blind its probes.
+too the one that has waited longest without sending a request (at least a second) gives
+its place up. So a crowd of idle connections can neither take the server's descriptors
+nor blind its probes. (A flood of new connections is a firewall's or a proxy's to stop.)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ JSON_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 # Connections past the cap: what the probes may still ask, and how many places are theirs.
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 PROBE_PLACES_MAX = 16
+PROBE_GRACE_S = 1.0  # a probe's place is never given up sooner: time for its request to arrive
 # Descriptors left for everything but the server's admitted connections (refused ones
 # reading their 503, the database, MCP servers' pipes, the model's and platforms'
 # connections, files): at least this many, or a quarter of the limit; and a cap that no
@@ -353,8 +355,11 @@ class ConnectionWatch:
         return kind
 
     def _free_a_probe_place(self) -> bool:
-        """The probe place held longest without a request is given to a newcomer."""
-        waiting = [c for c in self.probes if c.waiting]
+        """The probe place held longest without a request (and for at least PROBE_GRACE_S,
+        so a churning crowd cannot push a real probe out before its request arrives) is
+        given to a newcomer."""
+        now = asyncio.get_running_loop().time()
+        waiting = [c for c in self.probes if c.waiting and now - c.opened_at >= PROBE_GRACE_S]
         if not waiting:
             return False
         oldest = min(waiting, key=lambda c: c.opened_at)
