@@ -114,9 +114,11 @@ class Shutdown:
 
 async def _run(path: Path | None) -> int:
     from gateway.app import SHUTDOWN_TIMEOUT_S, Gateway, StartupError
+    from gateway.http.server import raise_open_files_limit
 
     cfg, cfg_path = _load(path)
     setup_logging(cfg.log_level)
+    raise_open_files_limit()  # the server's connection cap is derived from it (gateway/http/server.py)
     gateway = Gateway(cfg, config_path=cfg_path, watch_config=True)
     loop = asyncio.get_running_loop()
     shutdown = Shutdown(gateway.replies_in_flight, SHUTDOWN_TIMEOUT_S)

@@ -31,6 +31,7 @@ from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.http.server import HttpServer, build_app
+from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import session_key, workspace_dir
 from gateway.media import Media, ReplyFile
@@ -337,7 +338,13 @@ class Gateway:
         return AdminApi(config=lambda: self.cfg, store=services.store, pairing=self.pairing, ready=self.ready,
                         next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
                         tool_sources=self.tool_sources_state, errors=self.recent_errors,
-                        http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state)
+                        http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state,
+                        throttle=self._auth_throttle("admin"))
+
+    def _auth_throttle(self, api: str) -> AuthThrottle:
+        """Failed token checks of one API, per address, counted in gateway_auth_failures_total."""
+        assert self.services is not None
+        return AuthThrottle(api, on_failure=self.services.metrics.auth_failures.labels(api).inc)
 
     async def cluster_state(self) -> dict[str, Any] | None:
         """The gateways sharing the database (admin page), or None for a lone gateway."""
@@ -394,6 +401,7 @@ class Gateway:
         if cfg.channels.web.enabled and self.serve_http:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
                                               history=self.web_history, decide=self.decide_approval,
+                                              throttle=self._auth_throttle("web"),
                                               **_web_settings(cfg),
                                               **self.stream_settings(WebChannel, "web"))
         for name in PLATFORMS:
@@ -401,14 +409,16 @@ class Gateway:
             if channel is not None:
                 self.channels[name] = channel
 
-    async def web_history(self, session: str, limit: int) -> list[HistoryItem]:
-        """The web page's view of a session: what was said, oldest first."""
+    async def web_history(self, session: str, limit: int,
+                          before: tuple[int, int] | None) -> tuple[list[HistoryItem], tuple[int, int] | None]:
+        """A page of the web page's view of a session: what was said, oldest first (bounded
+        in size: the store reads no more than the page holds)."""
         from channels.web.adapter import HistoryItem
 
         assert self.services is not None
         probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
-        stored = await self.services.store.chat_history(session_key(probe), limit=limit)
-        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in stored]
+        page = await self.services.store.chat_history_page(session_key(probe), limit=limit, before=before)
+        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in page.messages], page.older
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
         section = getattr(cfg.channels, name)
@@ -643,8 +653,8 @@ class Gateway:
             details["cluster"] = {"instance": leases.instance, "leases": leases.held()}
         if self.leaderships:
             details["receiving"] = self.leader_roles()  # standby is never "not ready"
-        if self.mcp is not None:
-            details["mcp"] = {status.name: status.as_json() for status in self.mcp.statuses()}
+        if self.mcp is not None:  # /readyz needs no token: a state per server, never its error text
+            details["mcp"] = {status.name: {"state": status.public_state} for status in self.mcp.statuses()}
         return details
 
     async def ready(self) -> dict[str, str | None]:

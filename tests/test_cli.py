@@ -41,3 +41,12 @@ async def test_run_refuses_a_bad_config_with_the_key(tmp_path: Path) -> None:
     assert code == 2
     assert "agent_max_context_tokens" in err and "http.prot: unknown key (did you mean 'http.port'?)" in err
     assert "Traceback" not in err
+
+
+async def test_a_short_web_token_off_loopback_stops_check_config_and_run(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"http": {"host": "0.0.0.0", "port": 0}, "channels": {"web": {"token": "x"}}}))
+    for args in (["check-config", str(path)], ["run", "--config", str(path)]):
+        code, _out, err = await _run_cli(args, tmp_path)
+        assert code == 2, (args, err)
+        assert "channels.web.token: too short (1 characters); use at least 16" in err, err

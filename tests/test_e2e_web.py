@@ -237,3 +237,38 @@ async def test_a_message_refused_as_busy_can_be_retried_with_its_id(
     assert gw.services is not None
     stored = await gw.services.store.messages("web:busy")
     assert [m.content for m in stored if m.role == "user"] == ["one", "two", "three"]
+
+
+async def test_a_long_session_s_history_comes_in_bounded_pages(make_gateway: GatewayFactory) -> None:
+    """A 2.4 MB session: no history answer holds much more than a page of text, and a client
+    reads all of it by following `before`."""
+    from channels.web.adapter import HISTORY_MAX
+    from gateway.types import Message
+
+    page_bytes = 256_000 + 20_000  # a page's text (gateway.store.rows.HISTORY_PAGE_CHARS) and its JSON
+
+    gw = await make_gateway()
+    assert gw.services is not None and gw.http is not None
+    store = gw.services.store
+    await store.ensure_session("web:big", "web:big", "web")
+    texts = []
+    for turn in range(1, 61):  # 120 messages of 20,000 characters
+        for seq, role in enumerate(("user", "assistant")):
+            texts.append(f"{role} {turn} " + "x" * 20_000)
+            await store.add_message("web:big", Message(role=role, content=texts[-1], turn=turn), seq=seq)
+    got: list[str] = []
+    sizes = []
+    params = {"session": "big", "limit": str(HISTORY_MAX)}
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"http://127.0.0.1:{gw.http.port}/api/history", params=params) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+                body = await resp.json()
+            sizes.append(len(raw))
+            got[:0] = [m["text"] for m in body["messages"]]
+            if body.get("before") is None:
+                break
+            params["before"] = body["before"]
+    assert max(sizes) <= page_bytes and len(sizes) >= 2_400_000 // page_bytes, sizes
+    assert got == texts  # all of it, in order, once

@@ -8,15 +8,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
+import resource
+import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+import gateway.http.server as server_module
 from gateway.app import Gateway
 from gateway.config.schema import HttpConfig
 from gateway.http.server import HttpServer, build_app
-from tests.conftest import GatewayFactory
+from tests.conftest import GatewayFactory, write_config
 from tests.fakes import slack_server, telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.slack_server import BOT_TOKEN, SIGNING_SECRET, FakeSlack, signed_request
@@ -175,6 +182,102 @@ async def test_one_address_cannot_hold_every_connection(make_gateway: GatewayFac
     finally:
         for _, writer in conns:
             close(writer)
+
+
+async def get(gw: Gateway, path: str, source: str) -> bytes:
+    """One request on a fresh connection from `source`; everything the server sent."""
+    reader, writer = await connect(gw, source=source)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port_of(gw)}\r\nConnection: close\r\n\r\n".encode())
+        with contextlib.suppress(ConnectionResetError):
+            await writer.drain()
+        return await read_until_closed(reader, within=5)
+    finally:
+        close(writer)
+
+
+async def until_open(gw: Gateway, count: int) -> None:
+    assert gw.http is not None
+    watch = gw.http.watch
+    deadline = asyncio.get_running_loop().time() + 10
+    while watch.open != count:
+        assert asyncio.get_running_loop().time() < deadline, f"{watch.open} connections open, not {count}"
+        await asyncio.sleep(0.02)
+
+
+async def test_many_addresses_cannot_take_every_connection_nor_blind_the_probes(
+    make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Idle connections from six addresses, each well under its own cap, fill the server's
+    (24 here; derived from the open-files limit by default): it holds no more, anything but
+    a probe gets a 503, /healthz and /readyz are answered every time, and once the crowd
+    leaves everything is served again."""
+    gw = await make_gateway(http={"max_connections": 24, "header_timeout_s": 60})
+    assert gw.http is not None
+    watch = gw.http.watch
+    crowd = []
+    try:
+        monkeypatch.setattr(server_module, "PROBE_GRACE_S", 60.0)
+        for n in range(30):
+            crowd.append(await connect(gw, source=f"127.0.0.{2 + n % 6}"))  # and never a byte
+        # (The server accepts in arrival order: each request below comes after the whole crowd.)
+        # A place is not taken from a connection that just came: its request may be on its way.
+        refused = await get(gw, "/healthz", source="127.0.0.19")
+        assert refused.startswith(b"HTTP/1.1 503") and b"too many connections" in refused, refused[:200]
+        monkeypatch.setattr(server_module, "PROBE_GRACE_S", 0.2)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not all(loop.time() - c.opened_at >= 0.2 for c in watch.probes):
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
+        for attempt in range(7):
+            health = await get(gw, "/healthz", source=f"127.0.0.{20 + attempt}")
+            assert health.startswith(b"HTTP/1.1 200") and b'"ok"' in health, health[:200]
+            page = await get(gw, "/", source=f"127.0.0.{30 + attempt}")
+            assert page.startswith(b"HTTP/1.1 503") and b"connection limit" in page, page[:200]
+            ready = await get(gw, "/readyz", source="127.0.0.40")
+            assert ready.startswith(b"HTTP/1.1 200"), ready[:200]
+            assert watch.open <= 24 + 1  # a place given up is counted until its connection is gone
+        # The crowd still holds every general place; what it held of the probes' it gave up.
+        assert watch.probe_places == 2
+        assert watch.open - len(watch.probes) == 22 and watch.open <= 24
+    finally:
+        for _, writer in crowd:
+            close(writer)
+    await until_open(gw, 0)
+    page = await get(gw, "/", source="127.0.0.2")
+    assert page.startswith(b"HTTP/1.1 200"), page[:200]
+
+
+async def test_run_raises_the_open_files_limit_and_derives_the_cap_from_it(fake_model: FakeModel,
+                                                                          tmp_path: Path) -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        pytest.skip("the hard open-files limit leaves nothing to raise")
+    path = write_config(tmp_path, fake_model)
+
+    def low_soft_limit() -> None:  # what most systems give a process: 1,024 or less
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "run", "--config", str(path), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=low_soft_limit,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        async with asyncio.timeout(60):
+            while b"gateway running" not in (line := await proc.stdout.readline()):
+                assert line, (await proc.stderr.read()).decode()[-2000:]
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        row = next(r for r in limits.splitlines() if r.startswith("Max open files")).split()
+        assert row[3] == row[4] != "512", row  # soft raised to the hard limit
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    listening = next(line for line in err.decode().splitlines() if "http server listening" in line)
+    cap = int(re.search(r"max_connections=(\d+)", listening).group(1))  # type: ignore[union-attr]
+    raised = int(row[3]) if row[3] != "unlimited" else 1 << 20
+    assert 512 < cap <= raised - 320, (cap, raised)
 
 
 # ---------------------------------------------------------------------------- cross-site requests

@@ -34,8 +34,11 @@ from gateway.tools.mcp import TOOL_NAME, fitted_name, normalized_schema
 from tests.conftest import GatewayFactory, chat, post_chat
 from tests.fakes.openai_server import FakeModel
 from tests.mcp_servers.echo_server import PNG, big_text
+from tests.mcp_servers.refused_key_server import FALLBACK_KEY
 
 ECHO = Path(__file__).resolve().parent / "mcp_servers" / "echo_server.py"
+REFUSED = ECHO.with_name("refused_key_server.py")
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
 ECHO_TOOLS = ["announce", "big", "crash", "document", "echo", "fail", "getenv", "header", "odd.name/with spaces",
               "picture", "pid", "record", "slow"]
 
@@ -294,7 +297,7 @@ async def test_a_server_that_dies_comes_back_with_the_same_tools(make_gateway: G
     await until(lambda: metric(gw, "gateway_mcp_restarts_total", server="echo") == 2, what="the crash noticed")
     assert state(gw, "echo") in ("failed", "connecting")  # a restart takes far longer than one poll
     assert "echo__echo" not in registry.names and "read_file" in registry.names
-    assert re.search(r"- echo: (failed: the server closed the connection; retry in \d+ s|connecting)\n",
+    assert re.search(r"- echo: (failed; retry in \d+ s|connecting)\n",  # not an admin: no details
                      await chat(gw, "eve", "/tools") + "\n")
     await ready(gw, "echo")
     assert json.dumps(registry.schemas()) == json.dumps(schemas) and gw.mcp.version == version
@@ -424,10 +427,11 @@ async def test_shutdown_cancels_calls_and_leaves_no_child_processes(make_gateway
 async def test_a_server_that_cannot_start_says_why_and_never_blocks_readiness(make_gateway: GatewayFactory) -> None:
     broken = {"command": sys.executable,
               "args": ["-c", "import sys; sys.stderr.write('boom: missing dependency\\n'); sys.exit(1)"]}
-    gw = await make_gateway(mcp={"servers": {"broken": broken, "nowhere": {"command": "/nonexistent/mcp-server"}}})
+    gw = await make_gateway(admins=["web:x"],
+                            mcp={"servers": {"broken": broken, "nowhere": {"command": "/nonexistent/mcp-server"}}})
     assert gw.http is not None and gw.mcp is not None
     await until(lambda: all(s.error for s in gw.mcp.statuses()), what="both failed")
-    status, body = await post_chat(gw, {"session": "x", "text": "/tools"})
+    status, body = await post_chat(gw, {"session": "x", "text": "/tools"})  # an admin: why, in detail
     assert status == 200
     reply = body["reply"]
     assert re.search(r"- broken: failed: the server closed the connection \(stderr: boom: missing dependency\); "
@@ -437,10 +441,45 @@ async def test_a_server_that_cannot_start_says_why_and_never_blocks_readiness(ma
         async with http.get(f"http://127.0.0.1:{gw.http.port}/readyz") as resp:
             ready_body = await resp.json()
     assert resp.status == 200 and ready_body["ready"] is True
-    assert ready_body["mcp"]["broken"]["state"] in ("failed", "connecting")
+    assert ready_body["mcp"]["broken"] in ({"state": "down"}, {"state": "starting"})
     assert "mcp" not in ready_body["checks"]
     logged = (gw.holder.data_dir / "mcp" / "broken.stderr.log").read_text()
     assert "boom: missing dependency" in logged
+
+
+async def test_a_failing_server_s_keys_are_shown_to_nobody(make_gateway: GatewayFactory,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server prints the key it was given (a configured secret) and one the gateway never
+    # saw (shaped like a key) on stderr as it fails: neither may reach a chat or /readyz.
+    configured = "upstream-key-4242-abcd"
+    monkeypatch.setenv("REFUSED_UPSTREAM_KEY", configured)
+    server = {"command": sys.executable, "args": [str(REFUSED)], "env": {"UPSTREAM_KEY": "${REFUSED_UPSTREAM_KEY}"}}
+    gw = await make_gateway(admins=["web:boss"], http={"admin_token": ADMIN_TOKEN},
+                            mcp={"servers": {"refused": server}})
+    assert gw.http is not None and gw.mcp is not None
+    await until(lambda: "stderr" in (gw.mcp.statuses()[0].error or ""), what="the failure and its stderr line")
+    keys = (configured, FALLBACK_KEY, FALLBACK_KEY[3:])
+
+    # An admin learns why, with the keys masked.
+    shown = await chat(gw, "boss", "/tools")
+    assert "- refused: failed: the server closed the connection (stderr: ERROR upstream: upstream refused the " \
+           "key *** with HTTP 401; the fallback *** too)" in shown, shown
+    # Anyone else learns that it failed, not the server's words.
+    other = await chat(gw, "alice", "/tools")
+    assert re.search(r"- refused: failed; retry in \d+ s", other) and "upstream" not in other, other
+    async with aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{gw.http.port}"
+        async with http.get(f"{base}/readyz") as resp:  # no token: one state per server
+            ready_text = await resp.text()
+        async with http.get(f"{base}/admin/api/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
+            assert resp.status == 200
+            admin_text = await resp.text()
+    assert json.loads(ready_text)["mcp"] in ({"refused": {"state": "down"}}, {"refused": {"state": "starting"}})
+    assert "upstream refused" in admin_text  # the admin page shows why, masked too
+    for text in (shown, other, ready_text, admin_text):
+        assert not any(key in text for key in keys), text
+    # The server's own stderr log keeps its words for the operator on the machine.
+    assert configured in (gw.holder.data_dir / "mcp" / "refused.stderr.log").read_text()
 
 
 # -- configuration ----------------------------------------------------------------------------

@@ -109,9 +109,9 @@ class Rig:
         self.channels: list[SlackChannel] = []
         self.inbox = Inbox()
 
-    async def channel(self, streaming: str = "native") -> SlackChannel:
+    async def channel(self, streaming: str = "native", *, unfurl_links: bool = False) -> SlackChannel:
         cfg = SlackConfig(enabled=True, bot_token=BOT_TOKEN, app_token=APP_TOKEN, base_url=self.fake.base_url,
-                          streaming=streaming)
+                          streaming=streaming, unfurl_links=unfurl_links)
         channel = SlackChannel(
             cfg, self.inbox,
             workspace_for=lambda inbound: self.tmp_path / scope_dirname(memory_scope(inbound)),
@@ -165,6 +165,26 @@ def assert_paced(fake: FakeSlack, method: str) -> None:
     for times in by_message.values():
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert all(gap >= INTERVAL * 0.8 for gap in gaps), gaps
+
+
+# ---------------------------------------------------------------------------- links
+
+
+@pytest.mark.parametrize("unfurl", [False, True])
+async def test_replies_unfurl_no_links_unless_turned_on(rig: Rig, unfurl: bool) -> None:
+    """A URL the model was led to write is not fetched by Slack's servers unclicked: every
+    chat.postMessage of a reply (streamed by update, or sent whole) says so, unless
+    `channels.slack.unfurl_links` is on."""
+    channel = await rig.channel("update", unfurl_links=unfurl)
+    inbound = await rig.inbound(channel="C1", thread=False)
+    stream = open_stream(channel, inbound)
+    await drive(stream, "Read https://attacker.example/first and <https://attacker.example/second|this>.")
+    await stream.finish("Read https://attacker.example/first and <https://attacker.example/second|this>.")
+    await channel.send(inbound, "A whole reply: https://attacker.example/third " + "x" * 5000)
+    posts = rig.fake.method_calls("chat.postMessage")
+    assert len(posts) >= 2 and rig.fake.violations == []
+    for params in posts:
+        assert (params["unfurl_links"], params["unfurl_media"]) == (unfurl, unfurl), params
 
 
 # ---------------------------------------------------------------------------- native

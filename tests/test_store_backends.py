@@ -163,3 +163,31 @@ async def test_text_a_backend_cannot_hold_is_stored_as_replacement_characters(ma
     found = await store.search_session_messages("web:ann", match='"page"', phrases=("page",), short_terms=(),
                                                 limit=5)
     assert [(r[1], r[2]) for r in found] == [(1, "tool")]
+
+
+async def test_the_chat_history_is_read_in_pages_of_bounded_size(make_store: StoreFactory) -> None:
+    store = await make_store()
+    await store.ensure_session("web:big", "web:big", "web")
+    texts = []
+    for turn in range(1, 31):  # 60 shown messages of 20,000 characters: 1.2 MB in all
+        for seq, role in enumerate(("user", "assistant")):
+            text = f"{role} {turn} " + chr(ord("a") + turn % 26) * 20_000
+            texts.append(text)
+            await store.add_message("web:big", Message(role=role, content=text, turn=turn), seq=seq)
+        await store.add_message("web:big", Message(role="tool", content="x" * 50_000, turn=turn, tool_call_id="c",
+                                                   tool_name="read_file"), seq=5)  # never shown, never read
+    pages = []
+    before = None
+    while True:
+        page = await store.chat_history_page("web:big", limit=200, before=before, max_chars=100_000)
+        assert sum(len(m.content) for m in page.messages) <= 100_000
+        pages.append([m.content for m in page.messages])
+        if page.older is None:
+            break
+        before = page.older
+    assert len(pages) == 15 and all(len(p) == 4 for p in pages)  # 4 × 20,000 characters fit in each
+    assert [text for p in reversed(pages) for text in p] == texts  # all of it, in order, once
+    assert [m.content for m in await store.chat_history("web:big", limit=3)] == texts[-3:]
+    # A message longer than a page still comes, alone, so a reader always gets on.
+    lone = await store.chat_history_page("web:big", limit=5, max_chars=1000)
+    assert [m.content for m in lone.messages] == texts[-1:] and lone.older is not None

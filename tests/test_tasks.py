@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import re
 import time
@@ -570,3 +571,58 @@ async def test_a_task_turn_cut_by_a_crash_is_answered_once_after_the_restart(
     assert len(await runs(gw2, task_id)) == 1
     assert json.loads((await services(gw2).store.run(
         "SELECT inbound FROM events WHERE event_id LIKE 'task:%'"))[0][0])["origin"] == "task"
+
+
+# -- tasks that tasks make (an unattended chain) ---------------------------------------------
+
+
+def test_a_schedule_moved_to_a_later_first_run() -> None:
+    later = NOW + timedelta(minutes=10)
+    assert schedule(at="in 1m").not_before(later).next_after(NOW) == later
+    assert schedule(at="in 1h").not_before(later).next_after(NOW) == NOW + timedelta(hours=1)  # already later
+    every = schedule(every="5m").not_before(later)
+    assert every.next_after(NOW) == later and every.next_after(later) == later + timedelta(minutes=5)
+    hourly = schedule(cron="0 * * * *")  # keeps its expression; the first run is the one at or after `later`
+    assert hourly.not_before(later) == hourly
+    assert hourly.next_after(later - timedelta(microseconds=1)) == datetime(2026, 3, 27, 11, 0, tzinfo=UTC)
+
+
+async def test_a_task_that_schedules_itself_in_1s_runs_no_more_often_than_the_minimum(
+    make_gateway: GatewayFactory, fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway.jobs.tasks, "CHAINED_PER_HOUR", 2)
+    gw = await make_gateway(tasks={"min_interval_s": 2})
+    for _ in range(5):  # the person's turn, then every run: "schedule the next one in 1s"
+        fake_model.tool_call("schedule_task", {"prompt": "Do it again", "at": "in 1s"})
+        fake_model.reply("again")
+    await chat(gw, "alice", "start the loop")
+    refusal = "error: scheduled tasks have made 2 tasks in this chat in the last hour"
+
+    def tool_results() -> list[str]:
+        return [m["content"] for r in fake_model.requests for m in r["messages"][-1:] if m["role"] == "tool"]
+
+    async def task_count() -> int:
+        return int((await services(gw).store.run("SELECT count(*) FROM tasks"))[0][0])
+
+    deadline = time.monotonic() + 30
+    while not any(r.startswith(refusal) for r in tool_results()) and await task_count() <= 3:
+        assert time.monotonic() < deadline, "timed out waiting for the chain to be refused"
+        await asyncio.sleep(0.05)
+    chain = [str(r[0]) for r in await services(gw).store.run("SELECT id FROM tasks ORDER BY created_at")]
+    slots = [datetime.fromisoformat(slot) for task_id in chain for slot, _ in await runs(gw, task_id)]
+    # Each link ran at least tasks.min_interval_s after the run that made it, though it asked for 1s.
+    assert all((b - a).total_seconds() >= 2 for a, b in itertools.pairwise(slots)), slots
+    # The person's task, then one made by each run until the scope's allowance was spent.
+    assert len(chain) == 3, chain
+    made_by = await services(gw).store.run("SELECT made_by_task FROM tasks ORDER BY created_at")
+    assert [r[0] for r in made_by] == [None, chain[0], chain[1]]
+    assert "after that run: tasks.min_interval_s" in tool_results()[1]
+    await until(lambda: len(fake_model.requests) == 8, what="the last run's reply")  # 4 turns of 2 calls
+    assert sum(r.startswith(refusal) for r in tool_results()) == 1
+    active = await services(gw).store.run("SELECT count(*) FROM tasks WHERE ended_at IS NULL")
+    assert active[0][0] == 0  # nothing is left to run: the chain has ended
+    # A person in the chat may still schedule: the allowance is for tasks made by tasks.
+    fake_model.tool_call("schedule_task", {"prompt": "Mine", "at": "in 1h"})
+    fake_model.reply("ok")
+    await chat(gw, "alice", "one for me")
+    assert tool_results()[-1].startswith("Scheduled task")

@@ -79,7 +79,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
 
     async def run(*, interval_s: float = FAST_S, edit_rule_s: float | None = FAST_S,
                   streaming: str = "edit", fake: FakeTelegram | None = None,
-                  interval: Callable[[], float] | None = None,
+                  interval: Callable[[], float] | None = None, link_previews: bool = False,
                   ) -> tuple[TelegramChannel, FakeTelegram, Observed]:
         """A started channel; on a new fake Bot API unless `fake` is given (a restart)."""
         if fake is None:
@@ -88,7 +88,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
             fakes.append(fake)
         observed = Observed()
         cfg = TelegramConfig(enabled=True, token=fake.token, base_url=fake.base_url, poll_timeout_s=1,
-                             streaming=streaming)
+                             streaming=streaming, link_previews=link_previews)
         channel = TelegramChannel(cfg, no_router, workspace_for=lambda inbound: tmp_path,
                                   stream_interval_s=interval_s, stream_interval=interval, observe=observed)
         await channel.start()
@@ -154,6 +154,28 @@ def no_space(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------- the contract
+
+
+@pytest.mark.parametrize("previews", [False, True])
+async def test_replies_show_no_link_previews_unless_turned_on(start: Start, previews: bool) -> None:
+    """A URL the model was led to write is not fetched by Telegram's servers unclicked:
+    every sendMessage and editMessageText of a reply turns previews off, unless
+    `channels.telegram.link_previews` is on."""
+    channel, fake, _ = await start(link_previews=previews)
+    stream = open_stream(channel, dm())
+    await stream.append("Read https://attacker.example/first ")
+    await fake.wait_shown(CHAT, lambda shown: len(shown) == 1)
+    await stream.append("and https://attacker.example/second")
+    await fake.wait_shown(CHAT, lambda shown: shown[-1].endswith("second"))  # an edit
+    await stream.finish("Read https://attacker.example/first and **https://attacker.example/second**")
+    await channel.send(dm(501), "A whole reply: https://attacker.example/third")
+    sends, edits = fake.calls_of("sendMessage"), fake.calls_of("editMessageText")
+    assert len(sends) == 2 and len(edits) >= 2, (sends, edits)
+    for params in sends + edits:
+        if previews:
+            assert "link_preview_options" not in params, params
+        else:
+            assert params["link_preview_options"] == {"is_disabled": True}, params
 
 
 async def test_streaming_off_sends_whole_replies(start: Start) -> None:

@@ -44,9 +44,10 @@ async def served() -> AsyncIterator[Served]:
         holder["s"].inbound.put_nowait(inbound)
         return True
 
-    async def history(session: str, limit: int) -> list[HistoryItem]:
+    async def history(session: str, limit: int,
+                      before: tuple[int, int] | None) -> tuple[list[HistoryItem], tuple[int, int] | None]:
         holder["s"].history_calls.append((session, limit))
-        return [HistoryItem("user", f"hi from {session}", 1.0), HistoryItem("assistant", "**hello**", 2.0)]
+        return [HistoryItem("user", f"hi from {session}", 1.0), HistoryItem("assistant", "**hello**", 2.0)], None
 
     channel = WebChannel(accept, token=None, max_chars=10_000, reply_timeout_s=5, history=history,
                          observe=lambda name: holder["s"].observed.append(name), heartbeat_s=0.05)
@@ -104,7 +105,7 @@ async def open_stream(http: aiohttp.ClientSession, base: str, payload: dict[str,
     resp = await http.post(base + "/api/chat", json=payload, headers=headers or {})
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
-    assert resp.headers["Cache-Control"].startswith("no-cache")
+    assert resp.headers["Cache-Control"].startswith("no-store")
     return resp
 
 
@@ -256,10 +257,11 @@ async def test_history_endpoint(served: Served) -> None:
             body = await resp.json()
         assert body == {"session": "alice", "messages": [
             {"role": "user", "text": "hi from alice", "at": 1.0},
-            {"role": "assistant", "text": "**hello**", "at": 2.0}]}
+            {"role": "assistant", "text": "**hello**", "at": 2.0}], "before": None}
         assert served.history_calls == [("alice", 7)]
         for params in ({"session": "../etc"}, {"session": "alice\n"}, {"session": "a", "limit": "0"},
-                       {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"}):
+                       {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"},
+                       {"session": "a", "before": "12"}, {"session": "a", "before": "1.2; drop"}):
             async with http.get(served.base + "/api/history", params=params) as resp:
                 assert resp.status == 400, params
         served.channel.token = "sekret"
@@ -269,6 +271,23 @@ async def test_history_endpoint(served: Served) -> None:
                             headers={"Authorization": "Bearer sekret"}) as resp:
             assert resp.status == 200
     assert served.history_calls == [("alice", 7), ("alice", 50)]
+
+
+async def test_answers_that_carry_the_conversation_are_never_stored_by_a_cache(served: Served) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(served.base + "/api/history", params={"session": "alice"}) as resp:
+            assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+        request = asyncio.create_task(http.post(served.base + "/api/chat", json={"session": "js", "text": "hi"}))
+        await served.channel.send(await served.next_inbound(), "a private answer")
+        async with await request as resp:
+            assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+        resp = await open_stream(http, served.base, {"session": "sse", "text": "hi", "stream": True})
+        assert resp.headers["Cache-Control"].split(",")[0] == "no-store"
+        await served.channel.send(await served.next_inbound(), "streamed")
+        await Events(resp).rest()
+        resp.close()
+        async with http.get(served.base + "/api/history", params={"session": "a", "limit": "0"}) as resp:
+            assert resp.status == 400 and resp.headers["Cache-Control"] == "no-store"  # errors too
 
 
 async def test_page_and_its_files_are_served_with_a_strict_policy(served: Served) -> None:

@@ -539,12 +539,18 @@ class SlackChannel:
             self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=mode == "native",
             recipient=recipient, interval_s=self._stream_interval(), sleep=self._sleep,
             spawn=lambda coro, name: self._spawn(coro, name=name), name=f"slack-stream-{inbound.event_id}",
-            observe=self._observe, on_ref=on_ref, resume_ref=resume_ref,
+            observe=self._observe, on_ref=on_ref, resume_ref=resume_ref, unfurl=self._unfurl(),
         )
+
+    def _unfurl(self) -> dict[str, bool]:
+        """No unfurls unless `unfurl_links` is on: a URL that an attacker got into a reply
+        would otherwise be fetched by Slack's servers before anyone clicks it."""
+        on = self._cfg.unfurl_links
+        return {"unfurl_links": on, "unfurl_media": on}
 
     async def _post_chunk(self, channel: str, chunk: str, thread_ts: str | None) -> None:
         client = self._require_client()
-        params: dict[str, Any] = {"channel": channel, "text": chunk}
+        params: dict[str, Any] = {"channel": channel, "text": chunk, **self._unfurl()}
         if thread_ts:
             params["thread_ts"] = thread_ts
         try:

@@ -106,8 +106,10 @@ class SlackReplyStream:
         observe: StreamObserver | None = None,
         on_ref: ReplyRefSink | None = None,
         resume_ref: str | None = None,
+        unfurl: dict[str, bool] | None = None,
     ) -> None:
         self._client = client
+        self._unfurl = unfurl or {"unfurl_links": False, "unfurl_media": False}  # with each chat.postMessage
         self._channel = channel
         self._thread_ts = thread_ts
         self._native = native and thread_ts is not None  # Slack streams only in threads
@@ -336,7 +338,7 @@ class SlackReplyStream:
             ts = await self._start_stream(want)
             msg = _Message(ts, want, streaming=True)
         else:
-            params: dict[str, Any] = {"channel": self._channel}
+            params: dict[str, Any] = {"channel": self._channel, **self._unfurl}
             if self._thread_ts:
                 params["thread_ts"] = self._thread_ts
             params["markdown_text" if self._format == "markdown" else "text"] = want

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from telegram import Bot, BotCommand, MessageEntity, ReplyParameters
+from telegram import Bot, BotCommand, LinkPreviewOptions, MessageEntity, ReplyParameters
 from telegram.constants import ChatAction
 from telegram.error import (
     BadRequest,
@@ -573,6 +573,7 @@ class TelegramChannel:
                     entities=entities or None,
                     message_thread_id=thread,
                     reply_parameters=reply,
+                    link_preview_options=self._link_preview(),
                 )
                 return chat
             except RetryAfter as exc:
@@ -618,7 +619,13 @@ class TelegramChannel:
             on_ref=on_ref,
             resume_ids=parse_reply_ref(resume_ref, chat),
             observe=self._observe,
+            link_preview=self._link_preview(),
         )
+
+    def _link_preview(self) -> LinkPreviewOptions | None:
+        """No previews unless `link_previews` is on: a URL that an attacker got into a reply
+        would otherwise be fetched by Telegram's servers before anyone clicks it."""
+        return None if self._cfg.link_previews else LinkPreviewOptions(is_disabled=True)
 
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from telegram import Bot, Message, MessageEntity, ReplyParameters
+from telegram import Bot, LinkPreviewOptions, Message, MessageEntity, ReplyParameters
 from telegram.error import (
     BadRequest,
     ChatMigrated,
@@ -215,6 +215,7 @@ class TelegramReplyStream:
         resume_ids: list[int] | None = None,
         observe: StreamObserver | None = None,
         limit: int = TELEGRAM_TEXT_LIMIT,
+        link_preview: LinkPreviewOptions | None = None,
     ) -> None:
         self._bot = bot  # looked up per call: raises once the channel has stopped
         self._chat = chat
@@ -226,6 +227,7 @@ class TelegramReplyStream:
         self._on_ref = on_ref
         self._observe_cb = observe
         self._limit = limit
+        self._link_preview = link_preview  # sent with every message and edit (None: Telegram's default)
 
         self._parts: list[str] = []  # the answer's Markdown since the last status
         self._cuts: list[int] = [0]  # where each streamed message begins in the answer
@@ -456,7 +458,8 @@ class TelegramReplyStream:
                  if first and self._reply_to is not None else None)
         message: Message = await bot.send_message(
             chat_id=self._chat, text=chunk.text, entities=self._entities(bot, chunk),
-            message_thread_id=self._thread, reply_parameters=reply, **self._timeouts(),
+            message_thread_id=self._thread, reply_parameters=reply, link_preview_options=self._link_preview,
+            **self._timeouts(),
         )
         self._shown.append(_Shown(message.message_id, chunk))
         self._started = True
@@ -466,7 +469,7 @@ class TelegramReplyStream:
         bot = self._bot()
         await bot.edit_message_text(
             chunk.text, chat_id=self._chat, message_id=self._shown[index].message_id,
-            entities=self._entities(bot, chunk), **self._timeouts(),
+            entities=self._entities(bot, chunk), link_preview_options=self._link_preview, **self._timeouts(),
         )
         self._shown[index].chunk = chunk
         self._observe("edit")

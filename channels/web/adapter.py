@@ -10,7 +10,10 @@ text/plain POST needs no CORS preflight; `application/json` does, which we never
 With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent Events
 (SPEC §5.1): `delta` {"text"} as the reply grows, `status` {"text"} while tools run
 (it replaces what was shown), then `done` {"reply"} or `error` {"error"}.
-`GET /api/history?session=NAME[&limit=N]` returns the session's recent messages.
+`GET /api/history?session=NAME[&limit=N][&before=CURSOR]` returns a page of the session's
+messages, newest page first: at most N and about HISTORY_PAGE_CHARS of text, with `before`,
+the cursor of the page before it (null at the start), so a client reads all of a long
+session page by page and no answer holds all of it.
 
 A tool that waits for a person's yes (SPEC §5.7) shows as an `approval` event {"id", "tool",
 "arguments", "who", "timeout_s"} in the streamed reply, and `approval_done` {"id",
@@ -25,6 +28,7 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,11 +42,14 @@ from aiohttp import hdrs, web
 from channels.base import ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
 from gateway.http.server import JsonBodyError, parse_json_body
+from gateway.http.throttle import AuthThrottle
 from gateway.types import Inbound
 
 log = logging.getLogger("channels.web")
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # fullmatch: `$` would let "alice\n" through
+# Every /api answer: what it carries is conversation text (or says why not), never for a cache.
+API_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 HEARTBEAT_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
 STUCK_WRITE_S = 5.0  # past the reply's deadline, how long a write may wait for a client that does not read
 HISTORY_DEFAULT, HISTORY_MAX = 50, 200
@@ -62,8 +69,11 @@ class HistoryItem:
     at: float  # unix time it was stored
 
 
-# (session name, limit) → the session's last messages, oldest first.
-HistoryLookup = Callable[[str, int], Awaitable[list[HistoryItem]]]
+# (session name, limit, before: a (turn, seq) cursor or None) → the page's messages, oldest
+# first, and the cursor of the page before it (None: this one is the first).
+HistoryLookup = Callable[[str, int, tuple[int, int] | None],
+                         Awaitable[tuple[list[HistoryItem], tuple[int, int] | None]]]
+HISTORY_CURSOR = re.compile(r"(\d{1,18})\.(\d{1,9})")
 
 
 class SseOutbox:
@@ -144,10 +154,11 @@ class WebChannel:
                  reply_timeout_s: float, http_host: str = "127.0.0.1",
                  history: HistoryLookup | None = None,
                  observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 decide: Decide | None = None) -> None:
+                 decide: Decide | None = None, throttle: AuthThrottle | None = None) -> None:
         self.handler = handler
         self.decide = decide
         self.token = token
+        self.throttle = throttle if throttle is not None else AuthThrottle("web")  # failed token checks, per address
         self._names = server_names(http_host)  # what a tokenless request's Host may name
         self.max_chars = max_chars
         self.reply_timeout_s = reply_timeout_s
@@ -290,8 +301,9 @@ class WebChannel:
         refused = self._cross_site(request)  # a rebinding page must not read the history either
         if refused is not None:
             return _error(403, refused)
-        if not self._authorized(request):
-            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        unauthorized = await self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
         if not self._running or self.history is None:
             return _error(503, "the history is not available right now")
         session = request.query.get("session", "default")
@@ -303,21 +315,36 @@ class WebChannel:
             limit = 0
         if not 1 <= limit <= HISTORY_MAX:
             return _error(400, f"limit must be a whole number from 1 to {HISTORY_MAX}")
+        before: tuple[int, int] | None = None
+        if "before" in request.query:
+            cursor = HISTORY_CURSOR.fullmatch(request.query["before"])
+            if cursor is None:
+                return _error(400, "before must be the cursor a history answer gave (such as 12.3)")
+            before = (int(cursor[1]), int(cursor[2]))
         try:
             async with asyncio.timeout(10):
-                items = await self.history(session, limit)
+                items, older = await self.history(session, limit, before)
         except Exception as err:
             log.error("history could not be read", extra={"session": session, "error": str(err)[:300]})
             return _error(503, "the history could not be read right now; please try again later")
         return web.json_response({"session": session, "messages": [
-            {"role": item.role, "text": item.text, "at": item.at} for item in items]})
+            {"role": item.role, "text": item.text, "at": item.at} for item in items],
+            "before": f"{older[0]}.{older[1]}" if older is not None else None}, headers=API_HEADERS)
 
-    def _authorized(self, request: web.Request) -> bool:
+    async def _unauthorized(self, request: web.Request) -> web.Response | None:
+        """The answer to a request without the right token (None: it may go on). Failed
+        checks are counted per address and answered ever more slowly (gateway/http/throttle.py)."""
         if not self.token:
-            return True
+            return None
+        wait = self.throttle.refusal(request.remote)
+        if wait is not None:
+            return _error(429, "too many wrong tokens from your address; try again later", retry_after=wait)
         header = request.headers.get("Authorization", "")
         given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        if hmac.compare_digest(given.encode(), self.token.encode()):
+            return None
+        await self.throttle.failed(request.remote)
+        return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
 
     def _cross_site(self, request: web.Request) -> str | None:
         """Why a tokenless request may come from another site (None when it cannot).
@@ -332,8 +359,9 @@ class WebChannel:
             log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
                                                              "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
             return _error(403, refused)
-        if not self._authorized(request):
-            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        unauthorized = await self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
         if not self._running:
             return _error(503, "the gateway is not accepting messages right now")
         if request.content_type != "application/json":
@@ -382,7 +410,7 @@ class WebChannel:
         finally:
             self._waiters.pop(event_id, None)
             self._outboxes.pop(event_id, None)
-        return web.json_response({"reply": reply, "session": session, "id": event_id})
+        return web.json_response({"reply": reply, "session": session, "id": event_id}, headers=API_HEADERS)
 
     async def _answer_stream(self, request: web.Request, fut: asyncio.Future[str],
                              outbox: SseOutbox) -> web.StreamResponse:
@@ -390,7 +418,7 @@ class WebChannel:
         leaves. Never raises: the response has started, and the turn goes on regardless."""
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache, no-transform",
+            "Cache-Control": "no-store, no-transform",  # the conversation: never kept by a cache
             "X-Accel-Buffering": "no",  # nginx: pass events through as they come
         })
         fut.add_done_callback(lambda _f: outbox.wake.set())
@@ -451,5 +479,6 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, *, retry_after: float | None = None) -> web.Response:
+    headers = API_HEADERS if retry_after is None else {**API_HEADERS, "Retry-After": str(math.ceil(retry_after))}
+    return web.json_response({"error": message}, status=status, headers=headers)

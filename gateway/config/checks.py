@@ -11,6 +11,7 @@ from gateway.config.changes import SECRET_KEYS
 from gateway.config.schema import (
     ADMIN_TOKEN_MIN,
     LOOPBACK_HOSTS,
+    WEB_TOKEN_MIN,
     WEBHOOK_SECRET,
     WEBHOOK_SECRET_MAX,
     WEBHOOK_SECRET_MIN,
@@ -112,8 +113,15 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
     if http and web.enabled:
         if "channels.web.token" in unset:
             problems.append(not_set("channels.web.token", "while channels.web.enabled is true"))
-        elif cfg.http.host not in LOOPBACK_HOSTS and secret_text(web.token) is None:
-            problems.append("channels.web.token: required when http.host is not a loopback address")
+        elif cfg.http.host not in LOOPBACK_HOSTS:
+            token = secret_text(web.token)
+            if token is None:
+                problems.append("channels.web.token: required when http.host is not a loopback address")
+            elif len(token) < WEB_TOKEN_MIN:
+                # Reachable from the network, it gives a chat as `web:<any name>`, admins' too.
+                problems.append(f"channels.web.token: too short ({len(token)} characters); use at least "
+                                f"{WEB_TOKEN_MIN} random ones when http.host is not a loopback address "
+                                "(e.g. `openssl rand -hex 32`)")
     if http:
         problem = admin_token_problem(cfg, unset.get("http.admin_token"))
         if problem is not None:

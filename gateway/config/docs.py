@@ -140,6 +140,8 @@ MEANINGS: dict[str, str] = {
     "channels.telegram.poll_timeout_s": "Seconds one long poll waits for updates (polling mode).",
     "channels.telegram.streaming": "`edit`: a reply grows in place as the model writes it; `off`: sent whole "
                                    "at the end.",
+    "channels.telegram.link_previews": "Let Telegram show link previews in replies. Off by default: Telegram's "
+                                       "servers would fetch a URL in a reply before anyone clicks it.",
     "channels.slack.enabled": "Run the Slack app (setup: [slack.md](slack.md)).",
     "channels.slack.bot_token": "The Bot User OAuth Token (`xoxb-…`).",
     "channels.slack.app_token": "The app-level token (`xapp-…`, scope `connections:write`); needed in "
@@ -151,8 +153,11 @@ MEANINGS: dict[str, str] = {
     "channels.slack.streaming": "`native`: Slack's streaming methods in the reply's thread (edits where Slack "
                                 "refuses them); `update`: post, then edit at most once per `stream_interval_s`; "
                                 "`off`: sent whole at the end.",
+    "channels.slack.unfurl_links": "Let Slack unfurl links and media in replies (`chat.postMessage`). Off by "
+                                   "default: Slack's servers would fetch a URL in a reply before anyone clicks it.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
-    "channels.web.token": "Bearer token of the web chat and API; required when `http.host` is not a loopback "
+    "channels.web.token": "Bearer token of the web chat and API; required, at least 16 characters, when "
+                          "`http.host` is not a loopback address. Wrong tokens are answered ever more slowly per "
                           "address.",
     "channels.terminal.enabled": "Allow `python -m gateway chat`.",
     "http.host": "Address the HTTP server listens on (web chat, health, metrics, webhooks).",
@@ -195,6 +200,9 @@ MEANINGS: dict[str, str] = {
     "http.keepalive_timeout_s": "Seconds an idle connection stays open between requests.",
     "http.max_connections_per_client": "Open connections allowed from one address (more get a 503); raise it "
                                        "behind a reverse proxy.",
+    "http.max_connections": "Open connections in all (null: from the open-files limit, leaving the rest of the "
+                            "gateway its descriptors); past it, new connections may only ask `/healthz` and "
+                            "`/readyz`, everything else gets a 503.",
     "limits.max_concurrent_model_calls": "Model calls in flight across all sessions.",
     "limits.session_queue_size": "Messages waiting in one session's queue; one more gets a short \"busy\" "
                                  "reply.",

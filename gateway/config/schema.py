@@ -68,6 +68,7 @@ WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]+")
 WEBHOOK_SECRET_MIN, WEBHOOK_SECRET_MAX = 16, 256
 ADMIN_TOKEN_MIN = 16  # the admin API is reachable from the network: no guessable words
 SKILL_DIRS_MAX = 16
+WEB_TOKEN_MIN = 16  # the same for the chat API once it listens beyond loopback
 
 
 class _Strict(BaseModel):
@@ -190,6 +191,8 @@ class TelegramConfig(_Strict):
     webhook_secret: SecretStr | None = None
     poll_timeout_s: int = Field(default=30, ge=0, le=60)
     streaming: Literal["edit", "off"] = "edit"  # edit: replies grow in place (SPEC §5.1)
+    # Off: a link the model was led to write is not fetched by Telegram's servers unclicked.
+    link_previews: bool = False
 
 
 class SlackConfig(_Strict):
@@ -200,6 +203,8 @@ class SlackConfig(_Strict):
     mode: Literal["socket", "http"] = "socket"
     base_url: str = "https://slack.com/api/"
     streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
+    # Off: a link the model was led to write is not fetched by Slack's servers unclicked.
+    unfurl_links: bool = False
 
 
 class WebConfig(_Strict):
@@ -226,6 +231,8 @@ class HttpConfig(_Strict):
     body_timeout_s: float = Field(default=30, gt=0)  # the whole request body
     keepalive_timeout_s: float = Field(default=15, gt=0)  # idle between requests
     max_connections_per_client: int = Field(default=64, ge=1)  # open connections from one address
+    # Open connections in all (None: from the open-files limit, leaving the rest its descriptors).
+    max_connections: int | None = Field(default=None, ge=8)
     # The admin page (/admin) is served only while this is set; its API needs it as a bearer token.
     admin_token: SecretStr | None = None
 

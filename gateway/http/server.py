@@ -8,6 +8,15 @@ of the connection (or of its first byte after a response), an idle connection is
 after `keepalive_timeout_s`, a body must arrive within `body_timeout_s` (else 408), and
 one client address holds at most `max_connections_per_client` connections (more get a
 503 and are closed), so a few slow clients cannot use up the file descriptors.
+
+Many addresses together are bounded too: the server holds at most `max_connections`
+(`http.max_connections`, else derived from the open-files limit, well below it, so
+`accept()` never runs out of descriptors). The last few places are kept for the probes:
+a connection that arrives when the rest are taken may ask only for /healthz or /readyz
+(anything else gets a 503), is closed after its answer, and when those places are taken
+too the one that has waited longest without sending a request (at least a second) gives
+its place up. So a crowd of idle connections can neither take the server's descriptors
+nor blind its probes. (A flood of new connections is a firewall's or a proxy's to stop.)
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,6 +44,43 @@ WEBHOOK_ROUTES = {"/telegram/webhook": "telegram", "/slack/events": "slack"}
 READY_TIMEOUT_S = 10.0
 MAX_JSON_DEPTH = 64  # Slack's deepest blocks nest about a dozen levels
 JSON_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+
+# Connections past the cap: what the probes may still ask, and how many places are theirs.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+PROBE_PLACES_MAX = 16
+PROBE_GRACE_S = 1.0  # a probe's place is never given up sooner: time for its request to arrive
+# Descriptors left for everything but the server's admitted connections (refused ones
+# reading their 503, the database, MCP servers' pipes, the model's and platforms'
+# connections, files): at least this many, or a quarter of the limit; and a cap that no
+# derived limit goes past.
+FD_HEADROOM_MIN = 320
+AUTO_CONNECTIONS_MAX = 16_384
+REFUSED_LINGERING_MAX = 128  # refused connections given a moment to read their 503; more are cut at once
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft open-files limit to the hard one (the soft default, often 1,024, is
+    what a busy server runs out of first); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux refuses "unlimited"
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return int(soft) if soft != resource.RLIM_INFINITY else target
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as err:
+        log.warning("could not raise the open-files limit", extra={"soft": soft, "hard": hard, "error": str(err)})
+        return int(soft)
+    return int(target)
+
+
+def connection_cap(configured: int | None) -> int:
+    """`http.max_connections`, or one derived from the open-files limit that leaves the
+    rest of the gateway its descriptors."""
+    if configured is not None:
+        return configured
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = AUTO_CONNECTIONS_MAX * 2 if soft == resource.RLIM_INFINITY else int(soft)
+    return max(PROBE_PLACES_MAX + 16, min(AUTO_CONNECTIONS_MAX, limit - max(FD_HEADROOM_MIN, limit // 4)))
 
 
 class JsonBodyError(ValueError):
@@ -147,6 +194,9 @@ class _Watched(asyncio.Protocol):
         self._deadline = 0.0
         self._busy = False  # a request is being handled (its body has its own deadline)
         self._heading = False  # bytes of the next request head have arrived
+        self.probe_only = False  # admitted past the cap: /healthz and /readyz only
+        self.opened_at = 0.0
+        self._lingering = False  # refused, given a moment to read its 503
 
     # asyncio.Protocol
 
@@ -155,15 +205,22 @@ class _Watched(asyncio.Protocol):
         self._transport = transport
         peer = transport.get_extra_info("peername")
         self._client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if not self._watch.admit(self._client):
+        self.opened_at = self._now()
+        admitted = self._watch.admit(self._client, self)
+        if admitted is None:
+            if not self._watch.linger_refused():
+                transport.abort()  # too many refused at once: no time to say why
+                return
             # Answer, stop sending, and read what the client already sent until it hangs
             # up (briefly): closing with its request unread would reset the connection
             # before it could read the 503.
+            self._lingering = True
             transport.write(_TOO_MANY)
             if transport.can_write_eof():
                 transport.write_eof()
             self._arm(self._now() + min(1.0, self._watch.cfg.header_timeout_s))
             return
+        self.probe_only = admitted == "probe"
         self._inner = self._make_inner()
         self._watch.handlers[self._inner] = self
         self._inner.connection_made(transport)
@@ -183,11 +240,14 @@ class _Watched(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
-        if self._inner is None:  # refused: never counted
+        if self._inner is None:  # refused: never admitted
+            if self._lingering:
+                self._lingering = False
+                self._watch.refused_gone()
             return
         inner, self._inner = self._inner, None
         self._watch.handlers.pop(inner, None)
-        self._watch.release(self._client)
+        self._watch.release(self._client, self)
         inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -234,40 +294,100 @@ class _Watched(asyncio.Protocol):
         log.debug("closing a slow or idle connection", extra={"client": self._client, "heading": self._heading})
         self._transport.close()
 
+    @property
+    def waiting(self) -> bool:
+        """Admitted and not in a request: an idle or still-arriving head may give its place up."""
+        return not self._busy and self._transport is not None and not self._transport.is_closing()
 
-_TOO_MANY_TEXT = b"too many connections from your address; close some and try again\n"
+    def give_up_place(self) -> None:
+        if self._transport is not None:
+            self._cancel()
+            self._transport.abort()
+
+
+_TOO_MANY_TEXT = b"too many connections from your address, or to this server; try again shortly\n"
 _TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_TOO_MANY_TEXT), _TOO_MANY_TEXT))
 
 
 class ConnectionWatch:
-    """The connections of one server: counts per client address, deadlines per connection."""
+    """The connections of one server: counts per client address and in all, the probes'
+    places past the cap, deadlines per connection."""
 
-    def __init__(self, cfg: HttpConfig) -> None:
+    def __init__(self, cfg: HttpConfig, max_connections: int | None = None) -> None:
         self.cfg = cfg
         self.per_client: Counter[str] = Counter()
         self.handlers: dict[asyncio.Protocol, _Watched] = {}  # aiohttp's protocol → its watcher
         self._refusing: set[str] = set()  # addresses at the cap (one warning each time they reach it)
+        self.set_cap(max_connections if max_connections is not None else connection_cap(cfg.max_connections))
+        self.open = 0  # admitted connections, the probes' included
+        self.probes: set[_Watched] = set()  # admitted past the cap
+        self.refused = 0  # refused, still reading their 503
+        self.full = False  # at the cap (one warning each time it is reached)
+
+    def set_cap(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self.probe_places = max(2, min(PROBE_PLACES_MAX, max_connections // 16))
 
     def protocol(self, make_inner: Callable[[], asyncio.Protocol]) -> _Watched:
         return _Watched(self, make_inner)
 
-    def admit(self, client: str) -> bool:
+    def admit(self, client: str, conn: _Watched) -> str | None:
+        """"open", "probe" (past the cap: the probes' paths only) or None (refused)."""
         if self.per_client[client] >= self.cfg.max_connections_per_client:
             if client not in self._refusing:
                 self._refusing.add(client)
                 log.warning("refusing connections: too many from one address",
                             extra={"client": client, "limit": self.cfg.max_connections_per_client})
-            return False
+            return None
+        kind = "open"
+        if self.open - len(self.probes) >= self.max_connections - self.probe_places:
+            if not self.full:
+                self.full = True
+                log.warning("at the connection limit: new connections may only ask /healthz or /readyz",
+                            extra={"limit": self.max_connections})
+            if len(self.probes) >= self.probe_places and not self._free_a_probe_place():
+                return None
+            kind = "probe"
+            self.probes.add(conn)
         self.per_client[client] += 1
+        self.open += 1
+        return kind
+
+    def _free_a_probe_place(self) -> bool:
+        """The probe place held longest without a request (and for at least PROBE_GRACE_S,
+        so a churning crowd cannot push a real probe out before its request arrives) is
+        given to a newcomer."""
+        now = asyncio.get_running_loop().time()
+        waiting = [c for c in self.probes if c.waiting and now - c.opened_at >= PROBE_GRACE_S]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.opened_at)
+        self.probes.discard(oldest)  # its place is taken now; its own release comes when it is gone
+        oldest.give_up_place()
         return True
 
-    def release(self, client: str) -> None:
+    def release(self, client: str, conn: _Watched) -> None:
+        self.open -= 1
+        self.probes.discard(conn)
         self.per_client[client] -= 1
         if self.per_client[client] <= 0:
             del self.per_client[client]
         if self.per_client[client] < self.cfg.max_connections_per_client:
             self._refusing.discard(client)
+        if self.full and self.open < self.max_connections - self.probe_places:
+            self.full = False
+            log.info("below the connection limit again", extra={"open": self.open})
+
+    def linger_refused(self) -> bool:
+        """Whether a refused connection may stay a moment to read its 503 (else it is cut)."""
+        if self.refused >= REFUSED_LINGERING_MAX:
+            return False
+        self.refused += 1
+        return True
+
+    def refused_gone(self) -> None:
+        self.refused -= 1
 
     @web.middleware
     async def middleware(self, request: web.Request,
@@ -275,6 +395,20 @@ class ConnectionWatch:
         watched = self.handlers.get(request.protocol)
         if watched is not None:
             watched.request_started()
+        if watched is not None and watched.probe_only:
+            # Past the cap: the probes are answered, and the place is freed right after.
+            if request.path in PROBE_PATHS and request.method in ("GET", "HEAD"):
+                try:
+                    resp = await handler(request)
+                finally:
+                    watched.request_finished()
+                resp.force_close()
+                return resp
+            watched.request_finished()
+            busy = web.json_response({"error": "the server is at its connection limit; try again shortly"},
+                                     status=503, headers={"Retry-After": "1"})
+            busy.force_close()
+            return busy
         try:
             if request.body_exists:
                 try:
@@ -345,7 +479,8 @@ class HttpServer:
             self._runner = None
             raise
         self.port = site.bound_port or self.port  # the bound port matters when 0 was asked for
-        log.info("http server listening", extra={"host": self.host, "port": self.port})
+        log.info("http server listening", extra={"host": self.host, "port": self.port,
+                                                 "max_connections": self.watch.max_connections})
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.events import EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -46,6 +45,7 @@ from gateway.tasks.schedule import (
     new_task_id,
     parse_schedule,
     routing_of,
+    run_of,
     slot_key,
 )
 from gateway.tasks.store import Task, TaskStore
@@ -60,6 +60,10 @@ BUSY_RETRY_S = 10.0
 SYNC_INTERVAL_S = 12.0  # shared database: how often the jobs follow tasks made or ended elsewhere
 SYNC_TIMEOUT_S = 30.0
 SAME_RUN_S = 1.0  # a job and its row disagree on the next run by more than this: follow the row
+# Tasks that tasks' runs may make per scope in CHAIN_WINDOW_S (an unattended chain or fan-out;
+# a legitimate "check again in 10 minutes" chain makes 6 an hour).
+CHAINED_PER_HOUR = 12
+CHAIN_WINDOW_S = 3600.0
 
 # -- the running part ----------------------------------------------------------------------
 
@@ -231,19 +235,38 @@ class TaskScheduler:
         now = self._now()
         schedule = parse_schedule(at=at, every=every, cron=cron, now=now, zone_name=cfg.timezone,
                                   min_interval_s=cfg.tasks.min_interval_s)
-        first = schedule.next_after(now)
+        # A task made by a task's run is a link of a chain no person watches: it runs no
+        # sooner than tasks.min_interval_s after the run that made it (the slot is read back
+        # in whole seconds: one more second keeps the gap whole), and the scope may get at
+        # most CHAINED_PER_HOUR of them an hour, so a chain or a fan-out cannot loop fast.
+        made_by = run_of(inbound)
+        chained: tuple[float, int] | None = None
+        since = now
+        if made_by is not None:
+            earliest = made_by[1] + timedelta(seconds=cfg.tasks.min_interval_s + 1)
+            schedule = schedule.not_before(earliest)
+            since = max(now, earliest - timedelta(microseconds=1))
+            chained = (now.timestamp() - CHAIN_WINDOW_S, CHAINED_PER_HOUR)
+        first = schedule.next_after(since)
         if first is None:  # cannot happen for a schedule that parsed; guards the invariant
             raise TaskError("that schedule never runs")
         for attempt in range(12):
             task = Task(id=new_task_id(ID_LENGTH if attempt < 8 else ID_LENGTH + 2), scope=scope,
                         session_key=session_key, routing=routing_of(inbound), prompt=text, schedule=schedule,
-                        next_run=first.timestamp(), created_by=inbound.identity, created_at=time.time())
-            result = await self.db.insert(task, limit=limit)
+                        next_run=first.timestamp(), created_by=inbound.identity, created_at=now.timestamp(),
+                        made_by_task=made_by[0] if made_by is not None else None)
+            result = await self.db.insert(task, limit=limit, chained=chained)
             if result == "full":
                 raise TaskError(self._full(limit))
+            if result == "chained":
+                log.warning("task refused: too many tasks made by tasks", extra={
+                    "session": session_key, "by_task": task.made_by_task, "limit": CHAINED_PER_HOUR})
+                raise TaskError(f"scheduled tasks have made {CHAINED_PER_HOUR} tasks in this chat in the last hour, "
+                                "the most allowed; a task may not schedule another now (a person still can)")
             if result == "ok":
                 self._schedule(task)
-                log.info("task scheduled", extra={"task": task.id, "session": session_key, "kind": schedule.kind})
+                log.info("task scheduled", extra={"task": task.id, "session": session_key, "kind": schedule.kind,
+                                                  "by_task": task.made_by_task})
                 return task
         raise TaskError("could not find a free task id; please try again")
 

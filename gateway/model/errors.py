@@ -87,13 +87,15 @@ class ModelError(Exception):
 
 
 _SECRET_SHAPES = re.compile(
-    r"(sk-[A-Za-z0-9_\-*]{6,}|Bearer\s+\S+|(?:api[_-]?key|token)[\"']?\s*[:=]\s*[\"']?[^\s\"',}]+)",
+    r"(sk-[A-Za-z0-9_\-*]{6,}|(?:Bearer|Basic)\s+\S+"
+    r"|(?:api[_ -]?key|token|secret|password|passwd)[\"']?\s*[:=]\s*[\"']?[^\s\"',}]+)",
     re.IGNORECASE,
 )
 
 
 def redact(text: str) -> str:
-    """Provider texts sometimes echo (part of) the key; never show it."""
+    """Provider texts (and MCP servers' errors) sometimes echo (part of) a key; never show
+    anything shaped like one: `sk-…`, a bearer or basic credential, `api_key=…`, `token: …`."""
     return _SECRET_SHAPES.sub("***", text)
 
 

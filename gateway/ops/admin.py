@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from gateway.config.cron import zone
 from gateway.config.schema import LOOPBACK_HOSTS, Config, secret_text
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
 from gateway.http.server import JsonBodyError, parse_json_body
+from gateway.http.throttle import AuthThrottle
 from gateway.ops.logs import REDACTOR, Redactor
 from gateway.store.api import StoreBackend
 
@@ -167,7 +169,8 @@ class AdminApi:
                  next_runs: Callable[[], dict[str, datetime | None]],
                  tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str,
                  receiving: Callable[[], dict[str, str]] | None = None,
-                 cluster: Callable[[], Awaitable[dict[str, Any] | None]] | None = None) -> None:
+                 cluster: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+                 throttle: AuthThrottle | None = None) -> None:
         self.config = config
         self.store = store
         self.pairing = pairing
@@ -179,6 +182,7 @@ class AdminApi:
         # Channels received on one gateway of a cluster at a time: "leads" or "standby: …".
         self.receiving = receiving or dict
         self.cluster = cluster  # the gateways sharing the database, when it is shared
+        self.throttle = throttle if throttle is not None else AuthThrottle("admin")  # failed token checks, per address
         self._files: dict[str, tuple[bytes, str]] = {}  # static file → (bytes, etag)
 
     def routes(self) -> list[web.RouteDef]:
@@ -205,9 +209,15 @@ class AdminApi:
                          extra={"host": request.headers.get(hdrs.HOST, "")[:100],
                                 "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
                 return _error(403, refused)
+            wait = self.throttle.refusal(request.remote)  # an address guessing tokens waits its turn
+            if wait is not None:
+                resp = _error(429, "too many wrong tokens from your address; try again later")
+                resp.headers["Retry-After"] = str(math.ceil(wait))
+                return resp
             header = request.headers.get(hdrs.AUTHORIZATION, "")
             given = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
             if not hmac.compare_digest(given.encode(), token.encode()):
+                await self.throttle.failed(request.remote)
                 return _error(401, "a valid admin token is required (Authorization: Bearer <http.admin_token>)")
             if request.method == "POST" and request.content_type != "application/json":
                 return _error(415, "send the body as JSON with Content-Type: application/json")

@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
+from gateway.model.errors import redact as redact_shapes
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -31,6 +33,12 @@ class Redactor(logging.Filter):
             if secret in text:
                 text = text.replace(secret, "***")
         return text
+
+    def redact_shown(self, text: str) -> str:
+        """Text from outside shown to people (an MCP server's error or stderr line): the
+        configured secrets, and anything shaped like a key, which a server may print on an
+        auth error with a key the gateway never saw."""
+        return redact_shapes(self.redact(text))
 
 
 class LineFormatter(logging.Formatter):

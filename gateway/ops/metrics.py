@@ -58,6 +58,9 @@ class Metrics:
 
         self.leases_held = Gauge("gateway_leases_held", "Leases this gateway holds on the shared database "
                                  "(sessions running here, polling, its own liveness)", registry=r)
+        self.auth_failures = Counter("gateway_auth_failures_total", "Requests with a wrong bearer token, by API "
+                                     "(web chat, admin); each address's are answered ever more slowly",
+                                     ["api"], registry=r)
         self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
                                  "and this one ran after that gateway died or stalled", registry=r)
 

@@ -34,6 +34,9 @@ from gateway.store.fence import FENCE, FencedOut
 from gateway.store.group_commit import GroupInsert
 from gateway.store.migrations.postgres import MIGRATIONS
 from gateway.store.rows import (
+    HISTORY_PAGE_CHARS,
+    HISTORY_SHOWN,
+    HistoryPage,
     JobRun,
     PendingEvent,
     PendingPairing,
@@ -42,6 +45,7 @@ from gateway.store.rows import (
     StoreStats,
     attachments_to_json,
     count_noun,
+    history_cut,
     like_pattern,
     row_to_message,
     storable_args,
@@ -324,14 +328,28 @@ class PgStore:
             attachments=msg.attachments,
         )
 
-    async def chat_history(self, key: str, *, limit: int) -> list[Message]:
+    async def chat_history_page(self, key: str, *, limit: int, before: tuple[int, int] | None = None,
+                                max_chars: int = HISTORY_PAGE_CHARS) -> HistoryPage:
+        """Up to `limit` messages the person saw in the chat (HISTORY_SHOWN) older than
+        `before` (turn, seq), oldest first, with at most `max_chars` of text (history_cut).
+        The sizes are read first, so a page never reads more than it returns."""
+        older_than = " AND (turn, seq) < (?, ?)" if before is not None else ""
+        sizes = await self._rows(
+            f"SELECT turn, seq, length(content) FROM messages WHERE {HISTORY_SHOWN}{older_than} "
+            "ORDER BY turn DESC, seq DESC LIMIT ?", (key, *(before or ()), limit + 1))
+        take = history_cut([int(r[2] or 0) for r in sizes], limit=limit, max_chars=max_chars)
+        if take == 0:
+            return HistoryPage([], None)
+        newest, oldest = sizes[0], sizes[take - 1]
         rows = await self._rows(
-            "SELECT * FROM (SELECT * FROM messages WHERE session_key=? AND injected=0 "
-            "AND ((role='user' AND origin IS NULL) OR (role='assistant' AND tool_calls IS NULL)) "
-            "ORDER BY turn DESC, seq DESC LIMIT ?) h ORDER BY turn, seq",
-            (key, limit),
-        )
-        return [row_to_message(r) for r in rows]
+            f"SELECT * FROM messages WHERE {HISTORY_SHOWN} AND (turn, seq) >= (?, ?) AND (turn, seq) <= (?, ?) "
+            "ORDER BY turn, seq", (key, oldest[0], oldest[1], newest[0], newest[1]))
+        older = (int(oldest[0]), int(oldest[1])) if len(sizes) > take else None
+        return HistoryPage([row_to_message(r) for r in rows], older)
+
+    async def chat_history(self, key: str, *, limit: int, max_chars: int = HISTORY_PAGE_CHARS) -> list[Message]:
+        """The latest page of what the person saw in the chat (chat_history_page), oldest first."""
+        return (await self.chat_history_page(key, limit=limit, max_chars=max_chars)).messages
 
     async def count_messages(self, key: str | None = None) -> int:
         if key is None:

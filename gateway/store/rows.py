@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -136,6 +136,34 @@ class UsageDay:
     day: str
     turns: int
     tokens: int
+
+
+# A chat's history as the person saw it: what they wrote and the final replies (no tool
+# traffic, no gateway notices, no scheduled task's prompt: only its reply was shown).
+HISTORY_SHOWN = ("session_key=? AND injected=0 "
+                 "AND ((role='user' AND origin IS NULL) OR (role='assistant' AND tool_calls IS NULL))")
+HISTORY_PAGE_CHARS = 256_000  # text per page of history, however large the messages
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryPage:
+    """Some of a chat's history, oldest first, and where the page before it ends."""
+
+    messages: list[Message]
+    older: tuple[int, int] | None  # (turn, seq) to read on from (`before`); None: nothing older
+
+
+def history_cut(sizes: Sequence[int], *, limit: int, max_chars: int) -> int:
+    """How many of the newest messages (their sizes, newest first) one page holds: at
+    most `limit`, with at most `max_chars` of text together, and always one (a single
+    message longer than that still comes whole, so a reader never stalls)."""
+    total = taken = 0
+    for size in sizes[:limit]:
+        if taken and total + size > max_chars:
+            break
+        total += size
+        taken += 1
+    return taken
 
 
 def count_noun(n: int, noun: str) -> str:

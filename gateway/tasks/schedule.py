@@ -7,7 +7,7 @@ import itertools
 import math
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any, Literal
 
@@ -127,6 +127,16 @@ class Schedule:
             return datetime.fromtimestamp(self._anchor + (math.floor(since / period) + 1) * period, UTC)
         trigger = cron_trigger(self.spec, self.tz)
         return trigger.get_next_fire_time(None, now.astimezone(self.tz) + timedelta(microseconds=1))
+
+    def not_before(self, earliest: datetime) -> Schedule:
+        """This schedule with no run before `earliest` (a cron keeps its expression: the
+        scheduler starts it from its first run at or after `earliest`)."""
+        if self.kind == "at":
+            run = datetime.fromisoformat(self.spec)
+            return self if run >= earliest else replace(self, spec=earliest.astimezone(run.tzinfo).isoformat())
+        if self.kind == "every":
+            return self if self._anchor >= earliest.timestamp() else replace(self, anchor=earliest.timestamp())
+        return self
 
     def describe(self, tz: tzinfo) -> str:
         if self.kind == "at":
@@ -248,4 +258,20 @@ def clean_task_id(text: str) -> str:
 
 def slot_key(slot: datetime) -> str:
     return slot.astimezone(UTC).isoformat(timespec="seconds")
+
+
+def run_of(inbound: Inbound) -> tuple[str, datetime] | None:
+    """(task id, slot) of the task run `inbound` is the turn of; None for a person's message.
+    The slot is read back from the run's event id (`task:<id>:<slot key>`), whole seconds."""
+    if inbound.origin != ORIGIN:
+        return None
+    head, _, rest = inbound.event_id.partition(":")
+    task_id, _, key = rest.partition(":")
+    if head != "task" or not task_id or not key:
+        return None
+    try:
+        slot = datetime.fromisoformat(key)
+    except ValueError:
+        return None
+    return task_id, slot if slot.tzinfo is not None else slot.replace(tzinfo=UTC)
 

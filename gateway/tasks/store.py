@@ -28,6 +28,7 @@ class Task:
     created_at: float
     ended_at: float | None = None
     end_reason: str | None = None  # done | cancelled | missed
+    made_by_task: str | None = None  # the task whose run made this one (None: a person did)
 
     @property
     def active(self) -> bool:
@@ -63,7 +64,7 @@ def _task(row: Any) -> Task:
         id=row["id"], scope=row["scope"], session_key=row["session_key"], routing=json.loads(row["routing"]),
         prompt=row["prompt"], schedule=Schedule(row["kind"], row["spec"], row["zone"], row["anchor"]),
         next_run=row["next_run"], created_by=row["created_by"], created_at=row["created_at"],
-        ended_at=row["ended_at"], end_reason=row["end_reason"],
+        ended_at=row["ended_at"], end_reason=row["end_reason"], made_by_task=row["made_by_task"],
     )
 
 
@@ -73,21 +74,40 @@ class TaskStore:
     def __init__(self, store: StoreBackend) -> None:
         self.store = store
 
-    async def insert(self, task: Task, *, limit: int) -> Literal["ok", "full", "taken"]:
-        """Add `task` unless its scope has `limit` active tasks already (checked in the
-        same statement, so two sessions of a scope cannot both take the last place)."""
+    async def insert(self, task: Task, *, limit: int,
+                     chained: tuple[float, int] | None = None) -> Literal["ok", "full", "chained", "taken"]:
+        """Add `task` unless its scope has `limit` active tasks already, or, with `chained`
+        (since, most), unless tasks' runs made `most` tasks in the scope since then. Both
+        are checked in the same statement, so two runs cannot both take the last place."""
         s = task.schedule
+        chain_check, chain_args = "", ()  # type: tuple[str, tuple[object, ...]]
+        if chained is not None:
+            chain_check = (" AND (SELECT count(*) FROM tasks WHERE scope=? AND made_by_task IS NOT NULL "
+                           "AND created_at >= ?) < ?")
+            chain_args = (task.scope, chained[0], chained[1])
         rows = await self.store.run(
             "INSERT INTO tasks(id, scope, session_key, routing, prompt, kind, spec, zone, anchor, next_run, "
-            "created_by, created_at) SELECT ?,?,?,?,?,?,?,?,?,?,?,? "
-            "WHERE (SELECT count(*) FROM tasks WHERE scope=? AND ended_at IS NULL) < ? "
-            "ON CONFLICT(id) DO NOTHING RETURNING id",
+            "created_by, created_at, made_by_task) SELECT ?,?,?,?,?,?,?,?,?,?,?,?,? "
+            "WHERE (SELECT count(*) FROM tasks WHERE scope=? AND ended_at IS NULL) < ?" + chain_check +
+            " ON CONFLICT(id) DO NOTHING RETURNING id",
             (task.id, task.scope, task.session_key, json.dumps(task.routing, ensure_ascii=False), task.prompt,
-             s.kind, s.spec, s.zone, s.anchor, task.next_run, task.created_by, task.created_at, task.scope, limit),
+             s.kind, s.spec, s.zone, s.anchor, task.next_run, task.created_by, task.created_at, task.made_by_task,
+             task.scope, limit, *chain_args),
         )
         if rows:
             return "ok"
-        return "full" if await self.count_active(task.scope) >= limit else "taken"
+        if await self.count_active(task.scope) >= limit:
+            return "full"
+        if chained is not None and await self.count_made_by_tasks(task.scope, since=chained[0]) >= chained[1]:
+            return "chained"
+        return "taken"
+
+    async def count_made_by_tasks(self, scope: str, *, since: float) -> int:
+        """Tasks that tasks' runs made in `scope` since `since` (ended ones too)."""
+        rows = await self.store.run(
+            "SELECT count(*) FROM tasks WHERE scope=? AND made_by_task IS NOT NULL AND created_at >= ?",
+            (scope, since))
+        return int(rows[0][0])
 
     async def count_active(self, scope: str) -> int:
         rows = await self.store.run("SELECT count(*) FROM tasks WHERE scope=? AND ended_at IS NULL", (scope,))

@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import anyio
 
 from gateway.config.schema import McpConfig, McpServerConfig
+from gateway.ops.logs import REDACTOR
 from gateway.tools.base import ToolContext, ToolError, ToolImage, ToolOutput
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ HTTP_CONNECT_TIMEOUT_S = 15.0
 CALL_GUARD_S = 5.0  # past a server's timeout_s, a call that its connection never answered is given up
 STDERR_LOG_MAX_BYTES = 1_000_000  # a server's stderr log is started afresh past this
 REASON_MAX_CHARS = 300
+STDERR_TAIL_BYTES = 4096  # how much of a server's stderr log is read for its last line
+STDERR_SHOWN_CHARS = 200
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's (and most providers') rule for function names
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_-]")
@@ -174,7 +177,7 @@ def result_output(result: types.CallToolResult, tool: str, server: str = "", rem
         parts.append(json.dumps(result.structuredContent, ensure_ascii=False, indent=2))
     text = "\n".join(parts)
     if result.isError:
-        raise ToolError(text or f"{tool} reported an error without saying which")
+        raise ToolError(REDACTOR.redact_shown(text) or f"{tool} reported an error without saying which")
     return ToolOutput(text or ("" if images else "(no output)"), images=tuple(images),
                       source=f"MCP server {server}, tool {remote}" if server else f"MCP tool {tool}")
 
@@ -191,21 +194,20 @@ class ServerStatus:
     retry_in_s: float | None = None
     transport: Literal["stdio", "http"] = "stdio"
 
-    def describe(self) -> str:
+    def describe(self, *, details: bool = True) -> str:
+        """One line for /tools and the admin page; without `details` (people who are not
+        admins) a failure says when it is retried, not the server's words."""
         if self.state == "ready":
             return f"ready, {self.tools} tool{'s' if self.tools != 1 else ''}"
         if self.state == "failed":
             retry = f"; retry in {self.retry_in_s:.0f} s" if self.retry_in_s is not None else ""
-            return f"failed: {self.error}{retry}"
+            return f"failed: {self.error}{retry}" if details else f"failed{retry}"
         return self.state
 
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"state": self.state, "tools": self.tools}
-        if self.error is not None:
-            out["error"] = self.error
-        if self.retry_in_s is not None:
-            out["retry_in_s"] = round(self.retry_in_s, 1)
-        return out
+    @property
+    def public_state(self) -> str:
+        """All an unauthenticated caller (/readyz) learns: up, starting, down or disabled."""
+        return {"ready": "up", "connecting": "starting", "failed": "down"}.get(self.state, str(self.state))
 
 
 class ConnectionLost(Exception):
@@ -278,7 +280,9 @@ class _Server:
 
     def status(self) -> ServerStatus:
         retry = max(0.0, self.retry_at - time.monotonic()) if self.retry_at is not None else None
-        return ServerStatus(self.name, self.state, len(self.remote), self.error,
+        # Redacted here too: a secret added by a reload is hidden from an older error as well.
+        error = REDACTOR.redact_shown(self.error) if self.error is not None else None
+        return ServerStatus(self.name, self.state, len(self.remote), error,
                             retry if self.state == "failed" else None, self.transport)
 
     # -- calls (from any task) --
@@ -509,7 +513,8 @@ class _Server:
                 except McpError as err:
                     call.settle(ToolError(self._refused(call, err)))
                 except Exception as err:  # a malformed answer must not end the connection
-                    call.settle(ToolError(f"{call.shown} failed: {type(err).__name__}: {str(err)[:REASON_MAX_CHARS]}"))
+                    reason = REDACTOR.redact_shown(str(err))[:REASON_MAX_CHARS]
+                    call.settle(ToolError(f"{call.shown} failed: {type(err).__name__}: {reason}"))
         finally:
             self._in_flight -= 1
             # Still unsettled: the connection ended under it (or the caller left).
@@ -523,7 +528,8 @@ class _Server:
             return self._too_slow(call.shown)
         if code == types.CONNECTION_CLOSED:
             return f"the MCP server {self.name} went away during the call"
-        return f"the MCP server {self.name} refused the call: {err.error.message[:REASON_MAX_CHARS]}"
+        reason = REDACTOR.redact_shown(err.error.message)[:REASON_MAX_CHARS]
+        return f"the MCP server {self.name} refused the call: {reason}"
 
     async def _reason(self, err: BaseException, *, started: bool) -> str:
         """Why the connection ended, for /tools and the log; a server that failed while
@@ -551,8 +557,9 @@ class _Server:
         if started and self._stderr_path is not None and isinstance(leaf, (ConnectionLost, TimeoutError, McpError)):
             last = await asyncio.to_thread(_last_line, self._stderr_path, self._stderr_mark)
             if last:
-                text += f" (stderr: {last})"
-        return text[:REASON_MAX_CHARS]
+                text += f" (stderr: {last[:STDERR_SHOWN_CHARS]})"
+        # Servers print keys on auth errors: redacted before it is cut, so no piece of one stays.
+        return REDACTOR.redact_shown(text)[:REASON_MAX_CHARS]
 
 
 def _first_cause(err: BaseException) -> BaseException:
@@ -567,15 +574,21 @@ def _first_cause(err: BaseException) -> BaseException:
 
 
 def _last_line(path: Path, since: int) -> str:
-    """The last non-empty line written to `path` after offset `since`."""
+    """The last non-empty line written to `path` after offset `since`, redacted (a line
+    longer than the tail read is left out rather than shown from its middle, where a
+    key's end would not be recognized)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(max(since, fh.seek(0, os.SEEK_END) - 2048))
+            start = max(since, fh.seek(0, os.SEEK_END) - STDERR_TAIL_BYTES)
+            fh.seek(start)
             tail = fh.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    return lines[-1][:200] if lines else ""
+    lines = tail.splitlines()
+    if start > since and lines:
+        lines = lines[1:]  # began mid-line
+    lines = [line.strip() for line in lines if line.strip()]
+    return REDACTOR.redact_shown(lines[-1]) if lines else ""
 
 
 # -- the source ------------------------------------------------------------------------------

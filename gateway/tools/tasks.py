@@ -80,7 +80,9 @@ class ScheduleTask:
             raise ToolArgumentError(str(err)) from None
         tz = zone(ctx.config.timezone)
         first = format_time(datetime.fromtimestamp(task.next_run or 0, UTC), tz)
-        return ToolOutput(f"Scheduled task {task.id}: {task.schedule.describe(tz)}; first run {first}. "
+        chained = (f" (a task made during a task's run starts at least {ctx.config.tasks.min_interval_s}s "
+                   "after that run: tasks.min_interval_s)" if task.made_by_task else "")
+        return ToolOutput(f"Scheduled task {task.id}: {task.schedule.describe(tz)}; first run {first}{chained}. "
                           f"It can be cancelled with cancel_task(id='{task.id}') or /tasks cancel {task.id}.")
 
 

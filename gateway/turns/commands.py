@@ -179,7 +179,7 @@ class Commands:
         elif name == "approve":
             await self._answer(inbound, await self.approve(inbound, args))
         elif name == "tools":
-            await self._answer(inbound, self.tools())
+            await self._answer(inbound, self.tools(details=is_admin(self.s.cfg, inbound.identity)))
         elif name == "skills":
             await self._answer(inbound, self.skills(inbound))
         elif name == "tasks":
@@ -396,8 +396,9 @@ class Commands:
         shown = masked_settings(self.s).get(key)
         return f"{key} = {json.dumps(shown, ensure_ascii=False)} ({EFFECT_NOTE[change_effect(key)]})"
 
-    def tools(self) -> str:
-        """/tools: every tool a turn here may call, and each MCP server's state."""
+    def tools(self, *, details: bool = False) -> str:
+        """/tools: every tool a turn here may call, and each MCP server's state; why a
+        server failed (its error, its last stderr line) only with `details` (admins)."""
         registry = self.s.tools
         mcp = self.s.mcp
         by_server: dict[str, list[str]] = {}
@@ -415,7 +416,7 @@ class Commands:
             return "\n".join(lines)
         lines.append("MCP servers:")
         for status in statuses:
-            lines.append(f"- {status.name}: {status.describe()}")
+            lines.append(f"- {status.name}: {status.describe(details=details)}")
             if by_server.get(status.name):
                 lines.append("  " + ", ".join(by_server[status.name]))
         return "\n".join(lines)

@@ -426,6 +426,9 @@ class FakeSlack:
 
     def _post(self, params: dict[str, Any]) -> dict[str, Any]:
         channel = str(params.get("channel", ""))
+        for flag in ("unfurl_links", "unfurl_media"):  # booleans (form posts spell them as text)
+            if flag in params and params[flag] not in (True, False, "true", "false", "1", "0"):
+                return {"ok": False, "error": "invalid_arguments"}
         markdown = params.get("markdown_text")
         if markdown is not None:
             if params.get("text") or params.get("blocks"):

@@ -460,7 +460,13 @@ class FakeTelegram:
                            "make sure that only one bot instance is running")
 
     def _message_text(self, text: Any, params: dict[str, Any]) -> Parsed | web.Response:
-        """What a sent or edited message shows, or Telegram's refusal of its text."""
+        """What a sent or edited message shows, or Telegram's refusal of its text (or of
+        its link preview options, which must be a LinkPreviewOptions object)."""
+        previews = params.get("link_preview_options")
+        if previews is not None and (not isinstance(previews, dict) or not all(
+                isinstance(previews.get(flag, False), bool) for flag in ("is_disabled", "prefer_small_media",
+                                                                          "prefer_large_media", "show_above_text"))):
+            return _error(400, "Bad Request: can't parse link preview options JSON object")
         refused = self._refused_formatting(text, params)
         if refused is not None:
             return refused

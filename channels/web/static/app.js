@@ -160,7 +160,8 @@
     if (!force && key === shownHistory) return;
     shownHistory = key;
     clearLog();
-    if (data.messages.length === HISTORY_LIMIT) addNote("Showing the last " + HISTORY_LIMIT + " messages.");
+    // `before` is set when older messages exist (a page holds at most HISTORY_LIMIT, and less when they are long).
+    if (data.before) addNote("Showing the last " + data.messages.length + " messages.");
     for (const m of data.messages) addMessage(m.role === "user" ? "user" : "bot", m.text, m.at);
     scrollDown(true);
   }

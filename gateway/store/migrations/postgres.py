@@ -269,4 +269,9 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX approvals_session ON approvals(session_key, asked_at);
     """,
+    # 8: SQLite's migration 10: the task whose run made a task, to rate-limit chains.
+    """
+    ALTER TABLE tasks ADD COLUMN made_by_task TEXT;
+    CREATE INDEX tasks_made_by_task ON tasks(scope, created_at) WHERE made_by_task IS NOT NULL;
+    """,
 ]

@@ -272,4 +272,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX approvals_session ON approvals(session_key, asked_at);
     """,
+    # 10: a task made during another task's run names that task, so the tasks that tasks
+    # make can be counted per scope and hour (an unattended chain is rate-limited).
+    """
+    ALTER TABLE tasks ADD COLUMN made_by_task TEXT;
+    CREATE INDEX tasks_made_by_task ON tasks(scope, created_at) WHERE made_by_task IS NOT NULL;
+    """,
 ]
