@@ -239,8 +239,9 @@ class WebChannel:
         refused = self._cross_site(request)
         if refused is not None:
             return _error(403, refused)
-        if not self._authorized(request):
-            return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
+        unauthorized = await self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
         if self.decide is None or not self._running:
             return _error(503, "approvals are not available right now")
         try:
@@ -257,7 +258,7 @@ class WebChannel:
         who = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="approval",
                       user_name=session)
         notice = await self.decide(approval_id, who, decision == "allow")
-        return web.json_response({"notice": notice}, headers={"Cache-Control": "no-store"})
+        return web.json_response({"notice": notice}, headers=API_HEADERS)
 
     async def _package_file(self, path: str) -> tuple[bytes, str]:
         cached = self._static.get(path)
