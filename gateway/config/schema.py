@@ -144,6 +144,14 @@ class SlackConfig(_Strict):
     streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
 
 
+class DiscordConfig(_Strict):
+    enabled: bool = False
+    token: SecretStr | None = None
+    # The REST base; the gateway's websocket address is what `GET {api_base}/gateway/bot` says.
+    api_base: str = "https://discord.com/api/v10"
+    streaming: Literal["edit", "off"] = "edit"  # SPEC §5.1
+
+
 class WebConfig(_Strict):
     enabled: bool = True
     token: SecretStr | None = None
@@ -156,6 +164,7 @@ class TerminalConfig(_Strict):
 class ChannelsConfig(_Strict):
     telegram: TelegramConfig = TelegramConfig()
     slack: SlackConfig = SlackConfig()
+    discord: DiscordConfig = DiscordConfig()
     web: WebConfig = WebConfig()
     terminal: TerminalConfig = TerminalConfig()
 
