@@ -297,7 +297,8 @@ class DiscordChannel:
                 log.error("discord: the token was refused: %s", exc)
                 backoff = 60.0
             except Exception as exc:
-                log.warning("discord: gateway connection failed: %s", exc)
+                if self._receiving:  # else: the client was closed under it on purpose
+                    log.warning("discord: gateway connection failed: %s", exc)
             finally:
                 self._connected = False
                 with contextlib.suppress(Exception):

@@ -152,6 +152,8 @@ class FakeDiscord:
         self._dms: dict[int, int] = {}  # user → DM channel
         self._files: dict[str, tuple[bytes, str]] = {}  # CDN path → (bytes, content type)
         self._changed = asyncio.Event()
+        self._gateway_open = asyncio.Event()  # cleared: new websockets wait (an outage)
+        self._gateway_open.set()
         self._runner: web.AppRunner | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -263,6 +265,13 @@ class FakeDiscord:
     def rate_limit_next(self, route: str, retry_after: float) -> None:
         """The next call of `route` ("post", "edit", "delete", "typing") gets a 429."""
         self._forced[route].append(retry_after)
+
+    def close_gateway(self) -> None:
+        """An outage: new gateway websockets wait (unanswered) until `open_gateway`."""
+        self._gateway_open.clear()
+
+    def open_gateway(self) -> None:
+        self._gateway_open.set()
 
     async def drop_connections(self) -> None:
         """Cut every gateway websocket as a network failure does (no close frame); the
@@ -551,6 +560,7 @@ class FakeDiscord:
                 return
 
     async def _on_gateway(self, request: web.Request) -> web.StreamResponse:
+        await asyncio.wait_for(self._gateway_open.wait(), 60)
         ws = web.WebSocketResponse(max_msg_size=4096 * 1024)
         await ws.prepare(request)
         session: _Session | None = None
