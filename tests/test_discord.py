@@ -20,7 +20,7 @@ import pytest
 
 from channels.base import ChannelHooks, ReplyStream
 from channels.discord.adapter import DiscordChannel
-from channels.discord.format import DISCORD_TEXT_LIMIT, render_markdown
+from channels.discord.format import render_markdown
 from gateway.app import Gateway
 from gateway.config.schema import DiscordConfig
 from gateway.keys import memory_scope, scope_dirname, workspace_dir
