@@ -498,3 +498,13 @@ async def test_the_fake_enforces_discords_limits(fake_discord: FakeDiscord) -> N
         assert fake_discord.rate_limited == ["post"]
         async with http.patch(f"{url}/1", json={"content": "x"}, headers=headers) as resp:
             assert resp.status == 404 and (await resp.json())["code"] == 10008
+
+
+async def test_a_notice_to_someone_known_by_id_alone_opens_their_dm(fake_discord: FakeDiscord, start: Start) -> None:
+    channel, _, _ = await start()
+    admin = Inbound(channel="discord", chat_id=str(OTHER), user_id=str(OTHER), text="", event_id="notice")
+    assert channel.stream(admin) is None  # no DM channel known yet: the reply goes whole through send()
+    await channel.send(admin, "config change refused")
+    await channel.send(admin, "and another")
+    assert fake_discord.visible(fake_discord.dm_channel(OTHER)) == ["config change refused", "and another"]
+    assert fake_discord.calls.count(("POST", "/users/@me/channels")) == 1  # remembered after the first
