@@ -126,7 +126,6 @@ class DiscordChannel:
         self._connector: asyncio.Task[None] | None = None  # retries a failed first login
         self._receiver: asyncio.Task[None] | None = None  # the websocket side while leading
         self._consumer: asyncio.Task[None] | None = None  # hands received messages to the router
-        self._client: _Receiver | None = None
         self._receiving = False
         self._connected = False
         self._inbox: asyncio.Queue[discord.Message] = asyncio.Queue(maxsize=INBOX_SIZE)
@@ -181,15 +180,11 @@ class DiscordChannel:
         self._receiving = False
         receiver, self._receiver = self._receiver, None
         consumer, self._consumer = self._consumer, None
-        client = self._client
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), STOP_TIMEOUT_S)
         if receiver is not None:
-            done, _ = await asyncio.wait({receiver}, timeout=STOP_TIMEOUT_S)
-            if not done:
-                receiver.cancel()
-                await asyncio.wait({receiver}, timeout=1)
+            # Cancelled first, closed after (in its `finally`): a client closed under a
+            # running connect() would still dispatch events into a loop it no longer has.
+            receiver.cancel()
+            await asyncio.wait({receiver}, timeout=STOP_TIMEOUT_S + 1)
         if consumer is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox.join(), DRAIN_TIMEOUT_S)
@@ -283,7 +278,7 @@ class DiscordChannel:
         await self._logged_in.wait()
         backoff = 1.0
         while self._receiving:
-            client = self._client = _Receiver(self, await self._new_http())
+            client = _Receiver(self, await self._new_http())
             try:
                 await asyncio.wait_for(client.login(self._token()), LOGIN_TIMEOUT_S)
                 backoff = 1.0
