@@ -71,6 +71,7 @@ SHUTDOWN_TIMEOUT_S = 20.0
 PLATFORMS: dict[str, str] = {
     "telegram": "channels.telegram",
     "slack": "channels.slack",
+    "discord": "channels.discord",
 }
 
 
@@ -98,6 +99,7 @@ def secret_values(cfg: Config) -> list[str]:
     for alias in cfg.models:  # every alias's key, also one that inherits `model`'s
         values.append(cfg.model_for(alias).key_value())
     for secret in (t.token, t.webhook_secret, s.bot_token, s.app_token, s.signing_secret, w.token,
+                   cfg.channels.discord.token,
                    cfg.http.admin_token, cfg.tools.web_search.api_key, cfg.transcription.api_key):
         if secret is not None:
             values.append(secret.get_secret_value())
@@ -327,6 +329,13 @@ class Gateway:
             mode = "socket mode" if cfg.channels.slack.mode == "socket" else "events over HTTP"
             lines.append(f"slack: {mode} as {who}" if who
                          else "slack: not connected (see the error above; /readyz tells when it is)")
+        discord = self.channels.get("discord")
+        if discord is None:
+            lines.append("discord: off")
+        else:
+            bot = getattr(discord, "identity", None)
+            lines.append(f"discord: gateway websocket as {bot.name} ({bot.id})" if bot is not None
+                         else "discord: not connected (see the error above; /readyz tells when it is)")
         if "terminal" in self.channels:
             lines.append("terminal chat: this terminal (session terminal:local)")
         servers = sum(1 for server in cfg.mcp.servers.values() if server.enabled)

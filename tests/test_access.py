@@ -82,3 +82,21 @@ async def test_messages_at_the_same_time_make_one_code(tmp_path: Path) -> None:
         assert rows[0][0] == 1
     finally:
         await store.close()
+
+
+def test_discord_people_and_channels() -> None:
+    cfg = parse_config({"admins": ["discord:42"], "access": {"dm_policy": "allowlist",
+                                                             "allow_from": ["discord:43", "discord:77"]}}, environ={})
+    assert decide(cfg, _dm("42", "discord"), approved=False).action == "allow"  # an admin
+    assert decide(cfg, _dm("43", "discord"), approved=False).action == "allow"
+    assert decide(cfg, _dm("44", "discord"), approved=False).action == "refuse"
+    assert decide(cfg, _dm("43", "telegram"), approved=False).action == "refuse"  # ids are per platform
+
+    def in_channel(chat: str, *, thread: str | None = None, mentioned: bool = True) -> Inbound:
+        return Inbound(channel="discord", chat_id=chat, user_id="44", text="hi", event_id="1", is_group=True,
+                       thread_id=thread, mentioned=mentioned)
+
+    assert decide(cfg, in_channel("77"), approved=False).action == "allow"
+    assert decide(cfg, in_channel("77", thread="91"), approved=False).action == "allow"  # a thread of a listed channel
+    assert decide(cfg, in_channel("77", mentioned=False), approved=False).action == "ignore"
+    assert decide(cfg, in_channel("78"), approved=False).action == "ignore"

@@ -138,6 +138,15 @@ def test_an_unset_reference_names_the_key_and_the_variable_where_it_is_needed() 
     assert startup_problems(webhook) == [
         "channels.telegram.webhook_secret: the environment variable TG_HOOK_FOR_TEST is not set "
         "(needed in webhook mode)"]
+    # Discord's token, like Telegram's: needed only when the channel runs.
+    discord = parse_config({"channels": {"discord": {"token": "${DC_TOKEN_FOR_TEST}"}}}, environ={})
+    assert startup_problems(discord) == []
+    discord = parse_config({"channels": {"discord": {"enabled": True, "token": "${DC_TOKEN_FOR_TEST}"}}}, environ={})
+    assert startup_problems(discord) == [
+        "channels.discord.token: the environment variable DC_TOKEN_FOR_TEST is not set "
+        "(needed when channels.discord.enabled is true)"]
+    assert startup_problems(parse_config({"channels": {"discord": {"enabled": True}}}, environ={})) == [
+        "channels.discord.token: required when channels.discord.enabled is true"]
     # A web token reference that does not resolve never leaves the web chat open by accident.
     web = parse_config({"channels": {"web": {"token": "${WEB_TOKEN_FOR_TEST}"}}}, environ={})
     assert startup_problems(web) == [
@@ -279,7 +288,7 @@ def test_compose_never_turns_an_unset_secret_into_an_empty_one() -> None:
     # `${VAR:-}` gave TELEGRAM_WEBHOOK_SECRET="" when unset, which used to switch the check off.
     assert not re.search(r"\$\{[A-Z_]+:-\}", compose)
     for name in ("OPENAI_API_KEY", "TELEGRAM_BOT_TOKEN", "TELEGRAM_WEBHOOK_SECRET", "SLACK_BOT_TOKEN",
-                 "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET"):
+                 "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET", "DISCORD_BOT_TOKEN"):
         assert re.search(rf"^\s+{name}:\s*$", compose, re.M), name  # passed through only when set
     assert "${WEB_TOKEN:?" in compose
 
@@ -337,6 +346,9 @@ def test_media_settings_and_the_transcription_key() -> None:
     assert own.transcription_endpoint() == ("https://stt.example/v1", "sk-stt")
     assert "sk-stt" in secret_values(own)  # redacted from logs like the other secrets
     assert is_secret_key("transcription.api_key") and is_credential_destination("transcription.base_url")
+    assert is_secret_key("channels.discord.token") and is_credential_destination("channels.discord.api_base")
+    with_discord = parse_config({"channels": {"discord": {"token": "dc-secret-token"}}}, environ={})
+    assert "dc-secret-token" in secret_values(with_discord)
     unset = parse_config({"transcription": {"api_key": "${STT_KEY_FOR_TEST}"}}, environ={})
     assert startup_problems(unset, channels=False, http=False) == [
         "transcription.api_key: the environment variable STT_KEY_FOR_TEST is not set "

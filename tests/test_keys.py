@@ -55,7 +55,7 @@ def test_slack_top_level_messages_follow_group_session_scope() -> None:
 
 _ids = st.sampled_from(["1", "2", "-100", "C1", "D1", "U1", "U2", "5", "1.1"])
 _inbounds = st.builds(
-    _msg, st.sampled_from(["telegram", "slack", "web", "terminal"]), _ids, _ids,
+    _msg, st.sampled_from(["telegram", "slack", "discord", "web", "terminal"]), _ids, _ids,
     thread=st.one_of(st.none(), _ids), group=st.booleans(), ts=st.one_of(st.none(), _ids),
 )
 
@@ -74,3 +74,37 @@ def test_the_scope_is_a_function_of_the_session_key(pair: tuple[Inbound, Inbound
         second = _msg("slack", second.chat_id, first.user_id, group=False)
     if session_key(first, mode) == session_key(second, other_mode):
         assert memory_scope(first, mode) == memory_scope(second, other_mode)
+
+
+def test_discord_keys_and_scopes() -> None:
+    dm = _msg("discord", "42", "42", group=False)
+    assert session_key(dm) == "discord:dm:42" and memory_scope(dm) == "discord:user:42"
+    alone = _msg("discord", "77", "42")
+    assert session_key(alone) == "discord:channel:77:user:42"
+    assert memory_scope(alone) == "discord:group:77:user:42"
+    assert session_key(alone, "group") == "discord:channel:77"
+    assert memory_scope(alone, "group") == "discord:group:77"
+    # A thread is a shared session under its parent channel, whoever writes and whatever the setting.
+    for user in ("42", "43"):
+        in_thread = _msg("discord", "77", user, thread="91")
+        for mode in ("user", "group"):
+            assert session_key(in_thread, mode) == "discord:channel:77:thread:91"
+            assert memory_scope(in_thread, mode) == "discord:group:77"
+
+
+def test_the_other_channels_keys_are_unchanged() -> None:
+    """The spelling every stored session already has (SPEC §1)."""
+    cases = [
+        (_msg("telegram", "123", "123", group=False), "user", "telegram:dm:123", "telegram:user:123"),
+        (_msg("telegram", "-100", "7"), "user", "telegram:group:-100:user:7", "telegram:group:-100:user:7"),
+        (_msg("telegram", "-100", "7"), "group", "telegram:group:-100", "telegram:group:-100"),
+        (_msg("telegram", "-100", "7", thread="5"), "user", "telegram:group:-100:topic:5", "telegram:group:-100"),
+        (_msg("slack", "D1", "U1", group=False), "user", "slack:dm:D1", "slack:user:U1"),
+        (_msg("slack", "C1", "U1"), "user", "slack:channel:C1:user:U1", "slack:group:C1:user:U1"),
+        (_msg("slack", "C1", "U1"), "group", "slack:channel:C1", "slack:group:C1"),
+        (_msg("slack", "C1", "U1", thread="1712.55"), "user", "slack:channel:C1:thread:1712.55", "slack:group:C1"),
+        (_msg("web", "alice", "alice", group=False), "user", "web:alice", "web:alice"),
+        (_msg("terminal", "local", "local", group=False), "group", "terminal:local", "terminal:local"),
+    ]
+    for inbound, mode, key, scope in cases:
+        assert (session_key(inbound, mode), memory_scope(inbound, mode)) == (key, scope)

@@ -32,7 +32,8 @@ from gateway.turns.commands import flatten
 from gateway.turns.sessions import TIMEOUT_REPLY
 from gateway.types import Inbound, Message
 from tests.conftest import GatewayFactory
-from tests.fakes import search_server, slack_server, telegram_server, web_server
+from tests.fakes import discord_server, search_server, slack_server, telegram_server, web_server
+from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.media_files import make_image, make_ogg_opus
 from tests.fakes.openai_server import ErrorReply, FakeModel, Reply, ScriptedCall
 from tests.fakes.search_server import FakeSearch
@@ -44,6 +45,7 @@ fake_telegram = telegram_server.fake_telegram  # the fixtures
 fake_slack = slack_server.fake_slack
 fake_web = web_server.fake_web
 fake_search = search_server.fake_search
+fake_discord = discord_server.fake_discord
 
 Effect = Literal["live", "channel", "restart"]
 WEB_TOKEN = "web-token-before-0123"
@@ -65,6 +67,7 @@ class Rig:
     watcher: ConfigWatcher
     web: FakeWeb
     search: FakeSearch
+    discord: FakeDiscord | None = None
     base_task: str = ""  # a task scheduled at the base values
 
     @property
@@ -647,6 +650,23 @@ async def p_slack_receives(r: Rig) -> None:
     await until(lambda: r.gw.channels["slack"].is_ready())  # signed in (and its socket up) with the new settings
 
 
+async def p_discord_gone(r: Rig) -> None:
+    assert "discord" not in r.gw.channels
+
+
+async def p_discord_receives(r: Rig) -> None:
+    assert r.discord is not None
+    # Signed in and its websocket up again with the new settings: a new IDENTIFY.
+    await until(lambda: r.gw.channels["discord"].is_ready() and r.discord is not None and r.discord.connected() == 1)
+    assert r.discord.identifies[-1]["token"] == r.gw.cfg.channels.discord.token.get_secret_value()
+
+
+async def p_discord_streaming_off(r: Rig) -> None:
+    await p_discord_receives(r)
+    probe = Inbound(channel="discord", chat_id="1", user_id="1", text="", event_id="probe", extra={"channel_id": "5"})
+    assert r.gw.channels["discord"].stream(probe) is None
+
+
 def rotate(fake: str, attribute: str, value: str) -> tuple[Callable[[Rig], None], Callable[[Rig], None]]:
     """The platform accepts only the new credential while the row runs."""
     saved: list[str] = []
@@ -735,6 +755,11 @@ ROWS = [
     Row("channels.slack.base_url", lambda r: localhost(r.slack.base_url), "channel", p_slack_receives),
     Row("channels.slack.streaming", "update", "channel", p_slack_receives),
     Row("channels.slack.unfurl_links", True, "channel", p_slack_receives),
+    Row("channels.discord.enabled", False, "channel", p_discord_gone),
+    Row("channels.discord.token", "other-discord-token", "channel", p_discord_receives,
+        rotate("discord", "token", "other-discord-token")),
+    Row("channels.discord.api_base", lambda r: localhost(r.discord.api_base), "channel", p_discord_receives),
+    Row("channels.discord.streaming", "off", "channel", p_discord_streaming_off),
     Row("channels.web.enabled", False, "restart", p_still_serving),
     Row("channels.web.token", "web-token-after-4567", "live", p_web_token),
     Row("channels.terminal.enabled", False, "restart", p_nothing_to_see),
@@ -841,15 +866,20 @@ async def _setup(r: Rig) -> None:
     await asyncio.gather(*calls)
 
 
-async def _ready(r: Rig, polls_before: int = -1, channels: tuple[str, ...] = ("telegram", "slack")) -> None:
-    """The channels receive again: Telegram polls (after `polls_before` getUpdates calls), Slack's socket is up."""
+async def _ready(r: Rig, polls_before: int = -1,
+                 channels: tuple[str, ...] = ("telegram", "slack", "discord")) -> None:
+    """The channels receive again: Telegram polls (after `polls_before` getUpdates calls), Slack's socket
+    and Discord's websocket are up."""
     if "telegram" in channels:
         await until(lambda: len(r.tg.calls_of("getUpdates")) > polls_before, timeout=10)
     if "slack" in channels:
         await until(lambda: "slack" in r.gw.channels and r.gw.channels["slack"].is_ready(), timeout=10)
+    if "discord" in channels:
+        await until(lambda: "discord" in r.gw.channels and r.gw.channels["discord"].is_ready(), timeout=10)
 
 
-async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fake_model: FakeModel,
+async def test_every_key_applies_as_documented(fake_discord: FakeDiscord, make_gateway: GatewayFactory,
+                                               fake_model: FakeModel,
                                                fake_telegram: FakeTelegram, fake_slack: FakeSlack, fake_web: FakeWeb,
                                                fake_search: FakeSearch, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
@@ -866,6 +896,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
                          "webhook_url": "https://bot.example/tg", "webhook_secret": HOOK_SECRET},
             "slack": {"enabled": True, "bot_token": fake_slack.bot_token, "app_token": fake_slack.app_token,
                       "base_url": fake_slack.base_url, "signing_secret": "slack-signing-secret"},
+            "discord": {"enabled": True, "token": fake_discord.token, "api_base": fake_discord.api_base},
             "web": {"token": WEB_TOKEN},
         },
         limits={"max_concurrent_model_calls": 1},
@@ -879,7 +910,8 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
     fake_search.tavily_key = fake_search.brave_token  # the same key works for the provider row
     path = tmp_path / "config.json"
     watcher = gw.config_watcher()  # its reload path, called directly: no file-event race with the test
-    rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher, fake_web, fake_search)
+    rig = Rig(gw, fake_model, fake_telegram, fake_slack, path, path.read_text(), watcher, fake_web, fake_search,
+              discord=fake_discord)
     failures: list[str] = []
     await _ready(rig)
     await _setup(rig)
@@ -887,7 +919,7 @@ async def test_every_key_applies_as_documented(make_gateway: GatewayFactory, fak
         value = row.value(rig) if callable(row.value) else row.value
         raw = json.loads(rig.base_text)
         set_dotted(raw, row.key, value)
-        before = {name: gw.channels.get(name) for name in ("telegram", "slack")}
+        before = {name: gw.channels.get(name) for name in ("telegram", "slack", "discord")}
         caplog.clear()
         if row.around is not None:
             row.around[0](rig)

@@ -21,6 +21,7 @@ SECRET_KEYS = {
     "channels.slack.bot_token",
     "channels.slack.app_token",
     "channels.slack.signing_secret",
+    "channels.discord.token",
     "channels.web.token",
     "http.admin_token",
     "tools.web_search.api_key",
@@ -52,9 +53,9 @@ def is_host_folder(path: str) -> bool:
 
 def is_credential_destination(path: str) -> bool:
     """Keys that decide where a secret is sent (a model's key goes to its base_url, the bot
-    token to the Bot API server, the webhook secret to webhook_url): changing them from
+    token to the Bot API server or Discord's api_base, the webhook secret to webhook_url): changing them from
     chat would hand the secret to any server, so they are set in config.json only."""
-    return path.rsplit(".", 1)[-1] in {"base_url", "base_file_url", "webhook_url"}
+    return path.rsplit(".", 1)[-1] in {"base_url", "base_file_url", "webhook_url", "api_base"}
 
 
 # -- how a change applies to a running gateway (README, "Live changes") ----------------------
@@ -65,7 +66,7 @@ RESTART_KEYS = frozenset({"data_dir", "store.url", "http.host", "http.port", "ht
                           "http.max_connections",
                           "channels.web.enabled", "channels.terminal.enabled"})
 # A change restarts that channel alone (it reconnects with its new settings).
-CHANNEL_SECTIONS = ("channels.telegram", "channels.slack")
+CHANNEL_SECTIONS = ("channels.telegram", "channels.slack", "channels.discord")
 
 
 def change_effect(path: str) -> Literal["live", "channel", "restart"]:

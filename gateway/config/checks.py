@@ -106,6 +106,9 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
                 need("channels.slack.app_token", sl.app_token, "in socket mode")
             else:
                 need("channels.slack.signing_secret", sl.signing_secret, "in http mode")
+        dc = cfg.channels.discord
+        if dc.enabled:
+            need("channels.discord.token", dc.token, "when channels.discord.enabled is true")
     search = cfg.tools.web_search
     if search.provider in ("brave", "tavily"):
         need("tools.web_search.api_key", search.api_key, f"while tools.web_search.provider is {search.provider!r}")

@@ -65,7 +65,8 @@ MEANINGS: dict[str, str] = {
                          "`read_file`); 0 leaves MEMORY.md out.",
     "summary_timeout_s": "How long one background summary may take before the extractive fallback stands in.",
     "admins": "Who may change settings and approve pairing codes: `\"telegram:<user id>\"`, "
-              "`\"slack:<member id>\"`, `\"web:<session name>\"`; the terminal is always an admin.",
+              "`\"slack:<member id>\"`, `\"discord:<user id>\"`, `\"web:<session name>\"`; the terminal is "
+              "always an admin.",
     "access.dm_policy": "Who may talk to the bot in a DM: everyone, only `allow_from` (and admins), or "
                         "strangers after an admin approves their one-time pairing code.",
     "access.allow_from": "Who may talk to the bot besides admins: `\"<channel>:<user id>\"` for a person, "
@@ -155,6 +156,12 @@ MEANINGS: dict[str, str] = {
                                 "`off`: sent whole at the end.",
     "channels.slack.unfurl_links": "Let Slack unfurl links and media in replies (`chat.postMessage`). Off by "
                                    "default: Slack's servers would fetch a URL in a reply before anyone clicks it.",
+    "channels.discord.enabled": "Run the Discord bot (setup: [discord.md](discord.md)).",
+    "channels.discord.token": "The bot token from the Discord developer portal (Bot → Reset Token).",
+    "channels.discord.api_base": "Discord's REST API base; the websocket address is what `GET /gateway/bot` "
+                                 "on it returns, so a proxy or a test server can stand in.",
+    "channels.discord.streaming": "`edit`: a reply grows in place as the model writes it; `off`: sent whole "
+                                  "at the end.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
     "channels.web.token": "Bearer token of the web chat and API; required, at least 16 characters, when "
                           "`http.host` is not a loopback address. Wrong tokens are answered ever more slowly per "
@@ -446,7 +453,7 @@ chat changes in effect). `data_dir`, `http.host` and `http.port` stay each gatew
 a change a gateway cannot run (a feature whose secret it lacks) is left out there, logged. A
 lone gateway on SQLite records its chat changes but runs its file only.
 
-Setting up the platforms: [telegram.md](telegram.md), [slack.md](slack.md). Where
+Setting up the platforms: [telegram.md](telegram.md), [slack.md](slack.md), [discord.md](discord.md). Where
 `data_dir` keeps memory and how to back it up: [memory.md](memory.md).
 """
 

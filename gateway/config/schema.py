@@ -207,6 +207,14 @@ class SlackConfig(_Strict):
     unfurl_links: bool = False
 
 
+class DiscordConfig(_Strict):
+    enabled: bool = False
+    token: SecretStr | None = None
+    # The REST base; the gateway's websocket address is what `GET {api_base}/gateway/bot` says.
+    api_base: str = "https://discord.com/api/v10"
+    streaming: Literal["edit", "off"] = "edit"  # SPEC §5.1
+
+
 class WebConfig(_Strict):
     enabled: bool = True
     token: SecretStr | None = None
@@ -219,6 +227,7 @@ class TerminalConfig(_Strict):
 class ChannelsConfig(_Strict):
     telegram: TelegramConfig = TelegramConfig()
     slack: SlackConfig = SlackConfig()
+    discord: DiscordConfig = DiscordConfig()
     web: WebConfig = WebConfig()
     terminal: TerminalConfig = TerminalConfig()
 

@@ -175,6 +175,6 @@ def set_log_level(level: str) -> None:
     # watchfiles says "1 change detected" at INFO for every save of config.json; the
     # reload logs what changed.
     noisy_libraries = ("httpx", "httpcore", "httpx2", "httpcore2", "openai", "telegram", "slack_sdk",
-                       "slack_bolt", "apscheduler", "aiosqlite", "watchfiles")
+                       "slack_bolt", "discord", "apscheduler", "aiosqlite", "watchfiles")
     for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
