@@ -605,6 +605,34 @@ async def p_slack_receives(r: Rig) -> None:
     await until(lambda: r.gw.channels["slack"].is_ready())  # signed in (and its socket up) with the new settings
 
 
+async def p_slack_reply_to_mode(r: Rig) -> None:
+    await p_slack_receives(r)
+    ts = f"{time.time():.6f}"
+    await r.slack.push_event({"type": "app_mention", "user": "U5", "text": f"<@{r.slack.bot_user_id}> hi",
+                              "ts": ts, "channel": "C9", "channel_type": "channel"})
+    # Recorded (then ignored: C9 is not allowed) in the channel's top-level session, not a thread of its own.
+    deadline = time.monotonic() + 5
+    while not (rows := await r.services.store.run("SELECT session_key FROM events WHERE channel='slack' "
+                                                  "AND event_id=?", (f"C9:{ts}",))):
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+    assert rows[0][0] == "slack:channel:C9:user:U5"
+
+
+async def p_hooks(r: Rig) -> None:
+    from gateway.hooks import sign
+
+    body = b"build 12 passed"
+    before = len(r.tg.sent)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{r.port}/hooks/ci", data=body,
+                             headers={"X-Hub-Signature-256": sign(HOOK_SECRET, body), "X-Request-Id": "row-1",
+                                      "Content-Type": "text/plain"}) as resp:
+            assert resp.status == 202, await resp.text()
+    sent = (await r.tg.wait_sent(before + 1))[before]
+    assert (sent["chat_id"], sent["text"]) == (43, "echo: CI says: build 12 passed")
+
+
 def rotate(fake: str, attribute: str, value: str) -> tuple[Callable[[Rig], None], Callable[[Rig], None]]:
     """The platform accepts only the new credential while the row runs."""
     saved: list[str] = []
@@ -688,6 +716,7 @@ ROWS = [
     Row("channels.slack.mode", "http", "channel", p_slack_receives),
     Row("channels.slack.base_url", lambda r: localhost(r.slack.base_url), "channel", p_slack_receives),
     Row("channels.slack.streaming", "update", "channel", p_slack_receives),
+    Row("channels.slack.reply_to_mode", "channel", "channel", p_slack_reply_to_mode),
     Row("channels.web.enabled", False, "restart", p_still_serving),
     Row("channels.web.token", "web-token-after-4567", "live", p_web_token),
     Row("channels.terminal.enabled", False, "restart", p_nothing_to_see),
@@ -713,6 +742,8 @@ ROWS = [
     Row("transcription.timeout_s", 0.3, "live", p_transcription_timeout),
     Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
+    Row("hooks", {"ci": {"secret": HOOK_SECRET, "session": "telegram:dm:43", "deliver_to": "telegram:43",
+                         "template": "CI says: {body}"}}, "live", p_hooks),
     Row("tasks.max_per_scope", 1, "live", p_tasks_per_scope),
     Row("tasks.min_interval_s", 60, "live", p_task_interval),
     Row("tasks.misfire_grace_s", 120, "live", p_task_grace),

@@ -58,6 +58,8 @@ class Metrics:
 
         self.leases_held = Gauge("gateway_leases_held", "Leases this gateway holds on the shared database "
                                  "(sessions running here, polling, its own liveness)", registry=r)
+        self.hook_requests = Counter("gateway_hook_requests_total", "Requests to /hooks/<name> (SPEC §5.9), "
+                                     "by outcome", ["outcome"], registry=r)
         self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
                                  "and this one ran after that gateway died or stalled", registry=r)
 
