@@ -403,7 +403,9 @@ def channels_section(telegram: FakeTelegram, slack: FakeSlack) -> dict[str, Any]
                      "webhook_url": "https://bot.example/telegram/webhook", "webhook_secret": TELEGRAM_SECRET,
                      "streaming": "off"},
         "slack": {"enabled": True, "bot_token": slack.bot_token, "signing_secret": SLACK_SIGNING_SECRET,
-                  "base_url": slack.base_url, "mode": "http", "streaming": "off"},
+                  "base_url": slack.base_url, "mode": "http", "streaming": "off",
+                  # A channel's mentions continue one session per person (ChatSession.key), in order.
+                  "reply_to_mode": "channel"},
     }
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from gateway.types import Attachment, Message
+from gateway.types import HOOK_ORIGIN_PREFIX, Attachment, Message
 
 from .budget import Budget
 from .effects import Prepared, Strategy, SummarizeTurns, SummaryReason, TrimEvent
@@ -893,4 +893,5 @@ def context_stats(
         encoding=counter.encoding_name,
         last_event=ctx.last_event,
         task_messages=sum(1 for m in msgs if m.role == "user" and m.origin == "task"),
+        hook_messages=sum(1 for m in msgs if m.role == "user" and (m.origin or "").startswith(HOOK_ORIGIN_PREFIX)),
     )

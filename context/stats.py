@@ -38,6 +38,7 @@ class ContextStats:
     encoding: str
     last_event: TrimEvent | None
     task_messages: int = 0  # of the user messages: prompts of scheduled tasks (no person wrote them)
+    hook_messages: int = 0  # of the user messages: inbound webhooks' (no person wrote them)
 
 
 def _n(value: int) -> str:
@@ -49,7 +50,9 @@ def format_context_stats(stats: ContextStats, *, details: bool = True) -> str:
     calibration, for the operator."""
     share = f" ({stats.estimated_tokens * 100 // stats.budget_tokens}%)" if stats.budget_tokens > 0 else ""
     tokens = "unknown" if stats.estimated_tokens < 0 else _n(stats.estimated_tokens)
-    tasks = f" ({_n(stats.task_messages)} from scheduled tasks)" if stats.task_messages else ""
+    origins = [f"{_n(count)} from {what}" for count, what in ((stats.task_messages, "scheduled tasks"),
+                                                              (stats.hook_messages, "webhooks")) if count]
+    tasks = f" ({', '.join(origins)})" if origins else ""
     lines = [
         "**Context of this chat**",
         f"- Messages: {_n(stats.messages)} (user {_n(stats.user_messages)}{tasks}, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway.types import Message
+from gateway.types import HOOK_ORIGIN_PREFIX, Message
 
 from .turns import final_reply, split_turns, user_message
 
@@ -66,6 +66,15 @@ def _clip(text: str, limit: int) -> str:
     return f"{text[:head]}\n[… {omitted} characters omitted …]\n{text[len(text) - tail:]}"
 
 
+def _author(origin: str | None) -> str:
+    """Who wrote a user message, as the summary model is told."""
+    if origin == "task":
+        return "Scheduled task"
+    if origin is not None and origin.startswith(HOOK_ORIGIN_PREFIX):
+        return f"Webhook {origin.removeprefix(HOOK_ORIGIN_PREFIX)}"
+    return "User"
+
+
 def _render(messages: Sequence[Message], text_cap: int, tool_cap: int) -> str:
     lines: list[str] = []
     turn = None
@@ -74,7 +83,7 @@ def _render(messages: Sequence[Message], text_cap: int, tool_cap: int) -> str:
             turn = msg.turn
             lines.append(f"\n### Turn {turn}")
         if msg.role == "user":
-            who = "Gateway note" if msg.injected else "Scheduled task" if msg.origin == "task" else "User"
+            who = "Gateway note" if msg.injected else _author(msg.origin)
             lines.append(f"{who}: {_clip(msg.content, text_cap)}")
         elif msg.role == "assistant":
             if msg.content.strip():

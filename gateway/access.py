@@ -12,7 +12,7 @@ from typing import Literal
 
 from gateway.config.schema import Config
 from gateway.store.api import StoreBackend
-from gateway.types import Inbound
+from gateway.types import HOOK_ORIGIN_PREFIX, Inbound
 
 log = logging.getLogger("gateway.access")
 
@@ -47,6 +47,8 @@ class Decision:
 
 
 def is_admin(cfg: Config, identity: str) -> bool:
+    if identity.startswith(HOOK_ORIGIN_PREFIX):
+        return False  # a webhook's turn is a configured source, never an admin (even if listed)
     return identity == LOCAL_OPERATOR or identity in cfg.admins
 
 

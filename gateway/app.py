@@ -30,6 +30,7 @@ from gateway.config.holder import ConfigHolder
 from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
+from gateway.hooks import Hooks
 from gateway.http.server import HttpServer, build_app
 from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
@@ -103,6 +104,9 @@ def secret_values(cfg: Config) -> list[str]:
                    cfg.http.admin_token, cfg.tools.web_search.api_key, cfg.transcription.api_key):
         if secret is not None:
             values.append(secret.get_secret_value())
+    for hook in cfg.hooks.values():
+        if hook.secret is not None:
+            values.append(hook.secret.get_secret_value())
     for server in cfg.mcp.servers.values():  # what MCP servers are given to authenticate
         for secret in (*server.env.values(), *server.headers.values()):
             if secret is not None:
@@ -252,6 +256,7 @@ class Gateway:
         if self.serve_http:
             extra = self.channels["web"].routes() if "web" in self.channels else []
             extra += self._admin(services).routes()
+            extra += Hooks(services, self.sessions).routes()  # POST /hooks/<name> (SPEC §5.9)
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
                             channel=self.channels.get, extra_routes=extra, ready_details=self.ready_details)
             self.http = HttpServer(app, cfg.http)
@@ -595,6 +600,10 @@ class Gateway:
         channel = self.channels.get(inbound.channel)
         if channel is None:
             log.warning("reply for a channel that is not running", extra={"channel": inbound.channel})
+            if inbound.origin is not None:
+                # No person's message waits here (a task's or a webhook's turn): the turn is
+                # stored and recorded as undelivered rather than answered.
+                raise ConnectionError(f"channel {inbound.channel} is not running")
             return
         await channel.send(inbound, text)
 

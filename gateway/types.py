@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
+HOOK_ORIGIN_PREFIX = "hook:"  # Message.origin / Inbound.origin of an inbound webhook's turn
 AttachmentKind = Literal["image", "voice", "audio", "file"]
 
 
@@ -51,7 +52,8 @@ class Message:
     truncation: Truncation | None = None
     injected: bool = False  # text the gateway added: never a user turn
     # Who wrote a user message when no person did: "task" for a scheduled task's prompt
-    # (SPEC §5.3). It starts a turn like a person's message; None for everything else.
+    # (SPEC §5.3), "hook:<name>" for an inbound webhook's (§5.9). It starts a turn like a
+    # person's message; None for everything else.
     origin: str | None = None
     id: int | None = None  # database row id; gives the order
     created_at: float = field(default_factory=time.time)
@@ -116,11 +118,17 @@ class Inbound:
     attachments: tuple[Attachment, ...] = ()
     received_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)  # adapter-private routing data
-    origin: str | None = None  # "task": made by the gateway for a scheduled task, not sent by a person
+    # Made by the gateway, not sent by a person: "task" for a scheduled task, "hook:<name>"
+    # for an inbound webhook (SPEC §5.9).
+    origin: str | None = None
 
     @property
     def identity(self) -> str:
-        """`<channel>:<user id>`, as written in `admins` and `access.allow_from`."""
+        """`<channel>:<user id>`, as written in `admins` and `access.allow_from`; a hook's
+        turn is its hook's (`hook:<name>`), whatever channel it answers in: no person of
+        that channel wrote it."""
+        if self.origin is not None and self.origin.startswith(HOOK_ORIGIN_PREFIX):
+            return self.origin
         return f"{self.channel}:{self.user_id}"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -40,7 +41,7 @@ def _mention(fake: FakeSlack, ts: str, text: str, *, user: str = "U5", thread_ts
 async def test_dm_and_threads_over_socket_mode(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                fake_slack: FakeSlack) -> None:
     gw = await make_gateway(access={"dm_policy": "open", "allow_from": ["slack:C1"]},
-                            channels=slack_section(fake_slack))
+                            channels=slack_section(fake_slack, reply_to_mode="channel"))
     await fake_slack.wait_connected()
     fake_model.reply("dm answer")
     env = await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U5", "text": "hello",
@@ -69,10 +70,65 @@ async def test_dm_and_threads_over_socket_mode(make_gateway: GatewayFactory, fak
     assert await store.count_messages("slack:channel:C1:thread:300.1") == 2
 
 
+async def test_a_mention_is_answered_in_its_thread_which_continues_it(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack) -> None:
+    """`reply_to_mode: "thread"` (the default): a top-level mention is answered in a thread
+    under it, streamed there, and opens that thread's session; a follow-up in the thread sees
+    the first exchange; another mention opens another thread with a fresh session."""
+    gw = await make_gateway(access={"allow_from": ["slack:C1"]}, channels=slack_section(fake_slack))
+    await fake_slack.wait_connected()
+    fake_model.reply("Nice to meet you, Ada.")
+    await fake_slack.push_event(_mention(fake_slack, "200.1", "my name is Ada"))
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "200.1") == ["Nice to meet you, Ada."])
+    assert fake_slack.visible("C1") == []  # nothing at the top level
+    (stream,) = fake_slack.method_calls("chat.startStream")  # native streaming, in the thread
+    assert stream["thread_ts"] == "200.1" and stream["recipient_user_id"] == "U5"
+
+    fake_model.reply("You are Ada.")
+    await fake_slack.push_event(_mention(fake_slack, "201.1", "what is my name?", user="U6", thread_ts="200.1"))
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "200.1") == ["Nice to meet you, Ada.", "You are Ada."])
+    follow_up = json.dumps(fake_model.requests[1]["messages"])
+    assert "my name is Ada" in follow_up and "Nice to meet you, Ada." in follow_up
+
+    fake_model.reply("Hello, stranger.")
+    await fake_slack.push_event(_mention(fake_slack, "300.1", "who am I?"))
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "300.1") == ["Hello, stranger."])
+    assert "Ada" not in json.dumps(fake_model.requests[2]["messages"])
+    assert gw.services is not None
+    store = gw.services.store
+    assert await store.count_messages("slack:channel:C1:thread:200.1") == 4
+    assert await store.count_messages("slack:channel:C1:thread:300.1") == 2
+    assert await store.count_messages("slack:channel:C1:user:U5") == 0
+
+
+async def test_a_mention_accepted_before_the_upgrade_is_answered_where_it_was_asked(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack, tmp_path: Path) -> None:
+    """A top-level mention stored (accepted, unanswered) by a gateway that answered at the
+    top level still belongs to the channel's session after the upgrade: it is answered
+    there, and that session's history is kept."""
+    from gateway.store.sqlite import Store
+    from gateway.types import Message, inbound_to_dict
+
+    store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
+    key = "slack:channel:C1:user:U5"
+    await store.ensure_session(key, "slack:group:C1:user:U5", "slack")
+    await store.add_message(key, Message(role="user", content="the code word is tangerine", turn=1), seq=0)
+    await store.add_message(key, Message(role="assistant", content="noted", turn=1), seq=1)
+    old = Inbound(channel="slack", chat_id="C1", user_id="U5", text="what is the code word?", event_id="C1:150.1",
+                  message_id="150.1", is_group=True, mentioned=True)
+    await store.record_event("slack", "C1:150.1", session_key=key, inbound=inbound_to_dict(old))
+    await store.close()
+
+    fake_model.reply("tangerine")
+    await make_gateway(access={"allow_from": ["slack:C1"]}, channels=slack_section(fake_slack))
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1") == ["tangerine"])
+    assert "the code word is tangerine" in json.dumps(fake_model.requests[0]["messages"])
+
+
 async def test_group_mode_shares_the_channels_top_level(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                         fake_slack: FakeSlack) -> None:
     gw = await make_gateway(access={"allow_from": ["slack:C1"]}, group_session_scope="group",
-                            channels=slack_section(fake_slack))
+                            channels=slack_section(fake_slack, reply_to_mode="channel"))
     await fake_slack.wait_connected()
     await fake_slack.push_event(_mention(fake_slack, "200.1", "the plan is blue", user="U5"))
     await fake_slack.wait_posted(1)
@@ -93,7 +149,8 @@ async def test_a_thread_never_uses_one_persons_memory(make_gateway: GatewayFacto
     """Alice (U5) keeps a secret from the channel's top level, then talks in a thread on her
     message; Bob (U6) joins the thread. Bob's turns never see Alice's MEMORY.md (prompt or
     read_file) and his memory_write lands in the channel's scope (SPEC §1, shared session)."""
-    gw = await make_gateway(access={"allow_from": ["slack:C1"]}, channels=slack_section(fake_slack))
+    gw = await make_gateway(access={"allow_from": ["slack:C1"]},
+                            channels=slack_section(fake_slack, reply_to_mode="channel"))
     assert gw.services is not None
     await fake_slack.wait_connected()
     fake_model.tool_call("memory_write", {"text": A_SECRET, "target": "memory"})
@@ -135,10 +192,10 @@ async def test_twins_and_retries_give_one_reply(make_gateway: GatewayFactory, fa
     await fake_slack.push_event(_mention(fake_slack, "400.1", "hi", kind="message"), event_id="EvB")
     last = await fake_slack.push_event(_mention(fake_slack, "400.1", "hi"), event_id="EvA", retry_num=1)
     await fake_slack.wait_acked(last)
-    await fake_slack.wait_posted(1)
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "400.1") == ["once"])  # in the mention's thread
     assert gw.services is not None
     await gw.services.background.wait_idle(5)
-    assert [p["text"] for p in fake_slack.posted] == ["once"]
+    assert fake_slack.visible("C1", "400.1") == ["once"] and fake_slack.visible("C1") == []
     assert len(fake_model.requests) == 1
 
 
@@ -161,11 +218,10 @@ async def test_http_events_are_signature_checked(make_gateway: GatewayFactory, f
     assert fake_model.requests == []
     assert await _post_events(gw, *signed_event_request(SIGNING, event)) == 200
     assert await _post_events(gw, *signed_event_request(SIGNING, event, retry_num=1)) == 200
-    (posted,) = await fake_slack.wait_posted(1)
-    assert posted["text"] == "signed and answered" and posted["channel"] == "C1"
+    await fake_slack.wait_for(lambda: fake_slack.visible("C1", "500.1") == ["signed and answered"])
     assert gw.services is not None
     await gw.services.background.wait_idle(5)
-    assert len(fake_slack.posted) == 1
+    assert len(fake_slack.messages) == 1
 
 
 async def test_slash_command_context(make_gateway: GatewayFactory, fake_model: FakeModel,

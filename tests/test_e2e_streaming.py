@@ -194,12 +194,12 @@ async def test_telegram_refused_formatting_falls_back_to_plain_text(
 # ---------------------------------------------------------------------------- Slack
 
 
-async def slack_gateway(make_gateway: GatewayFactory, fake: FakeSlack) -> Gateway:
+async def slack_gateway(make_gateway: GatewayFactory, fake: FakeSlack, **slack: Any) -> Gateway:
     # Slack's limits on the fake's clock, which runs SLACK_SCALE times faster: the
     # interval is one of its seconds, as the default 1 s is one of Slack's.
     fake.rate_scale = SLACK_SCALE
     gw = await make_gateway(access={"dm_policy": "open", "allow_from": ["slack:C1"]},
-                            channels=slack_section(fake), stream_interval_s=FAST_S)
+                            channels=slack_section(fake, **slack), stream_interval_s=FAST_S)
     await fake.wait_connected()
     return gw
 
@@ -238,7 +238,7 @@ async def test_slack_native_stream_in_a_thread(make_gateway: GatewayFactory, fak
 
 async def test_slack_top_level_replies_update_and_equal_send(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                              fake_slack: FakeSlack) -> None:
-    gw = await slack_gateway(make_gateway, fake_slack)
+    gw = await slack_gateway(make_gateway, fake_slack, reply_to_mode="channel")  # answered at the top level
     reply = long_reply()
     fake_model.reply(reply, chunks=pieces(reply, 80), chunk_delay=0.003)
     await fake_slack.push_event(_mention(fake_slack, "200.1", "a long answer please"))

@@ -667,6 +667,35 @@ async def p_discord_streaming_off(r: Rig) -> None:
     assert r.gw.channels["discord"].stream(probe) is None
 
 
+async def p_slack_reply_to_mode(r: Rig) -> None:
+    await p_slack_receives(r)
+    ts = f"{time.time():.6f}"
+    await r.slack.push_event({"type": "app_mention", "user": "U5", "text": f"<@{r.slack.bot_user_id}> hi",
+                              "ts": ts, "channel": "C9", "channel_type": "channel"})
+    # Recorded (then ignored: C9 is not allowed) in the channel's top-level session, not a thread of its own.
+    deadline = time.monotonic() + 5
+    while not (rows := await r.services.store.run("SELECT session_key FROM events WHERE channel='slack' "
+                                                  "AND event_id=?", (f"C9:{ts}",))):
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+    assert rows[0][0] == "slack:channel:C9:user:U5"
+
+
+async def p_hooks(r: Rig) -> None:
+    from gateway.hooks import sign
+
+    body = b"build 12 passed"
+    before = len(r.tg.sent)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{r.port}/hooks/ci", data=body,
+                             headers={"X-Hub-Signature-256": sign(HOOK_SECRET, body), "X-Request-Id": "row-1",
+                                      "Content-Type": "text/plain"}) as resp:
+            assert resp.status == 202, await resp.text()
+    sent = (await r.tg.wait_sent(before + 1))[before]
+    assert sent["chat_id"] == 43 and sent["text"].startswith("echo: CI says: <<<OUTSIDE ")
+    assert unfence(sent["text"].removeprefix("echo: CI says: ")) == "build 12 passed"
+
+
 def rotate(fake: str, attribute: str, value: str) -> tuple[Callable[[Rig], None], Callable[[Rig], None]]:
     """The platform accepts only the new credential while the row runs."""
     saved: list[str] = []
@@ -760,6 +789,7 @@ ROWS = [
         rotate("discord", "token", "other-discord-token")),
     Row("channels.discord.api_base", lambda r: localhost(r.discord.api_base), "channel", p_discord_receives),
     Row("channels.discord.streaming", "off", "channel", p_discord_streaming_off),
+    Row("channels.slack.reply_to_mode", "channel", "channel", p_slack_reply_to_mode),
     Row("channels.web.enabled", False, "restart", p_still_serving),
     Row("channels.web.token", "web-token-after-4567", "live", p_web_token),
     Row("channels.terminal.enabled", False, "restart", p_nothing_to_see),
@@ -787,6 +817,8 @@ ROWS = [
     Row("mcp.servers", {"live": {"command": sys.executable, "args": [str(ECHO_SERVER)]}}, "live", p_mcp_servers),
     Row("log_level", "DEBUG", "live", p_log_level),
     Row("skills.dirs", ["more-skills"], "live", p_skill_dirs, (more_skills, lambda r: None)),
+    Row("hooks", {"ci": {"secret": HOOK_SECRET, "session": "telegram:dm:43", "deliver_to": "telegram:43",
+                         "template": "CI says: {body}"}}, "live", p_hooks),
     Row("tasks.max_per_scope", 1, "live", p_tasks_per_scope),
     Row("tasks.min_interval_s", 60, "live", p_task_interval),
     Row("tasks.misfire_grace_s", 120, "live", p_task_grace),

@@ -105,11 +105,12 @@ async def make_channel(fake_slack: FakeSlack, tmp_path: Path) -> AsyncIterator[M
     started: list[SlackChannel] = []
 
     async def make(
-        handler: Recorder, *, mode: str = "socket", sleep: Callable[[float], Awaitable[None]] | None = None
+        handler: Recorder, *, mode: str = "socket", sleep: Callable[[float], Awaitable[None]] | None = None,
+        reply_to_mode: str = "thread",
     ) -> SlackChannel:
         cfg = SlackConfig(
             enabled=True, bot_token=BOT_TOKEN, app_token=APP_TOKEN, signing_secret=SIGNING_SECRET,
-            mode=mode, base_url=fake_slack.base_url,
+            mode=mode, base_url=fake_slack.base_url, reply_to_mode=reply_to_mode,
         )
         kwargs: dict[str, Any] = {"sleep": sleep} if sleep is not None else {}
         channel = SlackChannel(
@@ -158,7 +159,7 @@ async def test_a_top_level_mention_is_answered_top_level(
     fake_slack: FakeSlack, make_channel: MakeChannel
 ) -> None:
     handler = Recorder(lambda inbound: "**done**")
-    await make_channel(handler)
+    await make_channel(handler, reply_to_mode="channel")
     event = mention("what is up?")
     await fake_slack.wait_acked(await fake_slack.push_event(event))
 
@@ -175,7 +176,7 @@ async def test_a_top_level_mention_is_answered_top_level(
 
 async def test_threads_are_sessions(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:
     handler = Recorder(lambda inbound: "ok")
-    await make_channel(handler)
+    await make_channel(handler, reply_to_mode="channel")
     first, second = mention("one"), mention("two")
     follow_up = mention("more", thread_ts=first["ts"])
     # A thread's parent that carries its own ts as thread_ts is still a top-level message.
@@ -189,6 +190,47 @@ async def test_threads_are_sessions(fake_slack: FakeSlack, make_channel: MakeCha
     assert keys[2] == f"slack:channel:C1:thread:{first['ts']}"
     posts = await fake_slack.wait_posted(4)
     assert [p.get("thread_ts") for p in posts] == [None, None, first["ts"], None]
+
+
+async def test_a_top_level_mention_opens_a_thread(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:
+    """`reply_to_mode: "thread"` (the default): the mention is answered in a thread under
+    it, and is the first message of that thread's session; a follow-up in the thread lands
+    in the same session. Top-level messages that do not mention the bot, and DMs, are
+    answered where they were written."""
+    handler = Recorder(lambda inbound: "ok")
+    channel = await make_channel(handler)
+    assert channel.cfg.reply_to_mode == "thread"
+    first = mention("one")
+    follow_up = mention("more", thread_ts=first["ts"])
+    parent_ts = next_ts()
+    parent = mention("parent", ts=parent_ts, thread_ts=parent_ts)  # a parent carrying its own ts
+    unmentioned = {"type": "message", "channel_type": "channel", "channel": "C1", "user": "U1",
+                   "text": "no mention here", "ts": next_ts()}
+    private = dm("hello")
+    for event in (first, follow_up, parent, unmentioned, private):
+        await fake_slack.wait_acked(await fake_slack.push_event(event))
+
+    keys = [session_key(i) for i in handler.inbounds]
+    assert keys == [f"slack:channel:C1:thread:{first['ts']}", f"slack:channel:C1:thread:{first['ts']}",
+                    f"slack:channel:C1:thread:{parent_ts}", "slack:channel:C1:user:U1", "slack:dm:D1"]
+    assert handler.inbounds[0].message_id == first["ts"] == handler.inbounds[0].thread_id
+    posts = await fake_slack.wait_posted(5)
+    assert [(p["channel"], p.get("thread_ts")) for p in posts] == [
+        ("C1", first["ts"]), ("C1", first["ts"]), ("C1", parent_ts), ("C1", None), ("D1", None)]
+
+
+def test_reply_to_mode_in_parse_event() -> None:
+    event = {"type": "app_mention", "user": "U1", "channel": "C1", "channel_type": "channel",
+             "text": f"<@{BOT_USER_ID}> hi", "ts": "5.5"}
+    threaded = parse_event(event, bot_user_id=BOT_USER_ID)
+    top = parse_event(event, bot_user_id=BOT_USER_ID, reply_to_mode="channel")
+    assert threaded is not None and top is not None
+    assert (threaded.inbound.thread_id, top.inbound.thread_id) == ("5.5", None)
+    assert reply_thread(threaded.inbound) == "5.5" and reply_thread(top.inbound) is None
+    in_thread = parse_event({**event, "thread_ts": "4.4"}, bot_user_id=BOT_USER_ID)
+    assert in_thread is not None and in_thread.inbound.thread_id == "4.4"  # an existing thread stays its own
+    as_dm = parse_event({**event, "type": "message", "channel": "D1", "channel_type": "im"}, bot_user_id=BOT_USER_ID)
+    assert as_dm is not None and as_dm.inbound.thread_id is None
 
 
 async def test_twins_and_retries_share_one_event_id(fake_slack: FakeSlack, make_channel: MakeChannel) -> None:
@@ -471,7 +513,8 @@ async def test_http_valid_signature_is_accepted(
     assert status == 200
     assert [i.text for i in handler.inbounds] == ["via http"]  # before the 200 went out
     [post] = fake_slack.posted
-    assert post["channel"] == "C1" and "thread_ts" not in post  # answered where it was asked
+    # Answered in a thread under the mention (reply_to_mode "thread", the default).
+    assert post["channel"] == "C1" and post["thread_ts"] == event["ts"]
 
     # Slack's retry of the same delivery maps to the same event id.
     retry = signed_event_request(SIGNING_SECRET, event_callback(event), retry_num=1)

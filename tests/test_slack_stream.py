@@ -110,8 +110,9 @@ class Rig:
         self.inbox = Inbox()
 
     async def channel(self, streaming: str = "native", *, unfurl_links: bool = False) -> SlackChannel:
+        # "channel": a mention made with thread=False stays at the top level, where these tests want it.
         cfg = SlackConfig(enabled=True, bot_token=BOT_TOKEN, app_token=APP_TOKEN, base_url=self.fake.base_url,
-                          streaming=streaming, unfurl_links=unfurl_links)
+                          streaming=streaming, unfurl_links=unfurl_links, reply_to_mode="channel")
         channel = SlackChannel(
             cfg, self.inbox,
             workspace_for=lambda inbound: self.tmp_path / scope_dirname(memory_scope(inbound)),

@@ -82,6 +82,21 @@ async def test_search_matches_substrings_case_insensitively_and_cjk(make_store: 
     assert [r[1] for r in cjk] == [2] and [r[1] for r in short] == [2]
 
 
+async def test_search_results_name_who_wrote_a_message_no_person_wrote(make_store: StoreFactory) -> None:
+    store = await make_store()
+    await store.ensure_session("web:ann", "web:ann", "web")
+    rows = [Message(role="user", content="deploy of release 7 finished", turn=1, origin="hook:deploys"),
+            Message(role="assistant", content="release 7 is live", turn=1),
+            Message(role="user", content="[Scheduled task ab12: check release 7]", turn=2, origin="task"),
+            Message(role="user", content="now", turn=3)]
+    for seq, msg in enumerate(rows):
+        await store.add_message("web:ann", msg, seq=seq)
+    for kwargs in ({"match": '"release"', "phrases": ("release",), "short_terms": ()},
+                   {"match": None, "phrases": (), "short_terms": ("7",)}):
+        found = await store.search_session_messages("web:ann", limit=10, **kwargs)
+        assert sorted(r[2] for r in found) == ["assistant", "user (hook:deploys)", "user (task)"], kwargs
+
+
 async def test_the_chat_history_keeps_people_and_final_replies_only(make_store: StoreFactory) -> None:
     store = await make_store()
     await store.ensure_session("web:ann", "web:ann", "web")

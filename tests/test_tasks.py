@@ -409,7 +409,8 @@ async def test_a_task_made_in_a_slack_thread_answers_in_that_thread(
     make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack
 ) -> None:
     gw = await make_gateway(access={"allow_from": ["slack:C1"]},
-                            channels=slack_section(fake_slack, mode="http", signing_secret=SIGNING))
+                            channels=slack_section(fake_slack, mode="http", signing_secret=SIGNING,
+                                                   reply_to_mode="channel"))
     fake_model.reply("top level answer")
     await post_slack_event(gw, {"type": "app_mention", "user": "U5", "text": f"<@{fake_slack.bot_user_id}> hi",
                                 "ts": "300.1", "channel": "C1", "channel_type": "channel"})

@@ -9,8 +9,11 @@ handler returned (exactly-once, SPEC §3.1); a handler error leaves it unacknowl
 Slack redelivers.
 
 Replies go where the message was written: into its thread when it was in one (a thread
-is a session of its own), else top-level in the channel or DM (the channel's top level is
-one session per person, or one shared, per `group_session_scope`). Slash commands
+is a session of its own). A top-level channel message that mentions the bot is answered in
+a thread under it with `reply_to_mode: "thread"` (the default; the mention opens that
+thread's session), at the top level with "channel". Other top-level messages and DMs are
+answered at the top level (the channel's top level is one session per person, or one
+shared, per `group_session_scope`). Slash commands
 (`/context`, `/config`, …) are acknowledged at once (Slack's 3 s deadline) and answered
 ephemerally, only to the person who ran them: through the command's `response_url`
 (no channel membership needed; at most 5 posts within 30 minutes), falling back to
@@ -331,7 +334,8 @@ class SlackChannel:
             return
         try:
             parsed = parse_event(
-                body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id, team_id=body.get("team_id")
+                body.get("event"), bot_user_id=self.bot_user_id, bot_id=self.bot_id, team_id=body.get("team_id"),
+                reply_to_mode=self._cfg.reply_to_mode,
             )
         except Exception:
             log.warning("slack: dropped a malformed event", exc_info=True)
@@ -530,13 +534,16 @@ class SlackChannel:
         if mode == "off" or self._client is None or inbound.extra.get("command"):
             return None
         recipient: dict[str, str] = {}
-        if inbound.is_group:  # Slack wants to know who a stream in a channel is for
+        native = mode == "native"
+        if inbound.is_group and slack_id(inbound.user_id) is None:
+            native = False  # a turn no member started (a webhook's): no recipient to stream to; edits
+        elif inbound.is_group:  # Slack wants to know who a stream in a channel is for
             recipient["recipient_user_id"] = inbound.user_id
             team = inbound.extra.get("team_id")
             if isinstance(team, str) and team:
                 recipient["recipient_team_id"] = team
         return SlackReplyStream(
-            self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=mode == "native",
+            self._client, channel=inbound.chat_id, thread_ts=reply_thread(inbound), native=native,
             recipient=recipient, interval_s=self._stream_interval(), sleep=self._sleep,
             spawn=lambda coro, name: self._spawn(coro, name=name), name=f"slack-stream-{inbound.event_id}",
             observe=self._observe, on_ref=on_ref, resume_ref=resume_ref, unfurl=self._unfurl(),

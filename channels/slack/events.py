@@ -8,7 +8,7 @@ import hmac
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from channels.slack.format import clean_text, slack_to_text
 from gateway.media import (
@@ -24,6 +24,7 @@ SIGNATURE_MAX_AGE_S = 300  # Slack's own bound: older (or future) timestamps are
 _ANSWERED_SUBTYPES = frozenset({None, "file_share", "thread_broadcast"})
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _COMMAND = re.compile(r"/[a-z0-9_.-]{1,32}")
+ReplyToMode = Literal["thread", "channel"]  # channels.slack.reply_to_mode
 
 @dataclass(frozen=True, slots=True)
 class SlackFile:
@@ -96,10 +97,14 @@ def _files(raw: Any) -> tuple[SlackFile, ...]:
 
 
 def parse_event(
-    event: Any, *, bot_user_id: str | None, bot_id: str | None = None, team_id: str | None = None
+    event: Any, *, bot_user_id: str | None, bot_id: str | None = None, team_id: str | None = None,
+    reply_to_mode: ReplyToMode = "thread",
 ) -> ParsedEvent | None:
     """One Events API `event` → what the router gets, or None when it is not a person's
-    new message to us (the caller logs and acknowledges). `team_id` is the envelope's."""
+    new message to us (the caller logs and acknowledges). `team_id` is the envelope's.
+    `reply_to_mode` is `channels.slack.reply_to_mode`: in "thread", a top-level channel
+    message that mentions the bot opens a thread under itself (its own ts), which is then
+    its session and where it is answered."""
     if not isinstance(event, dict):
         return None
     kind = event.get("type")
@@ -126,6 +131,11 @@ def parse_event(
     thread = slack_id(event.get("thread_ts"))
     if thread == ts:
         thread = None  # a thread's parent may carry its own ts as thread_ts: still top-level
+    mentioned = mentioned or kind == "app_mention"
+    if thread is None and not is_dm and mentioned and reply_to_mode == "thread":
+        # Answered in a thread under the mention, the way Slack bots reply: the thread's
+        # session starts with this message, so a follow-up in the thread continues it.
+        thread = ts
     inbound = Inbound(
         channel="slack",
         chat_id=channel,
@@ -137,7 +147,7 @@ def parse_event(
         message_id=ts,
         thread_id=thread,
         is_group=not is_dm,
-        mentioned=mentioned or kind == "app_mention",
+        mentioned=mentioned,
         reply_to_bot=bool(bot_user_id) and parent_user == bot_user_id,
         user_name=profile_name(event.get("user_profile")),
         # The person's team: a native stream in a channel names its recipient (SPEC §5.1).
@@ -201,8 +211,10 @@ def verify_signature(
 
 
 def reply_thread(inbound: Inbound) -> str | None:
-    """Where a reply goes: where the message was written. A thread is its own session, so
-    a reply in a thread stays there; a top-level message belongs to the channel's top-level
-    session (per person or shared, `group_session_scope`), so its reply is top-level too:
-    a thread opened for it would be a new session that forgets the question."""
+    """Where a reply goes: the message's thread, which is its session. A thread someone
+    wrote in keeps the reply there; a top-level mention in `reply_to_mode: "thread"` came
+    with its own ts as the thread (parse_event), so the reply opens a thread under it and
+    the thread's session already holds the question; any other top-level message belongs
+    to the channel's top-level session (per person or shared, `group_session_scope`) and is
+    answered at the top level."""
     return inbound.thread_id

@@ -34,6 +34,8 @@ def is_secret_key(path: str) -> bool:
     parts = path.split(".")
     if parts[:2] == ["mcp", "servers"] and len(parts) > 3 and parts[3] in ("env", "headers"):
         return True  # mcp.servers.<name>.env.<VAR>: what a server is given to authenticate
+    if parts[0] == "hooks" and len(parts) == 3 and parts[2] == "secret":
+        return True  # hooks.<name>.secret: whoever knows it can start turns
     return path in SECRET_KEYS or parts[-1] in {
         "api_key", "token", "bot_token", "app_token", "signing_secret", "webhook_secret",
     }

@@ -10,6 +10,7 @@ from pydantic import (
 from gateway.config.changes import SECRET_KEYS
 from gateway.config.schema import (
     ADMIN_TOKEN_MIN,
+    HOOK_SECRET_MIN,
     LOOPBACK_HOSTS,
     WEB_TOKEN_MIN,
     WEBHOOK_SECRET,
@@ -57,6 +58,23 @@ def admin_token_problem(cfg: Config, unset_vars: list[str] | None = None) -> str
     if token == secret_text(cfg.channels.web.token):
         return "http.admin_token: must differ from channels.web.token (the chat's token must not open the admin page)"
     return None
+
+
+def hook_secret_problem(value: str | None) -> str | None:
+    """Why `value` cannot sign a hook's requests, or None when it can."""
+    rule = f"at least {HOOK_SECRET_MIN} random characters (e.g. the output of `openssl rand -hex 32`)"
+    if not value:
+        return f"required: {rule}, the same as the sender's webhook secret"
+    if len(value) < HOOK_SECRET_MIN:
+        return f"too short ({len(value)} characters); use {rule}"
+    return None
+
+
+def usable_hook_secret(value: SecretStr | None) -> str | None:
+    """The hook's secret when it passes hook_secret_problem, else None (the hook then
+    refuses every request)."""
+    text = secret_text(value)
+    return text if hook_secret_problem(text) is None else None
 
 
 def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -> list[str]:
@@ -129,7 +147,16 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
         problem = admin_token_problem(cfg, unset.get("http.admin_token"))
         if problem is not None:
             problems.append(problem)
+        # Hooks arrive over the HTTP server: each needs a secret that can sign.
+        for name, hook in cfg.hooks.items():
+            path = f"hooks.{name}.secret"
+            if path in unset:
+                problems.append(not_set(path, f"while the hook {name} is configured"))
+            elif (problem := hook_secret_problem(secret_text(hook.secret))) is not None:
+                problems.append(f"{path}: {problem}")
     for path in unset:
+        if path.startswith("hooks."):
+            continue  # above: needed where the HTTP server runs
         if path.startswith("mcp.servers."):
             name = path.split(".")[2]
             server = cfg.mcp.servers.get(name)
@@ -142,6 +169,14 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
 
 
 def config_warnings(cfg: Config) -> list[str]:
-    """Worth saying, not worth refusing: the first run works without a model key."""
-    return [f"{path}: the environment variable {var} is not set; every chat answers with what to set "
-            "until it is" for path, var in cfg.unset_env if path == "model.api_key"]
+    """Worth saying, not worth refusing: the first run works without a model key; a hook
+    may answer in a channel that is off (its turns run, their replies are not delivered)."""
+    warnings = [f"{path}: the environment variable {var} is not set; every chat answers with what to set "
+                "until it is" for path, var in cfg.unset_env if path == "model.api_key"]
+    for name, hook in cfg.hooks.items():
+        channel = hook.deliver_to.partition(":")[0]
+        section = getattr(cfg.channels, channel, None)
+        if section is not None and not section.enabled:
+            warnings.append(f"hooks.{name}.deliver_to: channels.{channel} is not enabled; the hook's turns run "
+                            "but their replies are not delivered")
+    return warnings

@@ -162,6 +162,9 @@ MEANINGS: dict[str, str] = {
                                  "on it returns, so a proxy or a test server can stand in.",
     "channels.discord.streaming": "`edit`: a reply grows in place as the model writes it; `off`: sent whole "
                                   "at the end.",
+    "channels.slack.reply_to_mode": "`thread`: a top-level channel message that mentions the bot is answered in "
+                                    "a thread under it, whose session starts with that message; `channel`: "
+                                    "answered at the top level, in the channel's session. DMs are unchanged.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
     "channels.web.token": "Bearer token of the web chat and API; required, at least 16 characters, when "
                           "`http.host` is not a loopback address. Wrong tokens are answered ever more slowly per "
@@ -237,6 +240,16 @@ MEANINGS: dict[str, str] = {
     "approvals.approvers": "Who may answer: `admins`, or `participants` (anyone whose messages go into the "
                            "session) and admins.",
     "approvals.timeout_s": "Seconds a call waits for an answer; none in time is a deny.",
+    "hooks": "Inbound webhooks by name: a signed `POST /hooks/<name>` starts a turn whose reply goes to a chat "
+             "(README, \"Webhooks\").",
+    "hooks.<name>.secret": "Key of the `X-Hub-Signature-256` HMAC (GitHub's webhook secret); at least 16 "
+                           "characters, required.",
+    "hooks.<name>.session": "Session key the turns run in, e.g. `\"telegram:dm:123\"`, "
+                            "`\"slack:channel:C123:thread:1712.55\"`, `\"web:alice\"`.",
+    "hooks.<name>.deliver_to": "Where the reply goes: `<channel>:<chat id>[:<thread>]`, e.g. "
+                               "`\"telegram:-1001234:5\"` (a topic) or `\"slack:C123:1712.55\"` (a thread).",
+    "hooks.<name>.template": "The turn's text; `{body}` is replaced by the request's body (JSON pretty-printed), "
+                             "cut to `limits.max_inbound_chars`.",
 }
 
 # Allowed values that validators check and the schema cannot show.
@@ -244,6 +257,10 @@ ALLOWED: dict[str, str] = {
     "timezone": "an IANA zone name such as `\"Europe/Berlin\"`, or `null` (the system's zone)",
     "memory_consolidation_cron": "five cron fields (minute hour day month weekday), read in `timezone`",
     "channels.telegram.webhook_secret": "secret: 16–256 characters of `A-Z a-z 0-9 _ -`, or `null`",
+    "hooks.<name>.secret": "secret: at least 16 characters",
+    "hooks.<name>.session": "a session key (required)",
+    "hooks.<name>.deliver_to": "`<channel>:<chat id>[:<thread>]` of a messaging channel (required)",
+    "hooks.<name>.template": "text containing `{body}`",
 }
 
 Effect = Literal["live", "channel", "restart"]

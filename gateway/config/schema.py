@@ -27,6 +27,7 @@ from pydantic import (
 
 from context.budget import Budget
 from gateway.config.cron import check_cron
+from gateway.keys import parse_reply_place, parse_session_key
 
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -205,6 +206,8 @@ class SlackConfig(_Strict):
     streaming: Literal["native", "update", "off"] = "native"  # SPEC §5.1
     # Off: a link the model was led to write is not fetched by Slack's servers unclicked.
     unfurl_links: bool = False
+    # thread: a top-level mention is answered in a thread under it, which is its session (SPEC §2).
+    reply_to_mode: Literal["thread", "channel"] = "thread"
 
 
 class DiscordConfig(_Strict):
@@ -423,6 +426,59 @@ class SkillsConfig(_Strict):
         return [Path(d) if Path(d).is_absolute() else base / d for d in self.dirs]
 
 
+# A hook's name is the last part of its URL (/hooks/<name>) and a key path part.
+HOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+HOOK_SECRET_MIN = 16  # the HMAC key anyone who knows it can sign with: no guessable words
+# Channels a hook can answer in: the messaging platforms, which send without a request
+# waiting (the web page and the terminal only answer their own requests).
+_NOT_HOOK_CHANNELS = frozenset({"web", "terminal"})
+
+
+class HookConfig(_Strict):
+    """An inbound webhook (SPEC §5.9): `POST /hooks/<name>`, signed with `secret`, starts a
+    turn in `session` whose reply goes to `deliver_to`."""
+
+    secret: SecretStr | None = None  # required to run (gateway/config/checks.py)
+    session: str
+    deliver_to: str
+    template: str = Field(default="{body}", min_length=1, max_length=20_000)
+
+    @field_validator("session")
+    @classmethod
+    def _session(cls, value: str) -> str:
+        if parse_session_key(value) is None:
+            raise ValueError(f"{value!r} is not a session key: e.g. \"telegram:dm:123\", "
+                             "\"telegram:group:-1001234:topic:5\", \"slack:channel:C123:thread:1712.55\", "
+                             "\"web:alice\"")
+        return value
+
+    @field_validator("deliver_to")
+    @classmethod
+    def _deliver_to(cls, value: str) -> str:
+        place = parse_reply_place(value)
+        channels = sorted(set(ChannelsConfig.model_fields) - _NOT_HOOK_CHANNELS)
+        if place is None or place.channel not in channels:
+            raise ValueError(f"{value!r}: use <channel>:<chat id>[:<thread>] with a channel of "
+                             f"{', '.join(channels)}, e.g. \"telegram:-1001234:5\" or \"slack:C123:1712.55\"")
+        return value
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        if "{body}" not in value:
+            raise ValueError("must contain {body}, where the request's body goes")
+        return value
+
+
+def hook_names_problem(names: list[str]) -> str | None:
+    """Why one of `names` cannot name a hook, or None."""
+    bad = [name for name in names if not HOOK_NAME.fullmatch(name)]
+    if bad:
+        return (f"hook name {bad[0]!r}: use 1-64 letters, digits, '_' and '-' (starting with a letter or digit); "
+                "it is the last part of the URL /hooks/<name>")
+    return None
+
+
 class Config(_Strict):
     agent_max_context_tokens: int = Field(default=50_000, ge=256)
     agent_max_context_turns: int = Field(default=20, ge=1)
@@ -459,6 +515,7 @@ class Config(_Strict):
     tasks: TasksConfig = TasksConfig()
     approvals: ApprovalsConfig = ApprovalsConfig()
     skills: SkillsConfig = SkillsConfig()
+    hooks: dict[str, HookConfig] = {}  # inbound webhooks by name (SPEC §5.9)
     transcription: TranscriptionConfig = TranscriptionConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # (key path, variable) of each secret whose `${VARIABLE}` is not set; set by parse_config.
@@ -473,6 +530,15 @@ class Config(_Strict):
             ZoneInfo(value)
         except (ZoneInfoNotFoundError, ValueError):
             raise ValueError(f"unknown time zone {value!r} (use an IANA name like 'Europe/Berlin')") from None
+        return value
+
+    @field_validator("hooks", mode="before")
+    @classmethod
+    def _hook_names(cls, value: object) -> object:
+        # Before the entries: a bad name is reported along with their own problems.
+        problem = hook_names_problem([str(k) for k in value]) if isinstance(value, dict) else None
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("memory_consolidation_cron")

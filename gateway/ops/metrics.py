@@ -61,6 +61,8 @@ class Metrics:
         self.auth_failures = Counter("gateway_auth_failures_total", "Requests with a wrong bearer token, by API "
                                      "(web chat, admin); each address's are answered ever more slowly",
                                      ["api"], registry=r)
+        self.hook_requests = Counter("gateway_hook_requests_total", "Requests to /hooks/<name> (SPEC §5.9), "
+                                     "by outcome", ["outcome"], registry=r)
         self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
                                  "and this one ran after that gateway died or stalled", registry=r)
 

@@ -36,6 +36,7 @@ from gateway.store.migrations.postgres import MIGRATIONS
 from gateway.store.rows import (
     HISTORY_PAGE_CHARS,
     HISTORY_SHOWN,
+    SEARCH_ROLE_SQL,
     HistoryPage,
     JobRun,
     PendingEvent,
@@ -577,12 +578,12 @@ class PgStore:
         )
         if phrases:
             hit, rank, args = _phrase_match("m.content", phrases)
-            sql = (f"SELECT {rank}, m.turn, m.role, m.content, m.created_at FROM messages m "
+            sql = (f"SELECT {rank}, m.turn, {SEARCH_ROLE_SQL}, m.content, m.created_at FROM messages m "
                    f"WHERE {where} AND ({hit}) ORDER BY 1, m.id DESC LIMIT ?")
             rows = await self._rows(sql, (*args, session_key, session_key, *args, limit))
         else:
             likes = " AND ".join("m.content ILIKE ? ESCAPE '\\'" for _ in short_terms)
-            sql = (f"SELECT 0.0, m.turn, m.role, m.content, m.created_at FROM messages m "
+            sql = (f"SELECT 0.0, m.turn, {SEARCH_ROLE_SQL}, m.content, m.created_at FROM messages m "
                    f"WHERE {where} AND {likes} ORDER BY m.id DESC LIMIT ?")
             rows = await self._rows(sql, (session_key, session_key, *map(like_pattern, short_terms), limit))
         return [(float(r[0]), r[1], r[2], r[3], r[4]) for r in rows]

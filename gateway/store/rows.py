@@ -18,6 +18,10 @@ log = logging.getLogger("gateway.store")
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
+# A session message's role as search results name it: a user message no person wrote says
+# whose it is ("user (task)", "user (hook:github)"). SQL both backends run on `messages m`.
+SEARCH_ROLE_SQL = "(CASE WHEN m.origin IS NULL THEN m.role ELSE m.role || ' (' || m.origin || ')' END)"
+
 
 def storable_text(text: str, *, nul: bool) -> str:
     """`text` as UTF-8 can carry it: a lone surrogate (from a JSON escape in a model's or

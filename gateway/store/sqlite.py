@@ -30,6 +30,7 @@ from gateway.store.migrations.sqlite import MIGRATIONS
 from gateway.store.rows import (
     HISTORY_PAGE_CHARS,
     HISTORY_SHOWN,
+    SEARCH_ROLE_SQL,
     HistoryPage,
     JobRun,
     PendingEvent,
@@ -680,7 +681,8 @@ class Store:
         limit: int,
     ) -> list[tuple[float, int, str, str, float]]:
         """(rank, turn, role, content, created_at) of the session's earlier messages that
-        match (as in `search_memory_chunks`)."""
+        match (as in `search_memory_chunks`); the role names a message's origin
+        (SEARCH_ROLE_SQL)."""
         # Earlier turns only (the current one is in the context already), no gateway
         # notices, and no earlier search results (they would echo back).
         where = (
@@ -689,7 +691,7 @@ class Store:
         )
         if match is not None:
             sql = (
-                "SELECT bm25(messages_fts), m.turn, m.role, m.content, m.created_at FROM messages_fts "
+                f"SELECT bm25(messages_fts), m.turn, {SEARCH_ROLE_SQL}, m.content, m.created_at FROM messages_fts "
                 f"JOIN messages m ON m.id = messages_fts.rowid WHERE messages_fts MATCH ? AND {where} "
                 "ORDER BY 1 LIMIT ?"
             )
@@ -697,7 +699,7 @@ class Store:
         else:
             likes = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in short_terms)
             sql = (
-                f"SELECT 0.0, m.turn, m.role, m.content, m.created_at FROM messages m "
+                f"SELECT 0.0, m.turn, {SEARCH_ROLE_SQL}, m.content, m.created_at FROM messages m "
                 f"WHERE {where} AND {likes} ORDER BY m.id DESC LIMIT ?"
             )
             args = (session_key, session_key, *map(like_pattern, short_terms), limit)

@@ -270,7 +270,7 @@ class ClusterSessionManager(SessionManager):
         if ev.status == "accepted":
             # The gateway that accepted it died before deciding; decide as a restart would.
             log.info("taking over an event its gateway never queued", extra={"event": ev.event_id})
-            if parse_command(inbound.text) is not None:
+            if inbound.origin is None and parse_command(inbound.text) is not None:  # a person's command
                 if self.on_leftover_command is not None:
                     await self.on_leftover_command(inbound)
                 await store.mark_event(ev.channel, ev.event_id, "answered")

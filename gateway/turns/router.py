@@ -171,10 +171,11 @@ class Router:
                 log.warning("unreadable pending event", extra={"event": ev.event_id})
                 await self.s.store.mark_event(ev.channel, ev.event_id, "failed")
                 continue
-            key, scope = self.keys(inbound)
+            key, scope = await self._resume_keys(inbound, ev.session_key)
             self.resumed.add((ev.channel, ev.event_id))
             resume = ev.turn if ev.status == "running" else None
-            if resume is None and parse_command(inbound.text) is not None:
+            # Text the gateway made (a task's prompt, a webhook's body) is never a command.
+            if resume is None and inbound.origin is None and parse_command(inbound.text) is not None:
                 commands.append(inbound)
                 continue
             if not await self.sessions.submit(key, scope, TurnJob(inbound, resume_turn=resume)):
@@ -182,6 +183,17 @@ class Router:
         if pending:
             log.info("resumed pending turns", extra={"count": len(pending)})
         return commands
+
+    async def _resume_keys(self, inbound: Inbound, recorded: str | None) -> tuple[str, str]:
+        """The session and scope a pending turn resumes in. A person's message is placed as
+        when it arrived; a turn the gateway made (a task's, a webhook's) stays in the session
+        it was recorded for, which need not be the one its reply's chat implies (a hook may
+        run in `web:alice` and answer in Telegram), with that session's scope."""
+        if inbound.origin is not None and recorded:
+            row = await self.s.store.get_session(recorded)
+            if row is not None:
+                return recorded, row.scope
+        return self.keys(inbound)
 
     async def answer_commands(self, commands: list[Inbound]) -> None:
         for inbound in commands:
