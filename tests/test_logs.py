@@ -87,6 +87,7 @@ async def test_the_start_banner_says_what_runs(make_gateway: GatewayFactory, fak
         f"web chat on http://127.0.0.1:{gw.http.port}/",
         f"telegram: polling as @{fake_telegram.bot_username}",
         "slack: off",
+        "discord: off",
         "MCP servers: 1 (connecting in the background)",
     ]
 
@@ -96,4 +97,4 @@ async def test_the_banner_of_a_gateway_without_channels(make_gateway: GatewayFac
     caplog.set_level(logging.INFO)
     await make_gateway(channels={"web": {"enabled": False}})
     banner = [r.getMessage() for r in caplog.records if r.name == "gateway.app" and r.levelno == logging.INFO]
-    assert banner == ["web chat: off", "telegram: off", "slack: off", "MCP servers: none"]
+    assert banner == ["web chat: off", "telegram: off", "slack: off", "discord: off", "MCP servers: none"]

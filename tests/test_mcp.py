@@ -534,7 +534,7 @@ def test_server_secrets_are_redacted_from_logs() -> None:
 
 def test_the_readme_examples_are_valid_config() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### MCP servers", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("### MCP servers", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     examples = re.findall(r"```json\n(.*?)```", section, re.S)
     assert len(examples) == 2
     transports = []
