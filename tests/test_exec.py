@@ -174,11 +174,15 @@ async def test_nothing_outside_the_workspace_can_be_written(tmp_path: Path) -> N
     attempts = ["/usr/x", "/etc/x", "/x", "/bin/x", "/dev/x", "/proc/x", f"{data}/x", f"{tmp_path}/x"]
     script = "".join(f'if touch "{p}" 2>/dev/null; then echo "WROTE {p}"; else echo "REFUSED {p}"; fi\n'
                      for p in attempts)
+    # A kernel setting, written back as it is (harmless even if it got through).
+    script += ('v=$(cat /proc/sys/kernel/printk_ratelimit); if echo "$v" > /proc/sys/kernel/printk_ratelimit; '
+               'then echo "WROTE sysctl"; else echo "REFUSED sysctl"; fi\n')
     script += f"echo private > /tmp/{mark}; cat /tmp/{mark}; echo made > made.txt; ln -s {tmp_path}/secret.txt leak\n"
     (tmp_path / "secret.txt").write_text(SECRET)
     text = await sh(workspace, script)
     for path in attempts:
         assert f"REFUSED {path}" in text, text
+    assert "REFUSED sysctl" in text and "Read-only file system" in text
     assert "WROTE" not in text and section(text, "stdout").endswith("\nprivate")
     assert not (data / "x").exists() and not (tmp_path / "x").exists() and not Path(f"/tmp/{mark}").exists()
     # What it made in the workspace is there for read_file; a symlink it planted leads nowhere.
@@ -189,6 +193,25 @@ async def test_nothing_outside_the_workspace_can_be_written(tmp_path: Path) -> N
     # The workspace is the gateway's user's, and private.
     assert (workspace / "made.txt").stat().st_uid == os.getuid()
     assert stat.S_IMODE(workspace.stat().st_mode) == 0o700
+
+
+async def test_what_a_command_leaves_behind_cannot_hurt_the_gateway(make_gateway: GatewayFactory,
+                                                                   fake_model: FakeModel) -> None:
+    # A FIFO where the gateway later reads a file (an image in files/, MEMORY.md) would hold
+    # the reading thread; a set-user-ID file is owned, outside, by the gateway's user (root here).
+    gw = await make_gateway(tools={"exec": {"enabled": True}}, limits={"turn_timeout_s": 10})
+    plant = ("mkdir -p files && mkfifo MEMORY.md files/photo.jpg && cp /bin/true suid && chmod 6755 suid && "
+             "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('sock')\" && ls -l . files")
+    fake_model.tool_call("exec", {"command": plant})
+    fake_model.reply("planted")
+    assert await chat(gw, "mallory", "plant") == "planted"
+    listing = tool_results(fake_model.requests[-1])[-1]
+    assert listing.count("prw-") == 2 and "-rwsr-sr-x" in listing and "srwx" in listing, listing  # made inside
+    workspace = gw.workspace_for(Inbound(channel="web", chat_id="mallory", user_id="mallory", text="", event_id="m"))
+    for gone in ("MEMORY.md", "files/photo.jpg", "sock"):
+        assert not os.path.lexists(workspace / gone), gone
+    assert stat.S_IMODE((workspace / "suid").stat().st_mode) == 0o755
+    assert await chat(gw, "mallory", "are you there?") == "echo: are you there?"
 
 
 # -- limits ------------------------------------------------------------------------------------
@@ -371,6 +394,7 @@ def test_the_command_line() -> None:
     assert "--ro-bind /usr /usr" in text and "--ro-bind-try /etc/ld.so.cache /etc/ld.so.cache" in text
     assert "/etc/resolv.conf" not in text and "--ro-bind-data 6 /etc/passwd --ro-bind-data 7 /etc/group" in text
     assert "--bind /data/scopes/x /workspace --chdir /workspace --remount-ro / --info-fd 5 --" in text
+    assert "--proc /proc --ro-bind-try /proc/sys /proc/sys" in text
     assert text.endswith("-- /usr/bin/prlimit --nproc=256:256 --fsize=1073741824:1073741824 --core=0:0 "
                          "--as=536870912:536870912 -- /usr/bin/choom -n 1000 -- /usr/bin/nice -n 10 -- /bin/sh -c ls")
     networked = " ".join(sandbox.command_line(tools, sandbox.Box(Path("/w"), network=True), ["true"]))

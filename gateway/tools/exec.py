@@ -147,6 +147,9 @@ class Exec:
                                         timeout_s=cfg.timeout_s)
         except sandbox.SandboxError as err:
             raise ToolError(str(err)) from None
+        finally:
+            # Also when the call was cancelled: the sandbox is dead by now, its files stay.
+            await asyncio.shield(asyncio.to_thread(sandbox.tidy, ctx.workspace))
         return ToolOutput(result_text(outcome, cfg))
 
 

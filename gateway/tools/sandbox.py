@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ WATCH_INTERVAL_S = 0.05
 KILL_WAIT_S = 5.0  # for the killed sandbox to be reaped and its pipes to close
 PROBE_TIMEOUT_S = 15.0
 INFO_MAX_BYTES = 65_536
+TIDY_MAX_ENTRIES = 200_000  # a workspace is walked after each run up to this many entries
 
 # Top-level system paths: symlinks into /usr on merged-/usr systems, directories elsewhere.
 SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -58,6 +60,7 @@ ETC_ALWAYS = ("ld.so.cache", "alternatives", "localtime")
 ETC_NETWORK = ("resolv.conf", "hosts", "nsswitch.conf", "gai.conf", "host.conf", "services", "protocols",
                "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "pki/tls/certs", "pki/tls/cert.pem",
                "pki/ca-trust/extracted", "crypto-policies")
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "mtrr", "pressure")
 HELPERS = {"prlimit": "util-linux", "choom": "util-linux", "nice": "coreutils"}
 
 
@@ -139,7 +142,12 @@ def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | 
     for path in box.read_only:
         args += ["--ro-bind", str(path), str(path)]
     limits = box.limits
-    args += ["--proc", "/proc", "--dev", "/dev",
+    args += ["--proc", "/proc"]
+    # Kernel settings are guarded by uid 0 alone, and the sandbox's user is root outside when
+    # the gateway is: those files read-only (bwrap covers them only when the directory is writable).
+    for name in PROC_READ_ONLY:
+        args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
+    args += ["--dev", "/dev",
              "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
              "--remount-ro", "/dev",  # device nodes still work; no files in /dev's own tmpfs
              "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
@@ -421,3 +429,38 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         await proc.stdin.drain()
     with contextlib.suppress(OSError):
         proc.stdin.close()
+
+
+def tidy(root: Path) -> int:
+    """After a run, when nothing in the sandbox is left to race it: take set-user-ID and
+    set-group-ID bits off the files the command left (outside, its user is the gateway's,
+    which may be root), and remove FIFOs and sockets (a FIFO where the gateway later reads
+    a file, an image in files/ say, would hold the reading thread). Returns how many
+    entries it changed."""
+    changed = seen = 0
+    pending = [str(root)]
+    while pending:
+        try:
+            entries = os.scandir(pending.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                seen += 1
+                if seen > TIDY_MAX_ENTRIES:
+                    log.warning("workspace too large to tidy after exec", extra={"entries": seen})
+                    return changed
+                try:
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    if stat.S_ISDIR(mode):
+                        pending.append(entry.path)
+                    elif stat.S_ISREG(mode):
+                        if mode & (stat.S_ISUID | stat.S_ISGID):
+                            os.chmod(entry.path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                            changed += 1
+                    elif not stat.S_ISLNK(mode):  # FIFO, socket (devices cannot be made in it)
+                        os.unlink(entry.path)
+                        changed += 1
+                except OSError:
+                    continue
+    return changed
