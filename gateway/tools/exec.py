@@ -28,7 +28,6 @@ log = logging.getLogger("gateway.tools.exec")
 MAX_COMMAND_CHARS = 100_000
 MAX_STDIN_BYTES = 1_000_000
 KILL_GRACE_S = 5.0  # past timeout_s: the sandbox's own "timed out" result comes before the agent's bound
-NICENESS = 10  # commands yield the CPU to the gateway (a busy loop, a fork bomb until the watchdog sees it)
 STATUS_CHARS = 60
 
 
@@ -82,7 +81,7 @@ def result_text(outcome: sandbox.Outcome, cfg: ExecConfig) -> str:
 def box_for(ctx: ToolContext, cfg: ExecConfig) -> sandbox.Box:
     return sandbox.Box(ctx.workspace, network=cfg.network,
                        limits=sandbox.Limits(memory_mb=cfg.memory_mb, tmp_mb=cfg.memory_mb),
-                       setenv=sandbox.exec_environment(), nice=NICENESS)
+                       setenv=sandbox.exec_environment(), idle=True)
 
 
 class Exec:

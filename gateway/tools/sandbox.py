@@ -10,10 +10,13 @@ the session (nothing can be typed into the gateway's terminal).
 
 Limits, without cgroups:
 - memory: RLIMIT_AS of each process; the OOM killer picks the sandbox first (oom_score_adj 1000);
+- CPU: exec's commands run SCHED_IDLE, behind every other process of the machine;
 - processes: RLIMIT_NPROC, set inside the sandbox's own user namespace, where the kernel
   counts the sandbox's tasks alone (the gateway's user keeps its own count). The kernel
-  does not enforce it for uid 0 (a gateway run as root), so a watchdog also counts the
-  tasks of the sandbox's PID namespace and kills the sandbox past the cap;
+  does not enforce it for uid 0, and a gateway run as root makes the sandbox's user root
+  outside; there the PID namespace's own pid_max (Linux 6.14 and later) is set before the
+  command starts (bwrap waits on --block-fd meanwhile). A watchdog also counts the tasks
+  of the PID namespace and kills the sandbox past the cap, whatever held it;
 - files: RLIMIT_FSIZE; no core dumps; /tmp and /dev/shm hold at most their size;
 - time: the caller's wall clock. Killing is SIGKILL to bwrap and to the PID namespace's
   first process: when that one dies, the kernel kills every process in the namespace
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("gateway.sandbox")
 
@@ -49,6 +54,11 @@ OUTPUT_MAX_BYTES = 1_000_000  # kept of each of stdout and stderr; the rest is r
 WATCH_INTERVAL_S = 0.05
 KILL_WAIT_S = 5.0  # for the killed sandbox to be reaped and its pipes to close
 PROBE_TIMEOUT_S = 15.0
+PID_CAP_TIMEOUT_S = 10.0
+PID_CAP_ATTEMPTS = 20
+PID_CAP_RETRY_S = 0.02
+PID_MAX_MIN = 301  # the kernel's least pid_max
+NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace (linux/nsfs.h)
 INFO_MAX_BYTES = 65_536
 TIDY_MAX_ENTRIES = 200_000  # a workspace is walked after each run up to this many entries
 
@@ -61,7 +71,7 @@ ETC_NETWORK = ("resolv.conf", "hosts", "nsswitch.conf", "gai.conf", "host.conf",
                "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "pki/tls/certs", "pki/tls/cert.pem",
                "pki/ca-trust/extracted", "crypto-policies")
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "mtrr", "pressure")
-HELPERS = {"prlimit": "util-linux", "choom": "util-linux", "nice": "coreutils"}
+HELPERS = {"prlimit": "util-linux", "choom": "util-linux", "chrt": "util-linux"}
 
 
 class SandboxError(Exception):
@@ -75,7 +85,8 @@ class Tools:
     bwrap: str
     prlimit: str
     choom: str
-    nice: str
+    chrt: str
+    nsenter: str | None = None  # sets a root gateway's sandbox's pid_max; without it, the watchdog alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +111,9 @@ class Box:
     # read: never a secret here (an MCP server's secrets come through bwrap's environment).
     setenv: Mapping[str, str] = field(default_factory=dict)
     unsetenv: tuple[str, ...] = ()
-    nice: int = 0
+    # SCHED_IDLE: the sandbox runs only when nothing else wants the CPU, so a busy loop or a
+    # fork bomb cannot starve the gateway (nor its watchdog); it cannot leave that policy.
+    idle: bool = False
 
 
 def exec_environment() -> dict[str, str]:
@@ -109,11 +122,11 @@ def exec_environment() -> dict[str, str]:
 
 
 def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | None = None,
-                 identity_fds: tuple[int, int] | None = None) -> list[str]:
+                 block_fd: int | None = None, identity_fds: tuple[int, int] | None = None) -> list[str]:
     """The bwrap command line that runs `argv` in `box`."""
     args = [tools.bwrap,
             "--unshare-all",  # new user, mount, PID, IPC, UTS, cgroup and network namespaces
-            "--unshare-user",  # also as root: the sandbox's user is not root, even inside
+            "--unshare-user",  # always (--unshare-all only tries): the sandbox's own users, none of them root
             "--disable-userns",  # no nested user namespaces: less of the kernel in reach
             ]
     if box.network:
@@ -155,15 +168,17 @@ def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | 
              "--remount-ro", "/"]  # the sandbox's root tmpfs: nothing written there either
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]  # tells us the PID namespace's first process
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]  # the command waits until we wrote to it (or closed it)
     # Inside: limits set in the sandbox's user namespace (see the module's docstring).
     args += ["--", tools.prlimit, f"--nproc={limits.tasks}:{limits.tasks}",
-             f"--fsize={limits.file_bytes}:{limits.file_bytes}", "--core=0:0"]
+             f"--fsize={limits.file_bytes}:{limits.file_bytes}", "--core=0:0", "--nice=0:0"]
     if limits.memory_mb is not None:
         size = limits.memory_mb << 20
         args.append(f"--as={size}:{size}")
     args += ["--", tools.choom, "-n", str(OOM_SCORE_ADJ), "--"]
-    if box.nice:
-        args += [tools.nice, "-n", str(box.nice), "--"]
+    if box.idle:
+        args += [tools.chrt, "--idle", "0"]
     return args + list(argv)
 
 
@@ -177,6 +192,7 @@ class Availability:
 
 
 _checked: dict[Tools, Availability] = {}
+_probing: dict[Tools, asyncio.Future[Availability]] = {}
 
 
 async def availability() -> Availability:
@@ -191,10 +207,20 @@ async def availability() -> Availability:
         if path is None:
             return Availability(None, f"{name} ({package}) is not installed")
         found[name] = path
-    tools = Tools(bwrap, **found)
+    tools = Tools(bwrap, **found, nsenter=shutil.which("nsenter", path=SANDBOX_PATH))
     known = _checked.get(tools)
-    if known is None:
-        known = _checked[tools] = await _probe(tools)
+    if known is not None:
+        return known
+    probing = _probing.get(tools)
+    if probing is None or probing.get_loop() is not asyncio.get_running_loop():
+        probing = _probing[tools] = asyncio.ensure_future(_probe(tools))  # the first caller's; the others wait
+    try:
+        known = await asyncio.shield(probing)
+    finally:
+        if probing.done():
+            _probing.pop(tools, None)
+    if tools not in _checked:
+        _checked[tools] = known
         if known.reason is not None:
             log.warning("the sandbox cannot run here", extra={"error": known.reason})
     return known
@@ -204,7 +230,7 @@ async def _probe(tools: Tools) -> Availability:
     scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="gateway-sandbox-check-"))
     try:
         outcome = await run(tools, Box(scratch, limits=Limits(memory_mb=256, tmp_mb=1), setenv=exec_environment(),
-                                       nice=10), ["/bin/sh", "-c", "echo sandbox-ok"], timeout_s=PROBE_TIMEOUT_S)
+                                       idle=True), ["/bin/sh", "-c", "echo sandbox-ok"], timeout_s=PROBE_TIMEOUT_S)
     except SandboxError as err:
         return Availability(None, str(err))
     finally:
@@ -261,31 +287,51 @@ async def run(tools: Tools, box: Box, argv: Sequence[str], *, stdin: bytes | Non
     """Run `argv` in `box` for at most `timeout_s`, its output captured (capped). Cancelling
     the caller kills the sandbox and everything in it before this returns."""
     info_read, info_write = os.pipe()
-    identity = _identity_pipes()
-    cmd = command_line(tools, box, argv, info_fd=info_write, identity_fds=identity)
+    block_read, block_write = os.pipe()
+    given = [info_write, block_read]  # bwrap's ends: closed here once it has them
     try:
+        identity = _identity_pipes()
+        given += identity
+        cmd = command_line(tools, box, argv, info_fd=info_write, block_fd=block_read, identity_fds=identity)
+        # Cancelled while starting, asyncio kills bwrap, and --die-with-parent the rest.
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            pass_fds=(info_write, *identity), env={}, start_new_session=True)
-    except OSError as err:
+            pass_fds=tuple(given), env={}, start_new_session=True)
+    except BaseException as err:
         os.close(info_read)
-        raise SandboxError(f"cannot start bwrap: {err.strerror or err}") from None
+        os.close(block_write)
+        if isinstance(err, OSError):
+            raise SandboxError(f"cannot start bwrap: {err.strerror or err}") from None
+        raise
     finally:
-        for fd in (info_write, *identity):
+        for fd in given:
             os.close(fd)
-    return await _Sandbox(proc, info_read, box.limits.tasks).finish(stdin, timeout_s)
+    pid_cap = tools.nsenter if os.geteuid() == 0 and _pid_max_per_namespace() else None
+    return await _Sandbox(proc, info_read, block_write, box.limits.tasks, pid_cap).finish(stdin, timeout_s)
+
+
+def _pid_max_per_namespace() -> bool:
+    """Whether each PID namespace has a pid_max of its own (Linux 6.14). Before that the
+    setting is the machine's: never written then."""
+    try:
+        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 14)
 
 
 class _Sandbox:
     """One running sandbox: its output, its watchdog, and the way to kill it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int, max_tasks: int) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int, block_fd: int, max_tasks: int,
+                 nsenter: str | None) -> None:
         self.proc = proc
         self.info_fd: int | None = info_fd
+        self.block_fd: int | None = block_fd  # writing to it lets the command start
         self.max_tasks = max_tasks
+        self.nsenter = nsenter  # set: cap the PID namespace's pid_max before the command starts
         self.pidfd: int | None = None  # of the PID namespace's first process
-        self.init_pid: int | None = None
         self.outcome = Outcome(None, Captured(), Captured())
 
     async def finish(self, stdin: bytes | None, timeout_s: float) -> Outcome:
@@ -333,21 +379,80 @@ class _Sandbox:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _close(self) -> None:
-        for fd in (self.pidfd, self.info_fd):
+        for fd in (self.pidfd, self.info_fd, self.block_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.pidfd = self.info_fd = None
+        self.pidfd = self.info_fd = self.block_fd = None
+
+    def _start_command(self) -> None:
+        fd, self.block_fd = self.block_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):  # bwrap already gone
+                os.write(fd, b"go")
+            os.close(fd)
+
+    async def _cap_pids(self, init_pid: int) -> None:
+        """pid_max of the sandbox's PID namespace, set from inside its user namespace (so
+        that on a kernel without per-namespace pid_max the write cannot reach the machine's):
+        no more tasks than that can exist in it, whoever the kernel thinks they are."""
+        assert self.nsenter is not None
+        value = max(self.max_tasks + 2, PID_MAX_MIN)  # pids 1 and 2 are bwrap's and the command's
+        machine = await asyncio.to_thread(_read_pid_max)
+        # The user namespace that owns the PID namespace: bwrap's first process moves on to
+        # a nested one (--disable-userns), where pid_max is not the sandbox's to set.
+        pid_ns = os.open(f"/proc/{init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            owner = fcntl.ioctl(pid_ns, NS_GET_USERNS)
+        finally:
+            os.close(pid_ns)
+        try:
+            error = ""
+            for _ in range(PID_CAP_ATTEMPTS):  # bwrap may not have written the namespace's uid map yet
+                error = await self._write_pid_max(owner, init_pid, value)
+                if not error:
+                    break
+                await asyncio.sleep(PID_CAP_RETRY_S)
+            else:
+                log.warning("cannot cap the sandbox's pid_max (%s); the watchdog alone counts its processes", error)
+        finally:
+            os.close(owner)
+        after = await asyncio.to_thread(_read_pid_max)
+        if machine is not None and after != machine:  # never: the kernel said otherwise
+            await asyncio.to_thread(_write_pid_max, machine)
+            log.error("writing the sandbox's pid_max changed the machine's; put back", extra={"value": machine})
+
+    async def _write_pid_max(self, owner: int, init_pid: int, value: int) -> str:
+        """One attempt; what went wrong, or ""."""
+        assert self.nsenter is not None
+        proc = await asyncio.create_subprocess_exec(
+            self.nsenter, f"--user=/proc/self/fd/{owner}", f"--pid=/proc/{init_pid}/ns/pid",
+            "--preserve-credentials", "--", "/bin/sh", "-c", f"echo {value} > /proc/sys/kernel/pid_max",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            pass_fds=(owner,), env={}, start_new_session=True)
+        try:
+            async with asyncio.timeout(PID_CAP_TIMEOUT_S):
+                _, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if proc.returncode == 0:
+            return ""
+        return err.decode("utf-8", "replace").strip()[-300:] or f"exit code {proc.returncode}"
 
     async def _watch(self) -> None:
-        """Learn the PID namespace's first process from bwrap, then count the namespace's
-        tasks and kill the sandbox when there are more than the cap."""
-        init_pid = await self._init_pid()
+        """Learn the PID namespace's first process from bwrap (and cap its pid_max), let the
+        command start, then count the namespace's tasks and kill the sandbox past the cap."""
+        try:
+            init_pid = await self._prepare()
+        except Exception:  # the command still runs, under its rlimits and timeout
+            log.exception("cannot watch the sandbox")
+            init_pid = None
+        finally:
+            self._start_command()
         if init_pid is None:
             return
-        with contextlib.suppress(OSError):  # a kernel without pidfds: SIGKILL to bwrap still ends it
-            self.pidfd = os.pidfd_open(init_pid)
-        self.init_pid = init_pid
         while True:
             count = await asyncio.to_thread(_tasks_in, init_pid, self.max_tasks)
             if count > self.max_tasks:
@@ -357,7 +462,27 @@ class _Sandbox:
                 return
             await asyncio.sleep(WATCH_INTERVAL_S)
 
-    async def _init_pid(self) -> int | None:
+    async def _prepare(self) -> int | None:
+        info = await self._info()
+        init_pid, pid_ns = info.get("child-pid"), info.get("pid-namespace")
+        if not isinstance(init_pid, int) or init_pid <= 0:
+            return None
+        with contextlib.suppress(OSError):  # no pidfds, or no look at it: SIGKILL to bwrap still ends it
+            pidfd = os.pidfd_open(init_pid)
+            # Still the sandbox's (not a process that got its number since): then the pidfd is.
+            if os.stat(f"/proc/{init_pid}/ns/pid").st_ino == pid_ns:
+                self.pidfd = pidfd
+            else:
+                os.close(pidfd)
+        if self.nsenter is not None:
+            try:
+                await self._cap_pids(init_pid)
+            except (OSError, TimeoutError) as err:
+                log.warning("cannot cap the sandbox's pid_max", extra={"error": repr(err)})
+        return init_pid
+
+    async def _info(self) -> dict[str, Any]:
+        """What bwrap tells of the sandbox once it made it (child-pid, pid-namespace, …)."""
         fd = self.info_fd
         assert fd is not None
         loop = asyncio.get_running_loop()
@@ -374,17 +499,28 @@ class _Sandbox:
             while len(raw) < INFO_MAX_BYTES:
                 chunk = await reader.read(4096)
                 if not chunk:
-                    return None  # bwrap ended before it said
+                    return {}  # bwrap ended before it said
                 raw += chunk
                 try:
                     info = json.loads(raw)
                 except ValueError:
                     continue  # bwrap writes it whole, but a pipe may hand it over in parts
-                pid = info.get("child-pid") if isinstance(info, dict) else None
-                return pid if isinstance(pid, int) and pid > 0 else None
-            return None
+                return info if isinstance(info, dict) else {}
+            return {}
         finally:
             transport.close()
+
+
+def _read_pid_max() -> int | None:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_pid_max(value: int) -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/kernel/pid_max").write_text(f"{value}\n")
 
 
 def _tasks_in(init_pid: int, cap: int) -> int:
@@ -405,8 +541,8 @@ def _tasks_in(init_pid: int, cap: int) -> int:
     for name in entries:
         try:
             with open(f"{proc}/{name}/stat", "rb") as fh:
-                stat = fh.read()
-            total += int(stat[stat.rindex(b")") + 2:].split()[17])  # num_threads
+                line = fh.read()
+            total += int(line[line.rindex(b")") + 2:].split()[17])  # num_threads
         except (OSError, ValueError, IndexError):
             continue  # it ended meanwhile
         if total > cap:
