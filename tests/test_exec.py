@@ -503,6 +503,9 @@ async def test_a_sandboxed_mcp_server_works_and_cannot_read_the_gateways_files(
     home = tmp_path / "boxed-home"
     assert results[7] == str(home) and results[8] == f"wrote {home}/out.txt"
     assert (home / "out.txt").read_text() == "from inside"
+    assert processes_with(str(home))  # bwrap's command line names the directory it binds
+    await gw.stop(timeout=5)
+    assert processes_with(str(home)) == []  # the sandbox went with the gateway
 
 
 async def test_a_sandboxed_mcp_server_is_never_shown_the_config_or_data_dir(

@@ -189,6 +189,7 @@ def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | 
 class Availability:
     tools: Tools | None
     reason: str | None = None  # why not, when tools is None
+    final: bool = True  # False: a machine too busy to answer in time; asked again next time
 
 
 _checked: dict[Tools, Availability] = {}
@@ -198,16 +199,9 @@ _probing: dict[Tools, asyncio.Future[Availability]] = {}
 async def availability() -> Availability:
     """Whether a sandbox can be made here: the programs exist and a real one runs (once
     per bwrap; a missing program is looked for again next time)."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return Availability(None, "bwrap (bubblewrap) is not installed")
-    found: dict[str, str] = {}
-    for name, package in HELPERS.items():
-        path = shutil.which(name, path=SANDBOX_PATH)  # the sandbox sees the same /usr
-        if path is None:
-            return Availability(None, f"{name} ({package}) is not installed")
-        found[name] = path
-    tools = Tools(bwrap, **found, nsenter=shutil.which("nsenter", path=SANDBOX_PATH))
+    tools = await asyncio.to_thread(_find_tools)
+    if isinstance(tools, str):
+        return Availability(None, tools)
     known = _checked.get(tools)
     if known is not None:
         return known
@@ -219,11 +213,25 @@ async def availability() -> Availability:
     finally:
         if probing.done():
             _probing.pop(tools, None)
-    if tools not in _checked:
+    if tools not in _checked and known.final:
         _checked[tools] = known
         if known.reason is not None:
             log.warning("the sandbox cannot run here", extra={"error": known.reason})
     return known
+
+
+def _find_tools() -> Tools | str:
+    """The programs, or which one is missing."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bwrap (bubblewrap) is not installed"
+    found: dict[str, str] = {}
+    for name, package in HELPERS.items():
+        path = shutil.which(name, path=SANDBOX_PATH)  # the sandbox sees the same /usr
+        if path is None:
+            return f"{name} ({package}) is not installed"
+        found[name] = path
+    return Tools(bwrap, **found, nsenter=shutil.which("nsenter", path=SANDBOX_PATH))
 
 
 async def _probe(tools: Tools) -> Availability:
@@ -239,8 +247,9 @@ async def _probe(tools: Tools) -> Availability:
         return Availability(tools)
     lines = [line.strip() for line in bytes(outcome.stderr.data).decode("utf-8", "replace").splitlines()]
     last = next((line for line in reversed(lines) if line), "")
-    why = last.removeprefix("bwrap: ")[:300] or (
-        "it did not answer in time" if outcome.timed_out else f"exit code {outcome.returncode}")
+    if outcome.timed_out:
+        return Availability(None, f"the sandbox check did not finish within {PROBE_TIMEOUT_S:g} s", final=False)
+    why = last.removeprefix("bwrap: ")[:300] or f"exit code {outcome.returncode}"
     return Availability(None, f"bwrap cannot make a sandbox here: {why}")
 
 
