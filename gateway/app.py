@@ -45,6 +45,7 @@ from gateway.services import Services
 from gateway.skills.watcher import SkillWatcher
 from gateway.store.backends import open_store
 from gateway.store.rows import StoreError
+from gateway.tools.exec import ExecTools
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
 from gateway.tools.web import WebTools
@@ -145,6 +146,7 @@ class Gateway:
         self.watcher: Any = None
         self.chat_settings: ChatSettings | None = None  # /config changes kept in the database
         self.mcp: McpManager | None = None
+        self.exec_tools: ExecTools | None = None
         self.tasks: TaskScheduler | None = None
         self.skill_watcher: SkillWatcher | None = None  # follows the skills' folders (SPEC §5.6)
         self._model_cfgs: tuple[Any, ...] = self._model_settings(config)  # the clients' settings
@@ -220,6 +222,9 @@ class Gateway:
             model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
         )
         services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
+        self.exec_tools = ExecTools(lambda: self.holder.current)  # also follows reloads
+        services.tools.add_source(self.exec_tools)
+        await self.exec_tools.prepare()  # probes the sandbox when exec is on
         services.memory = self._memory(services)
         services.usage = Usage(store)
         services.media = Media(lambda: self.holder.current)
@@ -271,7 +276,8 @@ class Gateway:
                 raise StartupError(listen_problem(cfg.http.host, cfg.http.port, err)) from None
         # MCP servers connect in the background (readiness never waits for them); their
         # tools join the registry as each one is ready.
-        self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp", metrics=metrics)
+        self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp",
+                                                data_dir=data_dir, metrics=metrics)
         services.tools.add_source(self.mcp)
         await self.mcp.apply(cfg.mcp)
         # Turns accepted before a restart queue first, so they keep their place ahead of
@@ -562,6 +568,8 @@ class Gateway:
             self.tasks.update_config(cfg)
         if self.skill_watcher is not None and cfg.skills != old.skills:
             await self.skill_watcher.set_dirs(cfg.skills.paths(self.holder.base_dir))
+        if self.exec_tools is not None:
+            await self.exec_tools.prepare()
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
         for name in PLATFORMS:

@@ -165,9 +165,10 @@ async def test_usage_jobs_and_status(make_gateway: GatewayFactory, fake_model: F
     status, state = await call(gw, "/admin/api/status")
     assert {"name": "web", "ok": True, "detail": None} in state["channels"]
     assert {"name": "database", "ok": True, "detail": None} in state["checks"]
-    # web_fetch is on by default (the web tools' source); no other source is configured.
+    # web_fetch is on by default (the web tools' source), exec is off; no other source is configured.
     web = {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None}
-    assert state["tool_sources"] == [web] == gw.tool_sources_state()
+    exec_off = {"name": "exec", "state": "off", "tools": [], "detail": "not offered: tools.exec.enabled is false"}
+    assert state["tool_sources"] == [web, exec_off] == gw.tool_sources_state()
 
 
 class _Source:
@@ -189,6 +190,7 @@ async def test_tool_sources_show_their_state(make_gateway: GatewayFactory) -> No
     status, state = await call(gw, "/admin/api/status")
     assert status == 200 and state["tool_sources"] == [
         {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None},
+        {"name": "exec", "state": "off", "tools": [], "detail": "not offered: tools.exec.enabled is false"},
         {"name": "clock", "state": "connected", "tools": ["current_time"], "detail": None},
         {"name": "slow", "state": "connecting", "tools": [], "detail": "starting npx"},
     ]

@@ -599,6 +599,29 @@ async def p_search_key(r: Rig) -> None:
     assert result.startswith("1. Result 1"), result
 
 
+async def p_no_exec(r: Rig) -> None:
+    await r.say("exec", "hi")
+    assert "exec" not in [t["function"]["name"] for t in r.model.requests[-1]["tools"]]
+
+
+async def p_exec_network(r: Rig) -> None:
+    port = r.model.base_url.rsplit(":", 1)[1].split("/")[0]
+    probe = (f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5); "
+             "print('reached')\"")
+    result = await r.tool_result("exec", "exec", {"command": probe})
+    assert result == "exit code 0\n--- stdout ---\nreached", result
+
+
+async def p_exec_timeout(r: Rig) -> None:
+    result = await r.tool_result("exec", "exec", {"command": "sleep 30"})
+    assert result.startswith("timed out after 0.5 s (tools.exec.timeout_s)"), result
+
+
+async def p_exec_memory(r: Rig) -> None:
+    result = await r.tool_result("exec", "exec", {"command": "grep 'Max address space' /proc/self/limits"})
+    assert f"Max address space         {64 << 20}" in result, result
+
+
 # Restart-only keys: the running gateway keeps the value it started with.
 
 async def p_data_dir(r: Rig) -> None:
@@ -830,6 +853,10 @@ ROWS = [
     Row("tools.web_search.base_url", lambda r: localhost(r.search.base_url), "live", p_search_base_url),
     Row("tools.web_search.api_key", "rotated-search-key", "live", p_search_key,
         rotate("search", "brave_token", "rotated-search-key")),
+    Row("tools.exec.enabled", False, "live", p_no_exec),
+    Row("tools.exec.network", True, "live", p_exec_network),
+    Row("tools.exec.timeout_s", 0.5, "live", p_exec_timeout),
+    Row("tools.exec.memory_mb", 64, "live", p_exec_memory),
 ]
 
 
@@ -867,6 +894,11 @@ async def _setup(r: Rig) -> None:
     assert len(await r.tool_result("web", "web_fetch", {"url": r.web.base_url + "/big.txt"})) > 10_000
     assert (await r.tool_result("web", "web_search", {"query": "otters"})).startswith("1. Result 1")
     assert r.search.requests[-1]["provider"] == "brave"
+    port = r.model.base_url.rsplit(":", 1)[1].split("/")[0]
+    unreached = await r.tool_result("exec", "exec", {
+        "command": f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5)\"; "
+                   "grep 'Max address space' /proc/self/limits"})
+    assert "Connection refused" in unreached and f"Max address space         {512 << 20}" in unreached, unreached
     (made,) = await scheduled(r, "tasks", {"prompt": "daily", "every": "1d"})
     r.base_task = made.split()[2].rstrip(":")
     assert r.gw.tasks is not None and r.gw.tasks.job_grace(r.base_task) == 3600
@@ -933,11 +965,13 @@ async def test_every_key_applies_as_documented(fake_discord: FakeDiscord, make_g
         },
         limits={"max_concurrent_model_calls": 1},
         models={"backup": {"name": "backup-model"}},
+        approvals={"tools": {}},  # the exec rows run commands; asking is approvals.tools.exec's row
         agents={"helper": {"system_prompt": "Base helper prompt."}},
         bindings=[{"match": {"channel": "web", "chat": "bound"}, "agent": "helper"}],
         tools={"web_fetch": {"allow_private_networks": True},
                "web_search": {"provider": "brave", "base_url": fake_search.base_url,
-                              "api_key": fake_search.brave_token}},
+                              "api_key": fake_search.brave_token},
+               "exec": {"enabled": True}},
     )
     fake_search.tavily_key = fake_search.brave_token  # the same key works for the provider row
     path = tmp_path / "config.json"

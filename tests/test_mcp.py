@@ -536,12 +536,13 @@ def test_the_readme_examples_are_valid_config() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("### MCP servers", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     examples = re.findall(r"```json\n(.*?)```", section, re.S)
-    assert len(examples) == 2
+    assert len(examples) == 3
     transports = []
     for example in examples:
         cfg = parse_config(json.loads("{" + example + "}"), environ={"GITHUB_TOKEN": "t", "SEARCH_MCP_TOKEN": "t"})
-        transports += [("stdio" if s.command else "http") for s in cfg.mcp.servers.values()]
-    assert transports == ["stdio", "http"]
+        transports += [("stdio" if s.command else "http") + (" sandboxed" if s.sandbox else "")
+                       for s in cfg.mcp.servers.values()]
+    assert transports == ["stdio", "http", "stdio sandboxed"]
 
 
 # -- names and schemas ---------------------------------------------------------------------------

@@ -43,8 +43,9 @@ def is_secret_key(path: str) -> bool:
 
 def is_operator_only(path: str) -> bool:
     """MCP servers are programs the gateway starts (command, args, env) and addresses it
-    sends credentials to (url, headers): config.json only, never from chat."""
-    return path == "mcp" or path.startswith("mcp.")
+    sends credentials to (url, headers); `exec` runs commands on this machine: config.json
+    only, never from chat."""
+    return path in ("mcp", "tools.exec") or path.startswith(("mcp.", "tools.exec."))
 
 
 def is_host_folder(path: str) -> bool:

@@ -63,7 +63,7 @@ def unshareable(key: str, value: Any) -> str | None:
         if is_credential_destination(path):
             return f"{path} decides where credentials are sent"
         if is_operator_only(path):
-            return f"{path} is an MCP server setting"
+            return f"{path} is the operator's (config.json only)"
     if key in INSTANCE_KEYS or (key == "http" and isinstance(value, dict)):
         return f"{key} is each gateway's own"
     return None

@@ -27,7 +27,7 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from gateway.config.changes import change_effect, is_credential_destination, is_secret_key
+from gateway.config.changes import change_effect, is_credential_destination, is_operator_only, is_secret_key
 from gateway.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,6 +180,12 @@ MEANINGS: dict[str, str] = {
     "tools.web_search.base_url": "The provider's address (required for `searxng`; overrides the others' "
                                  "default).",
     "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
+    "tools.exec.enabled": "Offer the `exec` tool: shell commands in a bubblewrap sandbox that sees the scope's "
+                          "workspace and the system read-only, nothing else (needs `bwrap`).",
+    "tools.exec.network": "Let `exec` commands use the network (off: no network at all, not even loopback).",
+    "tools.exec.timeout_s": "Seconds one `exec` command may run; then it and everything it started are killed.",
+    "tools.exec.memory_mb": "Address space of each process an `exec` command starts, in MB; also the size of its "
+                            "private `/tmp`.",
     "mcp.servers": "MCP tool servers by name; their tools are offered as `<name>__<tool>`.",
     "mcp.servers.<name>.command": "The program of a stdio server (give this or `url`).",
     "mcp.servers.<name>.args": "Its arguments.",
@@ -191,6 +197,12 @@ MEANINGS: dict[str, str] = {
     "mcp.servers.<name>.tools": "Only these of the server's tools are offered; `null`: all.",
     "mcp.servers.<name>.timeout_s": "Seconds one call may take.",
     "mcp.servers.<name>.enabled": "Connect this server.",
+    "mcp.servers.<name>.sandbox": "Run this stdio server in the `exec` sandbox: it sees its `cwd` (or "
+                                  "`data/mcp/<name>/`) read-write, the system and `read_only_paths` read-only, "
+                                  "not the gateway's files or environment.",
+    "mcp.servers.<name>.network": "With `sandbox`: whether the server may use the network.",
+    "mcp.servers.<name>.read_only_paths": "With `sandbox`: more paths the server may read, at the same path (its "
+                                          "virtualenv, `node_modules`); relative to the config file.",
     "tasks.max_per_scope": "Most scheduled tasks one scope (a person's chats, or a group) may have at once; "
                            "0 stops new ones.",
     "tasks.min_interval_s": "Shortest period of a repeating task (`every`), and least time between two runs "
@@ -300,7 +312,7 @@ def _walk(model: type[BaseModel], instance: BaseModel | None, prefix: str, secti
             default=_jsonable(default),
             allowed=ALLOWED.get(key) or _allowed(field.annotation, field.metadata),
             effect=change_effect(key),
-            chat=not (is_secret_key(key) or is_credential_destination(key)),
+            chat=not (is_secret_key(key) or is_credential_destination(key) or is_operator_only(key)),
         )
         if nested is not None:  # a section that may be null: its keys as they are when it is set
             later.append((nested, None, key))
@@ -458,8 +470,8 @@ the running settings stay. The *change* column says how a change reaches a runni
 - **after a restart**: saved and logged, applied when the gateway next starts.
 
 Admins can also change a key from chat with `/config KEY VALUE` (e.g.
-`/config agent_max_context_tokens 80000`); keys marked **file only** (secrets, and the
-addresses secrets are sent to) can be changed in the file only.
+`/config agent_max_context_tokens 80000`); keys marked **file only** (secrets, the
+addresses secrets are sent to, MCP servers and `tools.exec`) can be changed in the file only.
 
 **Several gateways on one PostgreSQL** (`store.url`): a `/config` change is written to the
 config file of the gateway that took it and recorded in the database; every gateway puts the

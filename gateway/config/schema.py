@@ -315,9 +315,20 @@ class WebSearchConfig(_Strict):
         return value
 
 
+class ExecConfig(_Strict):
+    """The sandboxed `exec` tool (SPEC §5.7): off unless the operator turns it on."""
+
+    enabled: bool = False
+    network: bool = False
+    # Wall clock of one command; the agent bounds a tool call at 600 s whatever it says.
+    timeout_s: float = Field(default=30, gt=0, le=600)
+    memory_mb: int = Field(default=512, ge=64, le=65_536)  # address space of each process in the sandbox
+
+
 class ToolsConfig(_Strict):
     web_fetch: WebFetchConfig = WebFetchConfig()
     web_search: WebSearchConfig = WebSearchConfig()
+    exec: ExecConfig = ExecConfig()
 
 
 # An MCP server's name starts its tools' names (`<name>__<tool>`) and is a key path part:
@@ -341,6 +352,11 @@ class McpServerConfig(_Strict):
     tools: tuple[str, ...] | None = None  # the server's tool names to offer; None: all
     timeout_s: float = Field(default=60, gt=0)
     enabled: bool = True
+    # A stdio server run in the exec tool's sandbox (gateway/tools/sandbox.py): it sees its
+    # working directory (read-write), the system and `read_only_paths`, nothing else.
+    sandbox: bool = False
+    network: bool = True  # with sandbox: false cuts the server off the network
+    read_only_paths: tuple[str, ...] = ()  # with sandbox: e.g. its venv; relative to the config file
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:
@@ -352,11 +368,17 @@ class McpServerConfig(_Strict):
         if self.url is not None:
             if not re.fullmatch(r"https?://[^/\s?#]+(?:[/?#]\S*)?", self.url):
                 raise ValueError(f"url must be an http:// or https:// address, not {self.url!r}")
-            stdio_only = [k for k in ("args", "env", "cwd") if getattr(self, k)]
+            stdio_only = [k for k in ("args", "env", "cwd", "sandbox", "read_only_paths") if getattr(self, k)]
             if stdio_only:
                 raise ValueError(f"{', '.join(stdio_only)}: only for a command (stdio) server, not with url")
         elif self.headers:
             raise ValueError("headers: only for a url (streamable-HTTP) server, not with command")
+        if not self.sandbox:
+            sandbox_only = [k for k, on in (("network", not self.network), ("read_only_paths", self.read_only_paths))
+                            if on]
+            if sandbox_only:
+                raise ValueError(f"{', '.join(sandbox_only)}: only with sandbox: true (a server outside "
+                                 "the sandbox sees the whole network and file system)")
         return self
 
 

@@ -33,7 +33,10 @@ import anyio
 
 from gateway.config.schema import McpConfig, McpServerConfig
 from gateway.ops.logs import REDACTOR
+from gateway.tools import sandbox
 from gateway.tools.base import ToolContext, ToolError, ToolImage, ToolOutput
+from gateway.tools.sandbox import SandboxError
+from gateway.workspace import make_private_dir
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -384,10 +387,13 @@ class _Server:
         from mcp.client.streamable_http import streamable_http_client
         cfg = self.cfg
         if cfg.command is not None:
+            if cfg.sandbox:
+                command, args, cwd = await self._sandboxed()
+            else:
+                command, args, cwd = cfg.command, list(cfg.args), self._cwd()
             errlog = await self._stderr_log()
             stack.push_async_callback(asyncio.to_thread, errlog.close)
-            params = StdioServerParameters(command=cfg.command, args=list(cfg.args), env=self._environment(),
-                                           cwd=self._cwd())
+            params = StdioServerParameters(command=command, args=args, env=self._environment(), cwd=cwd)
             read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
             return read, write
         assert cfg.url is not None
@@ -408,6 +414,62 @@ class _Server:
             return None
         path = Path(self.cfg.cwd)
         return str(path if path.is_absolute() else self.manager.base_dir / path)
+
+    async def _sandboxed(self) -> tuple[str, list[str], None]:
+        """bwrap's command line for this server: its working directory (`cwd`, or a
+        directory of its own under data/mcp/) read-write at the same path, the system and
+        `read_only_paths` read-only, the network as `network` says. Its environment is what
+        it would get outside (SAFE_ENV and its `env`), handed to bwrap as a process
+        environment, never on a command line."""
+        found = await sandbox.availability()
+        if found.tools is None:
+            raise SandboxError(f"sandbox: {found.reason}")
+        workdir, read_only = await asyncio.to_thread(self._sandbox_paths)
+        box = sandbox.Box(workdir, inside=str(workdir), network=self.cfg.network,
+                          limits=sandbox.Limits(memory_mb=None), read_only=read_only, clear_env=False,
+                          setenv={"HOME": str(workdir)}, unsetenv=("TMPDIR",))
+        argv = sandbox.command_line(found.tools, box, [self.cfg.command or "", *self.cfg.args])
+        return argv[0], argv[1:], None
+
+    def _sandbox_paths(self) -> tuple[Path, tuple[Path, ...]]:
+        """The server's working directory (made if missing) and its read-only paths, each
+        refused when it would show the gateway's own files: the config file's directory
+        (a path that holds it), the data dir (a path that holds it, or one inside it other
+        than the server's own directory)."""
+        manager = self.manager
+        own = self._cwd()
+        data = Path(os.path.realpath(manager.data_dir)) if manager.data_dir is not None else None
+        if own is not None:
+            workdir = Path(os.path.realpath(own))
+        elif data is not None:
+            workdir = data / "mcp" / self.name
+        else:
+            raise SandboxError("sandbox: the server needs a cwd (there is no data dir to give it one)")
+        config_dir = Path(os.path.realpath(manager.base_dir))
+        read_only: list[Path] = []
+        for entry in (None, *self.cfg.read_only_paths):
+            if entry is None:
+                real, what = workdir, f"cwd {self.cfg.cwd!r}" if own is not None else "its directory"
+            else:
+                path = Path(entry)
+                real = Path(os.path.realpath(path if path.is_absolute() else manager.base_dir / path))
+                what = f"read_only_paths entry {entry!r}"
+            if config_dir.is_relative_to(real):
+                raise SandboxError(f"sandbox: {what} holds the config file's directory; give the server a "
+                                   "directory of its own")
+            theirs = entry is None and own is None
+            if data is not None and (data.is_relative_to(real) or (real.is_relative_to(data) and not theirs)):
+                raise SandboxError(f"sandbox: {what} would show the gateway's data dir; give the server a "
+                                   "directory of its own")
+            if entry is not None:
+                if not real.exists():
+                    raise SandboxError(f"sandbox: {what} does not exist")
+                read_only.append(real)
+        if own is None:
+            make_private_dir(workdir)
+        elif not workdir.is_dir():
+            raise SandboxError(f"sandbox: cwd {self.cfg.cwd!r} is not a directory")
+        return workdir, tuple(read_only)
 
     async def _stderr_log(self) -> IO[str]:
         """The server's stderr goes to data/mcp/<name>.stderr.log (a failure quotes its last line)."""
@@ -550,7 +612,7 @@ class _Server:
             text = f"cannot reach {cfg.url}: {type(leaf).__name__}" + (f": {leaf}" if str(leaf) else "")
         elif isinstance(leaf, McpError):
             text = leaf.error.message
-        elif isinstance(leaf, ConnectionLost):
+        elif isinstance(leaf, ConnectionLost | SandboxError):
             text = str(leaf)
         else:
             text = f"{type(leaf).__name__}: {leaf}"
@@ -608,11 +670,13 @@ class McpManager:
 
     name = "mcp"
 
-    def __init__(self, *, base_dir: Path, log_dir: Path | None = None, metrics: Metrics | None = None,
+    def __init__(self, *, base_dir: Path, log_dir: Path | None = None, data_dir: Path | None = None,
+                 metrics: Metrics | None = None,
                  backoff_min_s: float | None = None, backoff_max_s: float | None = None,
                  ping_interval_s: float | None = None) -> None:
         self.base_dir = base_dir
         self.log_dir = log_dir
+        self.data_dir = data_dir  # kept out of sandboxed servers' sight
         self.metrics = metrics
         self.backoff_min_s = BACKOFF_MIN_S if backoff_min_s is None else backoff_min_s
         self.backoff_max_s = BACKOFF_MAX_S if backoff_max_s is None else backoff_max_s

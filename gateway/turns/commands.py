@@ -147,6 +147,9 @@ def chat_refusal(key: str, value: Any) -> str | None:
             return (f"{path} names folders of this machine the agent may read; change it in config.json, "
                     "not in chat.")
         if is_operator_only(path):
+            if path.startswith("tools.exec"):
+                return (f"{path}: running commands on this machine is the operator's decision; change it in "
+                        "config.json, not in chat.")
             return (f"{path}: MCP servers are programs the gateway runs and addresses it sends credentials "
                     "to; add or change them in config.json, not in chat.")
     return None
@@ -410,6 +413,10 @@ class Commands:
             else:
                 builtin.append(name)
         lines = [f"Tools ({len(registry.names)}):", "built-in: " + ", ".join(builtin)]
+        for source in registry.sources:  # a source that offers less than it could says why (exec)
+            detail = getattr(source, "detail", None) if getattr(source, "statuses", None) is None else None
+            if isinstance(detail, str):
+                lines.append(f"{source.name}: {detail}")
         statuses = mcp.statuses() if mcp is not None else []
         if not statuses:
             lines.append("MCP servers: none configured (mcp.servers in config.json)")
