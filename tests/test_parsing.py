@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import textwrap
 import threading
@@ -93,6 +94,15 @@ async def eventually(check: Callable[[], Any], what: str, timeout: float = 30) -
     return found
 
 
+def cpu_ticks(pid: int) -> int:
+    """The CPU a process used, in clock ticks (utime + stime of /proc/PID/stat); 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
 def limits_of(pid: int) -> dict[str, tuple[str, str]]:
     """/proc/PID/limits: name → (soft, hard)."""
     out = {}
@@ -118,7 +128,8 @@ async def test_a_child_starts_with_no_environment_and_its_limits_and_goes_when_t
     await eventually(lambda: all(limits_of(pid).get(k) == v for k, v in expected.items()), "the child's limits")
     reading.cancel()  # the agent gave up on the tool
     with pytest.raises(asyncio.CancelledError):
-        await reading
+        async with asyncio.timeout(20):  # a kill takes milliseconds; left alone, the page takes ~40 s of CPU
+            await reading
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped before the call returned
     assert children_states() == {}
 
@@ -193,6 +204,7 @@ async def test_a_gateway_that_dies_takes_its_parse_jobs_with_it(tmp_path: Path) 
     """)
     gateway = await asyncio.create_subprocess_exec(sys.executable, "-c", script, cwd=jobs.ROOT,
                                                    stdout=asyncio.subprocess.DEVNULL)
+    child = None
     try:
         def its_job() -> int | None:
             for entry in Path("/proc").iterdir():
@@ -205,6 +217,7 @@ async def test_a_gateway_that_dies_takes_its_parse_jobs_with_it(tmp_path: Path) 
             return None
 
         child = await eventually(its_job, "the gateway's parse job started")
+        await eventually(lambda: cpu_ticks(child) >= 50, "the parse job busy with the page")  # past its start
         gateway.kill()
         await gateway.wait()
         # Without PR_SET_PDEATHSIG it would spin on for its two minutes of CPU.
@@ -213,6 +226,8 @@ async def test_a_gateway_that_dies_takes_its_parse_jobs_with_it(tmp_path: Path) 
         if gateway.returncode is None:
             gateway.kill()
             await gateway.wait()
+        if child is not None and not gone(child):  # the test failed: leave nothing spinning
+            os.kill(child, signal.SIGKILL)
 
 
 # -- the event loop's threads ------------------------------------------------------------------

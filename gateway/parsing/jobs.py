@@ -85,8 +85,11 @@ class Answer:
     header: dict[str, Any]
     payload: bytes
 
-    def text(self) -> str:
-        return self.payload.decode("utf-8", "surrogatepass")  # as the child encoded it
+    def text(self, what: str) -> str:
+        try:
+            return self.payload.decode("utf-8", "surrogatepass")  # as the child encoded it
+        except UnicodeDecodeError:
+            raise ParseError(f"{what} could not be read: the reader gave a malformed answer") from None
 
 
 class _TooLarge(Exception):
@@ -184,7 +187,7 @@ def _answer(kind: str, limits: Limits, code: int | None, out: bytes, said: bytes
         raise ParseError(f"{what} took too long to read (over {limits.cpu_s} s of CPU); it may be malformed")
     line, newline, payload = out.partition(b"\n")
     header: Any = None
-    if code == 0 and newline:
+    if code == 0 and newline and len(line) <= HEADER_MAX_BYTES:  # parsed on the loop: kept small
         with contextlib.suppress(ValueError):
             header = json.loads(line)
     if not isinstance(header, dict):

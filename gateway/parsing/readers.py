@@ -22,7 +22,7 @@ async def read_html(body: bytes, charset: str | None, *, within_s: float | None 
     """(title, Markdown) of an HTML page (gateway.parsing.html_text)."""
     answer = await jobs.run("html", what="the page", data=body, within_s=within_s,
                             options={"charset": charset[:CHARSET_MAX_CHARS] if charset else None})
-    return _title(answer.header), answer.text()
+    return _title(answer.header), answer.text("the page")
 
 
 async def read_pdf(*, data: bytes | None = None, file: BinaryIO | None = None,
@@ -30,7 +30,7 @@ async def read_pdf(*, data: bytes | None = None, file: BinaryIO | None = None,
     """(title, each page's text) of a PDF (gateway.parsing.pdf_text), from bytes or an
     open file."""
     answer = await jobs.run("pdf", what="the PDF", data=data, file=file, within_s=within_s)
-    text, lengths = answer.text(), answer.header.get("pages")
+    text, lengths = answer.text("the PDF"), answer.header.get("pages")
     if not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths) \
             or sum(lengths) != len(text):
         raise ParseError("the PDF could not be read: the reader gave a malformed answer")
