@@ -149,6 +149,9 @@ async def test_m1_a_png_declaring_a_huge_size_is_kept_as_a_file_without_being_de
     note = f"what is this?\n[file: files/wall.png, {len(png) // 1024} KB; not shown as an image: {reason}]"
     assert shown[1] == f"echo: {note}"  # the turn went on
     assert fake_model.image_parts() == []
+    # The (echoed) reply names files/wall.png, so the file follows it, as it is.
+    await eventually(lambda: fake_telegram.uploads, "the file sent after the reply")
+    assert [(name, data) for _, name, data in fake_telegram.uploads] == [("wall.png", png)]
     ws = workspace_dir(gw.services.data_dir, "telegram:user:5")
     assert (ws / "files/wall.png").read_bytes() == png
     assert sorted(p.name for p in (ws / "files").iterdir()) == ["wall.png"]  # no preview was made

@@ -163,6 +163,14 @@ async def test_a_child_over_its_memory_is_stopped_with_a_clear_error(monkeypatch
     assert children_states() == {}
 
 
+async def test_a_reader_that_dies_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_limits(monkeypatch, "pdf", memory_mb=1)  # the interpreter cannot go on once it limits itself
+    with pytest.raises(ParseError) as caught:
+        await read_pdf(data=make_pdf(["hello"], "T"))
+    assert str(caught.value) == "the PDF could not be read: the reader stopped (exit status 1); it may be malformed"
+    assert children_states() == {}
+
+
 async def test_an_answer_over_its_cap_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     set_limits(monkeypatch, "html", output_mb=0)
     monkeypatch.setattr(jobs, "HEADER_MAX_BYTES", 1000)  # the page's text is ~3,500 characters
