@@ -4,11 +4,11 @@ Channels download a message's files (only for senders the router admits) with
 `save_download`, which caps the size while the bytes arrive and keeps safe, unique names
 under the scope's `files/`. When the turn starts, `Media.intake` turns them into the
 user message: an image is measured and, when it is larger than the model needs, a
-scaled copy is made (Pillow, in a child process under limits: gateway.parsing; an image
-with more pixels than it decodes is kept as a file, and the person told); a voice note or audio file is
-transcribed (gateway.model.Transcriber); any other file is named with its size. What
-could not be kept or heard is said to the person in a notice. The stored message holds
-the text and the files' metadata, never their bytes.
+scaled copy is made (Pillow, in a child process under limits: gateway.parsing; an
+image with more pixels than that decodes is kept as a file, and the person told); a
+voice note or audio file is transcribed (gateway.model.Transcriber); any other file is
+named with its size. What could not be kept or heard is said to the person in a notice.
+The stored message holds the text and the files' metadata, never their bytes.
 
 Before each model call, `Media.resolve_images` turns the image parts the context engine
 placed (`workspace:<path>`, context/images.py) into base64 data URLs.

@@ -49,9 +49,10 @@ class Limits:
 # How they were chosen (2-core box, pypdf 7, trafilatura 2.3, Pillow 12):
 # - html: a real 4.4 MB page (the Rust reference, print view) takes 9.8 s of CPU and 350 MB
 #   of address space, a 1.9 MB one 4.9 s and 200 MB; most pages well under a second. 20 s
-#   is twice the largest; 1 GB three times its memory. The crafted table of H1 needs hours.
+#   is twice the largest; 1 GB three times its memory. H1's crafted table (1.4 MB) would
+#   take over an hour and tens of GB (400 rows of it, 19 KB: 51 s and 1 GB).
 # - pdf: pypdf reads ~50 text pages a second (36 pages: 0.7 s, 57 MB); 30 s is a book.
-#   H2's 85 KB PDF needs 452 s.
+#   H2's 85 KB PDF needs 452 s (ten pages sharing a stream of 100,000 operators: 25 s).
 # - image: decoding is bounded by DECODE_PIXELS (image_scale.py): at 4096×4096 a job peaks
 #   at 250 MB of address space (RGBA PNG, EXIF-turned too), 330-390 MB (WebP, RGB and
 #   RGBA), 200 MB (CMYK or float TIFF); a 4000×3000 camera JPEG at 145 MB. 768 MB is
