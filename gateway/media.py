@@ -4,10 +4,11 @@ Channels download a message's files (only for senders the router admits) with
 `save_download`, which caps the size while the bytes arrive and keeps safe, unique names
 under the scope's `files/`. When the turn starts, `Media.intake` turns them into the
 user message: an image is measured and, when it is larger than the model needs, a
-scaled copy is made (Pillow, in a worker thread); a voice note or audio file is
-transcribed (gateway.model.Transcriber); any other file is named with its size. What
-could not be kept or heard is said to the person in a notice. The stored message holds
-the text and the files' metadata, never their bytes.
+scaled copy is made (Pillow, in a child process under limits: gateway.parsing; an
+image with more pixels than that decodes is kept as a file, and the person told); a
+voice note or audio file is transcribed (gateway.model.Transcriber); any other file is
+named with its size. What could not be kept or heard is said to the person in a notice.
+The stored message holds the text and the files' metadata, never their bytes.
 
 Before each model call, `Media.resolve_images` turns the image parts the context engine
 placed (`workspace:<path>`, context/images.py) into base64 data URLs.
@@ -32,6 +33,7 @@ from context.images import image_reference
 from gateway.config.schema import Config
 from gateway.model.errors import ModelError
 from gateway.model.transcribe import Transcriber, TranscriptionSettings, transcription_failure
+from gateway.parsing.readers import ImageRefused, read_image
 from gateway.types import Attachment, AttachmentKind, Inbound
 from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
 
@@ -39,11 +41,8 @@ log = logging.getLogger("gateway.media")
 
 FILES_DIR = "files"
 MAX_IMAGE_SIDE = 1568  # longest side of the copy a model is shown (more costs tokens, adds little)
-MAX_IMAGE_PIXELS = 60_000_000  # larger images are kept as files, never decoded (decompression bombs)
-JPEG_QUALITY = 85
 WRITE_BLOCK = 1 << 20  # downloads are written in blocks of this size, off the loop
 DATA_URL_CACHE_CHARS = 48 << 20  # base64 of recently sent images, kept across steps
-_SENDABLE = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp", "GIF": ".gif"}  # formats providers take
 _MIME_OF_EXT = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp",
                 ".gif": "image/gif"}
 _UNSAFE = re.compile(r"[^\w.\-]+")
@@ -218,50 +217,58 @@ class ImageInfo:
     original_height: int
 
 
-def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> ImageInfo | None:
+async def image_for_model(workspace: Path, rel: str,
+                          max_side: int = MAX_IMAGE_SIDE) -> ImageInfo | ImageRefused | None:
     """Measure an image and, when it is too large, turned by EXIF or in a format providers
     do not take, save a scaled copy next to it (JPEG, or PNG when it has transparency).
-    None when the file is not an image Pillow can read. Runs in a worker thread."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
+    Pillow reads it in a child process under limits (gateway.parsing.readers). An
+    ImageRefused when it is kept as a file only (too many pixels to decode, or it could
+    not be read in time); None when it is not an image Pillow can read."""
     path = resolve_in_workspace(workspace, rel)
     try:
-        with Image.open(path) as img:
-            width, height = img.size
-            if width <= 0 or height <= 0 or width * height > MAX_IMAGE_PIXELS:
-                return None
-            orientation = img.getexif().get(0x0112, 1)
-            upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
-            animated = bool(getattr(img, "is_animated", False))
-            if img.format in _SENDABLE and max(width, height) <= max_side and orientation == 1 and not animated:
-                return ImageInfo(width, height, rel, width, height)
-            if img.format == "JPEG":
-                img.draft("RGB", (max_side, max_side))  # decode at a reduced scale: much faster
-            img.load()
-            shown = ImageOps.exif_transpose(img) or img
-            shown.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-            alpha = shown.mode in ("RGBA", "LA", "PA") or (shown.mode == "P" and "transparency" in shown.info)
-            stem = os.path.splitext(os.path.basename(rel))[0]
-            ext = ".png" if alpha else ".jpg"
-            target, preview = _claim(workspace, f"{stem}.preview{ext}")
-            try:
-                if alpha:
-                    shown.convert("RGBA").save(target, "PNG")
-                else:
-                    shown.convert("RGB").save(target, "JPEG", quality=JPEG_QUALITY)
-            except BaseException:
-                _discard(None, target)
-                raise
-            return ImageInfo(shown.width, shown.height, preview, *upright)
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
+        fh = await asyncio.to_thread(open, path, "rb")
+    except OSError as err:
         log.info("not an image the model can be shown: %s (%s)", rel, err)
         return None
+    try:
+        seen = await read_image(fh, max_side)
+    finally:
+        await asyncio.to_thread(fh.close)
+    if seen is None:
+        log.info("not an image the model can be shown: %s", rel)
+        return None
+    if isinstance(seen, ImageRefused):
+        return seen
+    if seen.copy is None:
+        return ImageInfo(seen.width, seen.height, rel, seen.width, seen.height)
+    ext = ".png" if seen.copy_format == "PNG" else ".jpg"
+    preview = await asyncio.to_thread(_save_copy, workspace, rel, ext, seen.copy)
+    return ImageInfo(seen.width, seen.height, preview, seen.original_width, seen.original_height)
 
 
-def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int) -> tuple[Attachment, str]:
-    """Decode an image a tool returned (base64), save it under files/ and measure it like
-    a person's (a scaled copy when too large). The attachment and the line the tool
-    result gets. Raises FileRefused (too large, not base64). Runs in a worker thread."""
+def _save_copy(workspace: Path, rel: str, ext: str, data: bytes) -> str:
+    """Save a scaled copy as `<stem>.preview<ext>` beside the file; its workspace path.
+    Runs in a worker thread."""
+    stem = os.path.splitext(os.path.basename(rel))[0]
+    target, preview = _claim(workspace, f"{stem}.preview{ext}")
+    try:
+        target.write_bytes(data)
+    except BaseException:
+        _discard(None, target)
+        raise
+    return preview
+
+
+def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> ImageInfo | None:
+    """`image_for_model` for a caller with no event loop running (a script, a test): the
+    image as the model is shown it, or None when it is kept as a file only."""
+    seen = asyncio.run(image_for_model(workspace, rel, max_side))
+    return seen if isinstance(seen, ImageInfo) else None
+
+
+def _save_tool_file(workspace: Path, name: str, data: str, limit: int) -> tuple[str, int]:
+    """Decode an image a tool returned (base64) and save it under files/: (path, size).
+    Raises FileRefused (too large, not base64). Runs in a worker thread."""
     if len(data) * 3 // 4 > limit + 3:  # checked before decoding: base64 is 4/3 of the bytes
         raise too_large(limit)
     try:
@@ -278,12 +285,21 @@ def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int
     except BaseException:
         _discard(None, target)
         raise
-    att = Attachment(name=name, path=rel, mime=mime, size=len(raw), kind="image")
-    info = prepare_image(workspace, rel)
-    if info is None:
-        return replace(att, kind="file"), f"[file from the tool: {rel}, {describe_size(len(raw))}, not an image]"
-    att = replace(att, width=info.width, height=info.height, preview=info.preview)
-    return att, image_note(att, info)
+    return rel, len(raw)
+
+
+async def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int) -> tuple[Attachment, str]:
+    """Save an image a tool returned under files/ and measure it like a person's (a scaled
+    copy when too large). The attachment and the line the tool result gets. Raises
+    FileRefused (too large, not base64)."""
+    rel, size = await asyncio.to_thread(_save_tool_file, workspace, name, data, limit)
+    att = Attachment(name=name, path=rel, mime=mime, size=size, kind="image")
+    seen = await image_for_model(workspace, rel)
+    if isinstance(seen, ImageInfo):
+        att = replace(att, width=seen.width, height=seen.height, preview=seen.preview)
+        return att, image_note(att, seen)
+    why = f"not shown as an image: {seen.reason}" if seen is not None else "not an image"
+    return replace(att, kind="file"), f"[file from the tool: {rel}, {describe_size(size)}, {why}]"
 
 
 REPLY_FILES_MAX = 3  # files a reply may send along
@@ -351,6 +367,10 @@ def refused_notice(att: Attachment) -> str:
     return f"I couldn't take {what}: {att.error}."
 
 
+def unshown_note(att: Attachment, reason: str) -> str:
+    return f"[file: {att.path}, {describe_size(att.size)}; not shown as an image: {reason}]"
+
+
 def image_note(att: Attachment, info: ImageInfo) -> str:
     return f"[image: {att.path}, {info.original_width}×{info.original_height}]"
 
@@ -402,14 +422,20 @@ class Media:
                 kept.append(att)
                 continue
             if att.kind == "image":
-                info = await asyncio.to_thread(self._image, workspace, att.path)
-                if info is not None:
-                    att = replace(att, width=info.width, height=info.height, preview=info.preview)
-                    texts.append(image_note(att, info))
+                seen = await self._image(workspace, att.path)
+                if isinstance(seen, ImageInfo):
+                    att = replace(att, width=seen.width, height=seen.height, preview=seen.preview)
+                    texts.append(image_note(att, seen))
                     kept.append(att)
                     answerable = True
                     continue
                 att = replace(att, kind="file")
+                if seen is not None:  # an image kept as a file only: the person and the model are told why
+                    texts.append(unshown_note(att, seen.reason))
+                    notices.append(f"I couldn't look at {att.name} as an image: {seen.reason}. It is saved as a file.")
+                    kept.append(att)
+                    answerable = True
+                    continue
             if att.kind in ("voice", "audio"):
                 heard, problem = await self._transcribe(cfg, workspace, att)
                 kept.append(att)
@@ -428,9 +454,9 @@ class Media:
         return Intake("\n".join(texts), tuple(kept), tuple(notices), answerable)
 
     @staticmethod
-    def _image(workspace: Path, rel: str) -> ImageInfo | None:
+    async def _image(workspace: Path, rel: str) -> ImageInfo | ImageRefused | None:
         try:
-            return prepare_image(workspace, rel)
+            return await image_for_model(workspace, rel)
         except (PathNotAllowed, OSError, FileRefused) as err:
             log.warning("image %s not prepared: %s", rel, err)
             return None

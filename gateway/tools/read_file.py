@@ -5,19 +5,24 @@ itself (no copy is saved), so every notice can be followed with another read_fil
 Paths under `skills/` read the skills this agent may use (SPEC §5.6), read-only, never
 out of a skill's folder; the rest is the session's workspace.
 A PDF (a file people sent, say: SPEC §5.4) is read as its text, page by page, and its
-offsets count in that text; other binary files are refused with what they are.
+offsets count in that text; other binary files are refused with what they are. The PDF is
+read by a child process under CPU, memory and time limits (gateway.parsing, SPEC §9);
+its text is kept here for the next call that continues it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import io
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from context.truncate import read_window
 from gateway.media import FILES_DIR
+from gateway.parsing.jobs import ParseError
+from gateway.parsing.readers import read_pdf
 from gateway.skills.catalog import NO_SKILLS, is_skill_path, skill_file
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
@@ -28,49 +33,69 @@ SNIFF_BYTES = 8192
 _IMAGE_HEADS = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF")  # PNG, JPEG, GIF, WebP (RIFF)
 
 
-def _read(path: Path, rel: str) -> str:
+PDF_CACHE_ENTRIES = 4  # PDFs whose text is kept for the next read_file call that continues one
+
+
+@dataclass(frozen=True, slots=True)
+class _Pdf:
+    """A PDF to read: the open file (a child process reads it) and its cache key."""
+
+    file: IO[bytes]
+    key: tuple[str, int, int]  # path, mtime_ns, size
+
+
+def _read(path: Path, rel: str) -> str | _Pdf:
+    """A text file's text, or the open PDF. Runs in a worker thread."""
     try:
         if path.is_dir():
             raise ToolError(f"{shown(rel)} is a directory, not a file")
         if not path.is_file():
             raise ToolError("no such file (paths are relative to your workspace)")
-        st = path.stat()
-        if st.st_size > MAX_FILE_BYTES:
-            raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
-        with path.open("rb") as fh:
+        fh = path.open("rb")
+        try:
+            st = os.fstat(fh.fileno())
+            if st.st_size > MAX_FILE_BYTES:
+                raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
             head = fh.read(SNIFF_BYTES)
-        if head.startswith(b"%PDF-"):
-            return _pdf_text(str(path), st.st_mtime_ns, st.st_size)
+            if head.startswith(b"%PDF-"):
+                fh.seek(0)
+                return _Pdf(fh, (str(path), st.st_mtime_ns, st.st_size))  # the caller closes it
+        except BaseException:
+            fh.close()
+            raise
+        fh.close()
         if b"\x00" in head:
             what = "an image" if head.startswith(_IMAGE_HEADS) else "a binary file"
             raise ToolError(f"{shown(rel)} is {what}; read_file reads text and PDF files")
         # newline="" keeps CRLF as it is, so offsets match the bytes on disk.
-        with path.open("r", encoding="utf-8", errors="replace", newline="") as fh:
-            return fh.read()
+        with path.open("r", encoding="utf-8", errors="replace", newline="") as text:
+            return text.read()
     except OSError as err:
         # A name too long for the file system, a permission: the model's path, not our bug.
         raise ToolError(f"cannot read the path {shown(rel)}: {err.strerror or type(err).__name__}") from None
 
 
-@functools.lru_cache(maxsize=4)
-def _pdf_text(path: str, mtime_ns: int, size: int) -> str:
-    """A PDF's text, page by page under a `--- page N of M ---` line; cached for the
-    next read_file call that continues it (keyed by path, mtime and size)."""
-    from pypdf import PdfReader  # loads with the first PDF, not at start
+_pdf_texts: OrderedDict[tuple[str, int, int], str] = OrderedDict()
 
+
+async def _pdf_text(pdf: _Pdf) -> str:
+    """A PDF's text, page by page under a `--- page N of M ---` line; kept for the next
+    read_file call that continues it (keyed by path, mtime and size)."""
     try:
-        with open(path, "rb") as fh:
-            reader = PdfReader(io.BytesIO(fh.read()))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise ToolError("the PDF is encrypted")
-        count = len(reader.pages)
-        pages = [f"--- page {n} of {count} ---\n{(page.extract_text() or '').strip()}"
-                 for n, page in enumerate(reader.pages, start=1)]
-    except ToolError:
-        raise
-    except Exception as err:  # pypdf raises many kinds on damaged files
-        raise ToolError(f"the PDF could not be read ({type(err).__name__}: {str(err)[:200]})") from None
-    return "\n\n".join(pages) + "\n"
+        cached = _pdf_texts.get(pdf.key)
+        if cached is None:
+            _title, pages = await read_pdf(file=pdf.file)
+            count = len(pages)
+            cached = "\n\n".join(f"--- page {n} of {count} ---\n{text}" for n, text in enumerate(pages, start=1)) + "\n"
+            _pdf_texts[pdf.key] = cached
+            while len(_pdf_texts) > PDF_CACHE_ENTRIES:
+                _pdf_texts.popitem(last=False)
+        _pdf_texts.move_to_end(pdf.key)
+        return cached
+    except ParseError as err:
+        raise ToolError(str(err)) from None
+    finally:
+        await asyncio.to_thread(pdf.file.close)
 
 
 class ReadFile:
@@ -110,7 +135,8 @@ class ReadFile:
                 rel_path = target.relative_to(root).as_posix()
         except PathNotAllowed as err:
             raise ToolError(str(err)) from None
-        text = await asyncio.to_thread(_read, target, rel)
+        found = await asyncio.to_thread(_read, target, rel)
+        text = found if isinstance(found, str) else await _pdf_text(found)
         window, start_offset, first_line = read_window(text, offset=offset, start_line=start_line)
         ref = FileRef(path=rel_path, start_offset=start_offset, start_line=first_line,
                       protected=rel_path.lower().endswith(".md"))

@@ -1,16 +1,17 @@
 """`web_fetch(url)`: a web page as readable text (SPEC §5.2).
 
 HTML becomes Markdown through trafilatura (the article, not menus and scripts), PDFs
-become text through pypdf, plain text and JSON come as they are; both extractors run in a
-worker thread. Every hop (redirects are followed here, one by one) goes through the
-guard in `gateway.tools.ssrf`. The body is read up to `max_bytes` and the whole fetch is
-bounded by `timeout_s`. A long result is cut by stage 1 like any tool result (§4.1).
+become text through pypdf, plain text and JSON come as they are. Both extractors run in a
+child process under CPU, memory and time limits (gateway.parsing, SPEC §9): a page built
+to keep them busy costs one bounded process, never the gateway's threads. Every hop
+(redirects are followed here, one by one) goes through the guard in `gateway.tools.ssrf`.
+The body is read up to `max_bytes` and the whole fetch is bounded by `timeout_s`. A long
+result is cut by stage 1 like any tool result (§4.1).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ import aiohttp
 from yarl import URL
 
 from gateway.config.schema import WebFetchConfig
+from gateway.parsing.html_text import decode_text
+from gateway.parsing.jobs import ParseError
+from gateway.parsing.readers import read_html, read_pdf
 from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
 from gateway.tools.ssrf import PinnedResolver, checked_addresses
 
@@ -28,6 +32,10 @@ MAX_URL_CHARS = 8192
 MAX_REDIRECTS = 5
 READ_CHUNK = 64 * 1024
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+# The agent gives a tool 60 s (gateway.turns.agent.TOOL_TIMEOUT_S): reading a page ends
+# before that, with its own error, whatever the fetch took (READ_MIN_S at least).
+TOOL_WINDOW_S = 57.0
+READ_MIN_S = 5.0
 USER_AGENT = "Mozilla/5.0 (compatible; chat-gateway web_fetch)"
 ACCEPT = "text/html,application/xhtml+xml,application/pdf;q=0.9,text/plain;q=0.9,application/json;q=0.9,*/*;q=0.1"
 
@@ -147,54 +155,17 @@ def _pdf_too_big(size: int | None, cfg: WebFetchConfig) -> str:
             "a PDF cannot be read in part")
 
 
-def _decode(body: bytes, charset: str | None) -> str:
+async def render(page: Page, within_s: float | None = None) -> tuple[str | None, str]:
+    """(title, text) of a fetched page; HTML and PDFs are read by a bounded child process."""
     try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:  # a charset Python does not know
-        return body.decode("utf-8", errors="replace")
-
-
-def html_to_markdown(body: bytes, charset: str | None) -> tuple[str | None, str]:
-    """(title, Markdown) of an HTML page: the main content, without navigation, scripts and
-    boilerplate; the page's whole text when no main content stands out."""
-    import trafilatura  # loads with the first page, not at start (~0.15 s)
-
-    html: str | bytes = _decode(body, charset) if charset else body  # bytes: trafilatura detects the encoding
-    tree = trafilatura.load_html(html)
-    if tree is None:
-        return None, ""
-    meta = trafilatura.extract_metadata(tree)
-    text = trafilatura.extract(tree, output_format="markdown", include_comments=False, include_tables=True,
-                               include_links=True, include_formatting=True)
-    if not text:
-        text = trafilatura.html2txt(html)
-    title = meta.title if meta is not None and meta.title else None
-    return title, (text or "").strip()
-
-
-def pdf_to_text(body: bytes) -> tuple[str | None, str]:
-    """(title, text) of a PDF, page by page."""
-    from pypdf import PdfReader  # loads with the first PDF, not at start
-
-    try:
-        reader = PdfReader(io.BytesIO(body))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise ToolError("the PDF is encrypted")
-        title = reader.metadata.title if reader.metadata is not None else None
-        pages = [(page.extract_text() or "").strip() for page in reader.pages]
-    except ToolError:
-        raise
-    except Exception as err:  # pypdf raises many kinds on damaged files
-        raise ToolError(f"the PDF could not be read ({type(err).__name__}: {str(err)[:200]})") from None
-    return (str(title).strip() or None) if title else None, "\n\n".join(p for p in pages if p)
-
-
-async def render(page: Page) -> tuple[str | None, str]:
-    if page.kind == "html":
-        return await asyncio.to_thread(html_to_markdown, page.body, page.charset)
-    if page.kind == "pdf":
-        return await asyncio.to_thread(pdf_to_text, page.body)
-    return None, _decode(page.body, page.charset)
+        if page.kind == "html":
+            return await read_html(page.body, page.charset, within_s=within_s)
+        if page.kind == "pdf":
+            title, pages = await read_pdf(data=page.body, within_s=within_s)
+            return title, "\n\n".join(p for p in pages if p)
+    except ParseError as err:
+        raise ToolError(str(err)) from None
+    return None, decode_text(page.body, page.charset)
 
 
 class WebFetch:
@@ -227,6 +198,8 @@ class WebFetch:
             url = URL(text)
         except (ValueError, TypeError):
             raise ToolArgumentError(f"{shown(text)} is not a URL; give a full http:// or https:// URL") from None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             async with asyncio.timeout(cfg.timeout_s):
                 page = await fetch(url, cfg)
@@ -234,7 +207,7 @@ class WebFetch:
             raise ToolError(f"{url} did not answer within {cfg.timeout_s:g} s (tools.web_fetch.timeout_s)") from None
         except aiohttp.ClientError as err:
             raise ToolError(f"cannot fetch {url}: {type(err).__name__}: {str(err)[:300]}") from None
-        title, content = await render(page)
+        title, content = await render(page, within_s=max(READ_MIN_S, TOOL_WINDOW_S - (loop.time() - started)))
         lines = [f"Title: {title}" if title else None, f"URL: {page.url}"]
         if page.url != url:
             lines.append(f"(redirected from {url})")

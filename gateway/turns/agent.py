@@ -348,8 +348,8 @@ class Agent:
         out: list[tuple[Attachment | None, str]] = []
         for image in output.images:
             try:
-                att, line = await asyncio.to_thread(save_tool_image, live.workspace, image.name, image.mime,
-                                                    image.data, cfg.limits.max_inbound_file_bytes)
+                att, line = await save_tool_image(live.workspace, image.name, image.mime, image.data,
+                                                  cfg.limits.max_inbound_file_bytes)
             except (FileRefused, PathNotAllowed, OSError) as err:
                 out.append((None, f"[image from the tool, not saved: {err}]"))
                 continue
