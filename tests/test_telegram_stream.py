@@ -589,7 +589,7 @@ async def test_a_draft_reply_past_the_size_limit_ends_as_two_messages(start: Sta
     text = " ".join(f"word{i} 数据" for i in range(500))  # about 5,000 characters
     assert 4096 < len(text) < 8000
     await feed(stream, text, size=50)
-    await fake.wait_draft(CHAT, lambda draft: draft.endswith(f"word499 数据"))
+    await fake.wait_draft(CHAT, lambda draft: draft.endswith("word499 数据"))
     await stream.finish(text)
 
     assert fake.shown(CHAT) == final_texts(text) and len(final_texts(text)) == 2
