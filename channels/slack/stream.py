@@ -17,6 +17,10 @@ first text, then `chat.update` at most once per interval, rendered exactly as se
 renders; long replies continue in new messages; at the end the messages equal what
 send() would have posted (messages no longer needed are deleted).
 
+Nothing is posted in the first interval (counted from the first text or status): a reply
+complete by then is posted once, finished, at once, instead of posted and then updated
+an interval later (SPEC §5.1: streaming never makes a short answer arrive later).
+
 One flusher task per stream makes every platform call; append/status only record and
 wake it, so the agent never waits on Slack. A 429 pauses the flusher for Retry-After and
 what arrived meanwhile goes out in the next pass: nothing is dropped, and a refused call
