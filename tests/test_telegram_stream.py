@@ -583,6 +583,25 @@ async def test_the_first_words_of_a_long_reply_show_when_the_first_interval_ends
     assert fake.shown(CHAT) == ["The first words, then the rest."] and len(fake.edits) == 1
 
 
+async def test_a_draft_reply_sends_its_final_text_without_waiting_for_the_next_draft(start: Start) -> None:
+    setting = [FAST_S]  # stream_interval_s as the running config holds it
+    channel, fake, _ = await start(streaming="auto", interval=lambda: setting[0], edit_rule_s=None)
+    stream = open_stream(channel, dm())
+    await stream.append("First words")
+    await fake.wait_draft(CHAT, lambda text: text == "First words")
+    setting[0] = 30.0  # from the next draft on, one per 30 s
+    await stream.append(", more")
+    await fake.wait_draft(CHAT, lambda text: text == "First words, more")
+    await stream.append(" and the end.")  # the next draft is due in 30 s: the stream waits for it
+    for _ in range(20):
+        await asyncio.sleep(0)
+    await asyncio.wait_for(stream.finish("First words, more and **the end**."), 10)
+    last_draft_at = fake.times_of("sendMessageDraft")[-1]
+    [sent_at] = fake.times_of("sendMessage")
+    assert sent_at < last_draft_at + 30.0, "the message did not wait for the next draft's slot"
+    assert fake.shown(CHAT) == ["First words, more and the end."] and fake.edits == []
+
+
 async def test_a_draft_reply_past_the_size_limit_ends_as_two_messages(start: Start) -> None:
     channel, fake, observed = await start(streaming="auto")
     stream = open_stream(channel, dm())

@@ -121,14 +121,23 @@ class ChatPace:
         self.next_at = 0.0  # loop time: no update before (the interval after the last one)
         self.blocked_until = 0.0  # loop time: no call at all before (a 429's retry_after, a backoff)
 
-    async def wait_turn(self, *, paced: bool = True) -> None:
+    async def wait_turn(self, *, paced: bool = True, unless: asyncio.Event | None = None) -> bool:
         """Sleep until a call is allowed: an update waits for the interval too, a draft
         reply's final message only for a flood-control wait. Bounded by the interval or the
-        capped wait that set the time."""
+        capped wait that set the time; False when `unless` was set first (the wait was cut
+        short: no call may go out yet)."""
         at = max(self.next_at, self.blocked_until) if paced else self.blocked_until
         delay = at - asyncio.get_running_loop().time()
-        if delay > 0:
+        if delay <= 0:
+            return True
+        if unless is None:
             await asyncio.sleep(delay)
+            return True
+        try:
+            await asyncio.wait_for(unless.wait(), delay)
+        except TimeoutError:
+            return True
+        return False
 
     def after(self, seconds: float) -> None:
         """No update before `seconds` from now (a call just ended)."""
@@ -283,6 +292,7 @@ class TelegramReplyStream:
         self._network_failures = 0
         self._failure: BaseException | None = None
         self._wake = asyncio.Event()
+        self._finished = asyncio.Event()  # the final text came: a draft's wait for the pace ends
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ ReplyStream
@@ -335,6 +345,7 @@ class TelegramReplyStream:
         could not be shown. Called again (a `fail` after a `finish` that raised), the
         new text replaces the old one."""
         self._final = render_markdown(text)
+        self._finished.set()
         if isinstance(self._failure, NetworkError):
             # The connection may be back: the final text gets a fresh set of attempts.
             self._failure, self._network_failures = None, 0
@@ -460,10 +471,11 @@ class TelegramReplyStream:
                         await self._make(call)
                 else:
                     async with self._pace.lock:
-                        await self._pace.wait_turn()
-                        call = self._next_call()  # what piled up while waiting goes out at once
-                        if call is not None:
-                            await self._make(call)
+                        # A draft waiting for its slot gives way to the final text at once.
+                        if await self._pace.wait_turn(unless=self._finished if self._drafting else None):
+                            call = self._next_call()  # what piled up while waiting goes out at once
+                            if call is not None:
+                                await self._make(call)
                 await self._report_ref()
                 if self._failure is not None:
                     return
