@@ -268,7 +268,7 @@ async def test_a_reply_complete_within_the_first_interval_is_posted_once_at_once
     for _ in range(20):
         await asyncio.sleep(0)  # the stream's flusher runs between the model's pieces
     await stream.append("it is **done**.")
-    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 10)
+    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 20)
 
     fake = rig.fake
     [shown] = fake.visible_messages("C1", inbound.thread_id)

@@ -560,7 +560,7 @@ async def test_a_reply_complete_within_the_first_interval_is_sent_once_at_once(
     for _ in range(20):
         await asyncio.sleep(0)  # the stream's flusher runs between the model's pieces
     await stream.append("it is **done**.")
-    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 10)
+    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 20)
 
     assert message_calls(fake) == ["sendMessage"], "one finished message: no draft, no edit"
     [message] = fake.shown_parsed(chat)
@@ -595,7 +595,7 @@ async def test_a_draft_reply_sends_its_final_text_without_waiting_for_the_next_d
     await stream.append(" and the end.")  # the next draft is due in 30 s: the stream waits for it
     for _ in range(20):
         await asyncio.sleep(0)
-    await asyncio.wait_for(stream.finish("First words, more and **the end**."), 10)
+    await asyncio.wait_for(stream.finish("First words, more and **the end**."), 20)
     last_draft_at = fake.times_of("sendMessageDraft")[-1]
     [sent_at] = fake.times_of("sendMessage")
     assert sent_at < last_draft_at + 30.0, "the message did not wait for the next draft's slot"
@@ -670,7 +670,7 @@ async def test_an_unchanged_draft_is_sent_again_before_telegram_drops_it(
     channel, fake, _ = await start(streaming="auto")
     stream = open_stream(channel, dm())
     await stream.status("running a long tool")
-    await fake.wait_calls("sendMessageDraft", 3)  # a tool that runs long: the same status again and again
+    await fake.wait_calls("sendMessageDraft", 3, timeout=15)  # a long tool run: the same status again
     assert {d["text"] for d in fake.drafts} == {"⏳ running a long tool"}
     await stream.finish("Done.")
     assert fake.shown(CHAT) == ["Done."] and fake.edits == []
