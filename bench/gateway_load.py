@@ -6,7 +6,8 @@ Three processes: the gateway (`python -m gateway run --config` a temp config), a
 model that answers at once (`python -m bench._procs model`), and this one, which drives
 the load with an aiohttp client and hosts the fake Telegram Bot API. Every session sends
 turns back to back for a fixed time, through `POST /api/chat` or as Telegram updates
-(timed until the reply is shown: sent whole, or edited into place as it streams). One
+(timed until the reply is shown: sent whole, after a draft, or edited into place as it
+streams; these chats are private, so `streaming: "auto"` uses drafts). One
 more run per path paces 100 sessions to 50 turns/s in total (one message every 2 s from
 each, far busier than people chat): the latency below saturation. Back to back, latency
 is N / throughput by Little's law, so it measures throughput again, not added latency;
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import tempfile
 import time
 from collections import defaultdict
@@ -65,12 +67,12 @@ WARM_SECONDS = 2.0
 
 class LoadTelegram(FakeTelegram):
     """The fake Bot API with a future per chat for the reply it expects there: resolved
-    when a message shows exactly that text, whether sent whole or, as replies stream
-    (SPEC §5.1), sent with the first words and edited until complete."""
+    when a message shows exactly that text, whether sent whole (after a draft, SPEC
+    §5.1) or sent with the first words and edited until complete (edits)."""
 
     def __init__(self) -> None:
         # No flood control: the load comes from many turns per chat back to back.
-        super().__init__(edit_interval_s=None, send_per_s=None)
+        super().__init__(edit_interval_s=None, draft_interval_s=None, send_per_s=None)
         self.waiters: dict[int, tuple[str, asyncio.Future[str]]] = {}
         self.last_text: dict[int, str] = {}  # what each chat was last shown (for error reports)
 
@@ -103,6 +105,8 @@ class LoadTelegram(FakeTelegram):
     def forget_history(self) -> None:
         """The recorded calls are not needed here; keep this process small."""
         self.calls.clear()
+        self.call_times.clear()
+        self.drafts.clear()
         self.sent.clear()
         self.edits.clear()
         self.history.clear()
@@ -133,6 +137,7 @@ class RunResult:
     rss_per_session_kb: float
     rss_mb: float
     notes: list[str] = field(default_factory=list)
+    load_average: list[float] = field(default_factory=list)  # 1-minute load at the start and the end (shared machine)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -227,6 +232,7 @@ async def settle(child: Child, timeout: float = SETTLE_TIMEOUT_S) -> None:
 async def run_once(target: str, path: str, sessions: int, seconds: float, *, model_url: str,
                    stats_url: str, workdir: Path, rate: float | None = None) -> RunResult:
     """One measured run on a fresh process; `rate` paces the sessions (total turns/s)."""
+    load_at_start = os.getloadavg()[0]
     fake = LoadTelegram()
     await fake.start()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{target}-{path}-{sessions}-", dir=workdir))
@@ -298,6 +304,7 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
         p50_e2e_ms=round(percentile(e2e, 0.5) * 1000, 2), p99_e2e_ms=round(percentile(e2e, 0.99) * 1000, 2),
         rss_per_session_kb=round((rss_after - rss_before) / 1024 / sessions, 1),
         rss_mb=round(rss_after / 2**20, 1), notes=notes,
+        load_average=[round(load_at_start, 1), round(os.getloadavg()[0], 1)],
     )
 
 
@@ -315,7 +322,8 @@ def load_label(r: RunResult) -> str:
 def row(r: RunResult) -> str:
     return (f"{r.target:8} {r.path:9} {r.sessions:>5} {load_label(r):>9} {r.turns:>6} {r.turns_per_s:>8.1f} "
             f"{r.cpu_ms_per_turn:>11.2f} {r.p50_added_ms:>8.1f}ms {r.p99_added_ms:>8.1f}ms {r.p99_e2e_ms:>7.1f}ms "
-            f"{r.rss_per_session_kb:>9.1f} KB {r.rss_mb:>6.1f}MB  {'; '.join(r.notes)}")
+            f"{r.rss_per_session_kb:>9.1f} KB {r.rss_mb:>6.1f}MB  "
+            f"{'; '.join([f'load {r.load_average[0]:g} → {r.load_average[-1]:g}', *r.notes])}")
 
 
 def verdict(ok: bool) -> str:

@@ -1,28 +1,39 @@
 """Benchmark: streamed Telegram replies (SPEC §5.1) at 100 concurrent sessions.
 
-    python -m bench.streaming [--sessions 100] [--rounds 3] [--chunks 50] [--seconds 5] [--interval 1.0]
+    python -m bench.streaming [--sessions 100] [--rounds 3] [--chunks 50] [--seconds 5] [--interval 1.0] \
+                              [--mode auto|edit]
 
-The gateway runs as its own process (`python -m gateway run`, Telegram polling, default
-`streaming: "edit"`); this process hosts the fake Bot API (Telegram's one edit a second
-per chat enforced) and a fake model that streams every reply in `--chunks` pieces spread
-evenly over `--seconds`. Each round, `--sessions` new chats send one message at once.
+The gateway runs as its own process (`python -m gateway run`, Telegram polling,
+`streaming: --mode`: `auto`, the default, shows these private chats' replies as drafts;
+`edit` edits a message); this process hosts the fake Bot API (Telegram's one edit and
+one draft a second per chat enforced) and a fake model that streams every reply in
+`--chunks` pieces spread evenly over `--seconds`. Each round, `--sessions` new chats send
+one message at once.
 
-- **first visible delay**: when the fake Bot API received the chat's first sendMessage,
-  minus when the fake model wrote the reply's first chunk (both stamped in this process,
-  on one clock): what the gateway adds before a person sees the first words.
+- **first visible delay**: when the fake Bot API received the chat's first draft or
+  sendMessage, minus when the fake model wrote the reply's first chunk (both stamped in
+  this process, on one clock).
+- **past the first interval**: the same arrival minus the earliest moment the stream may
+  show anything (SPEC §5.1: nothing in the first `stream_interval_s`, so that a reply
+  complete within it is sent once, finished): the model's first chunk + the interval with
+  edits; with drafts the later of the first chunk and the model request's arrival + the
+  interval (the stream opens just before the request, so this slightly overstates what
+  the gateway adds). What the gateway adds before a person sees the first words.
 - **baseline**: the same model, the same number of concurrent streams, read by a bare
   aiohttp client in this process: first chunk read minus first chunk written. It is the
   floor of that measurement (loopback and this process's own event loop), no gateway.
-- **platform calls per reply**: sendMessage + editMessageText + deleteMessage calls for
-  the chat (refused ones included), against the bound reply seconds / stream_interval_s
-  + 2 (one update per interval while the model writes, the first send, the formatted end).
+- **platform calls per reply**: sendMessageDraft + sendMessage + editMessageText +
+  deleteMessage calls for the chat (refused ones included), against the bound reply
+  seconds / stream_interval_s + 2 (one update per interval while the model writes, the
+  first one, the formatted end).
 - **final delay**: final text (formatting included) visible minus the model's last chunk:
-  the edit pace holds the last update back by up to one interval.
+  with edits the pace holds the last update back by up to one interval; a draft reply's
+  message does not wait.
 - **gateway CPU per reply**: the gateway process's utime + stime over the measured
   rounds / replies.
 
-Goal: first visible delay p99 ≤ 50 ms; calls per reply within the bound; no 429.
-Writes bench/out/streaming.{json,png}.
+Goal: first visible p99 ≤ 50 ms past the first interval; calls per reply within the
+bound; no 429. Writes bench/out/streaming.{json,png}.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from tests.fakes.telegram_server import FakeTelegram
 OUT = ROOT / "bench" / "out"
 GOAL_P99_MS = 50.0
 ROUND_TIMEOUT_S = 60.0
-MESSAGE_METHODS = ("sendmessage", "editmessagetext", "deletemessage")
+MESSAGE_METHODS = ("sendmessagedraft", "sendmessage", "editmessagetext", "deletemessage")
 
 
 def chunk_text(k: int) -> str:
@@ -71,6 +82,7 @@ class StreamingModel:
     def __init__(self, chunks: int, seconds: float) -> None:
         self.chunks = chunks
         self.step = seconds / chunks
+        self.requested: dict[str, float] = {}  # when the reply's (first) request arrived
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.written: dict[str, list[tuple[float, int]]] = {}  # per reply: (time, characters written so far)
@@ -93,6 +105,7 @@ class StreamingModel:
         body = await request.json()
         users = [m for m in body.get("messages", []) if m.get("role") == "user"]
         tag = str(users[-1].get("content", "")) if users else ""
+        self.requested.setdefault(tag, time.monotonic())
         text = reply_text(self.chunks)
         if not body.get("stream"):
             return web.json_response({
@@ -135,7 +148,7 @@ class StreamingModel:
 
 
 class StampedTelegram(FakeTelegram):
-    """The fake Bot API (Telegram's flood control on) stamping each chat's first
+    """The fake Bot API (Telegram's flood control on) stamping each chat's first draft or
     sendMessage and the moment it shows the whole reply, formatting included."""
 
     def __init__(self, expected: list[tuple[str, list[dict[str, Any]]]]) -> None:
@@ -149,6 +162,16 @@ class StampedTelegram(FakeTelegram):
         self.visible: dict[int, list[tuple[float, int]]] = {}  # per chat: (time, characters shown)
         self.outcomes: dict[int, list[tuple[float, str, int]]] = {}  # per chat: (time, method, HTTP status)
 
+
+    async def _api_sendmessagedraft(self, params: dict[str, Any]) -> web.Response:
+        arrived = time.monotonic()
+        response = await super()._api_sendmessagedraft(params)
+        self._outcome(params, "draft", response)
+        if response.status == 200:
+            chat = int(params["chat_id"])
+            self.first_send.setdefault(chat, arrived)
+            self.visible.setdefault(chat, []).append((time.monotonic(), len(self.draft(chat) or "")))
+        return response
 
     async def _api_sendmessage(self, params: dict[str, Any]) -> web.Response:
         self.first_send.setdefault(int(params["chat_id"]), time.monotonic())
@@ -206,7 +229,9 @@ class Results:
     chunks: int
     seconds: float
     interval_s: float
+    mode: str = "auto"
     first_visible_ms: list[float] = field(default_factory=list)
+    past_interval_ms: list[float] = field(default_factory=list)
     baseline_ms: list[float] = field(default_factory=list)
     final_ms: list[float] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
@@ -258,6 +283,9 @@ async def gateway_round(telegram: StampedTelegram, model: StreamingModel, chats:
             res.missing += 1
             continue
         res.first_visible_ms.append((telegram.first_send[chat] - model.first[tag]) * 1000)
+        opens = model.requested[tag] if res.mode != "edit" else model.first[tag]  # the first interval's start
+        allowed = max(model.first[tag], opens + res.interval_s)
+        res.past_interval_ms.append((telegram.first_send[chat] - allowed) * 1000)
         res.final_ms.append((telegram.done_at[chat] - model.last[tag]) * 1000)
         res.calls.append(telegram.message_calls(chat))
         res.bounds.append((model.last[tag] - model.first[tag]) / res.interval_s + 2)
@@ -288,8 +316,8 @@ async def baseline_round(http: aiohttp.ClientSession, model: StreamingModel, ses
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(sessions))), ROUND_TIMEOUT_S)
 
 
-async def run(sessions: int, rounds: int, chunks: int, seconds: float, interval_s: float) -> Results:
-    res = Results(sessions, rounds, chunks, seconds, interval_s)
+async def run(sessions: int, rounds: int, chunks: int, seconds: float, interval_s: float, mode: str) -> Results:
+    res = Results(sessions, rounds, chunks, seconds, interval_s, mode)
     res.load_average.append(os.getloadavg()[0])
     expected = [(c.text, list(c.entities)) for c in render_markdown(reply_text(chunks))]
     model = StreamingModel(chunks, seconds)
@@ -301,7 +329,8 @@ async def run(sessions: int, rounds: int, chunks: int, seconds: float, interval_
         with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
             config = gateway_config(Path(tmp), model.base_url, stream_interval_s=interval_s,
                                     telegram=telegram_section(telegram.base_url, telegram.base_file_url,
-                                                              telegram.token, poll_timeout_s=10),
+                                                              telegram.token, poll_timeout_s=10)
+                                    | {"streaming": mode},
                                     limits={"max_concurrent_model_calls": 4 * sessions})
             child = await start_gateway(config, Path(tmp) / "gateway.log")
             await telegram.wait_call("getUpdates", timeout=30)
@@ -344,11 +373,13 @@ def report(res: Results) -> list[str]:
     over = [c for c, b in zip(res.calls, res.bounds, strict=True) if c > b]
     lines = [
         f"{res.sessions} concurrent sessions × {res.rounds} rounds; each reply {res.chunks} chunks over "
-        f"{res.seconds:g} s; stream_interval_s {res.interval_s:g}; Telegram's 1 edit/s per chat enforced; "
+        f"{res.seconds:g} s; streaming {res.mode}; stream_interval_s {res.interval_s:g}; "
+        f"Telegram's 1 edit and 1 draft a second per chat enforced; "
         f"load average {' → '.join(f'{x:.1f}' for x in res.load_average)} on {os.cpu_count()} CPUs",
         "",
         f"{'ms':34} {'n':>6} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}",
         row("first visible (gateway)", res.first_visible_ms),
+        row("  past the first interval", res.past_interval_ms),
         row("first chunk read (bare client)", res.baseline_ms),
         row("final text after the last chunk", res.final_ms),
         "",
@@ -359,8 +390,9 @@ def report(res: Results) -> list[str]:
         f"429s from the fake Bot API: {res.rate_limited}; typing calls: {res.chat_actions}; "
         f"replies missing: {res.missing}; gateway CPU per reply: {res.cpu_ms_per_reply:.1f} ms",
         "",
-        f"first visible p99 ≤ {GOAL_P99_MS:g} ms: {percentile(res.first_visible_ms, 0.99):.1f} ms → "
-        f"{'met' if percentile(res.first_visible_ms, 0.99) <= GOAL_P99_MS else 'MISSED'}",
+        f"first visible p99 ≤ {GOAL_P99_MS:g} ms past the first interval: "
+        f"{percentile(res.past_interval_ms, 0.99):.1f} ms → "
+        f"{'met' if percentile(res.past_interval_ms, 0.99) <= GOAL_P99_MS else 'MISSED'}",
         f"calls per reply within the bound, no 429: "
         f"{'met' if not over and res.rate_limited == 0 and res.missing == 0 else 'MISSED'}",
     ]
@@ -376,11 +408,11 @@ def chart(res: Results, target: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
-    for name, values, style in (("gateway: first sendMessage", res.first_visible_ms, "-"),
+    for name, values, style in (("gateway: first draft or message", res.first_visible_ms, "-"),
                                 ("bare client: first chunk read", res.baseline_ms, "--")):
         ordered = sorted(values)
         left.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], style, label=name)
-    left.axvline(GOAL_P99_MS, color="grey", linewidth=0.8)
+    left.axvline(res.interval_s * 1000, color="grey", linewidth=0.8)  # the first interval: nothing shown before
     left.set_xscale("log")
     left.set_xlabel("ms after the model's first chunk")
     left.set_ylabel("share of replies")
@@ -405,7 +437,7 @@ def chart(res: Results, target: Path) -> None:
 async def main(args: argparse.Namespace) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a stopped gateway drops its long poll
-    res = await run(args.sessions, args.rounds, args.chunks, args.seconds, args.interval)
+    res = await run(args.sessions, args.rounds, args.chunks, args.seconds, args.interval, args.mode)
     print()
     for line in report(res):
         print(line)
@@ -421,6 +453,8 @@ if __name__ == "__main__":
     parser.add_argument("--chunks", type=int, default=50, help="pieces per streamed reply")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long the model takes to stream a reply")
     parser.add_argument("--interval", type=float, default=1.0, help="the gateway's stream_interval_s")
+    parser.add_argument("--mode", choices=["auto", "edit"], default="auto",
+                        help="channels.telegram.streaming (auto: drafts in these private chats)")
     started = time.monotonic()
     asyncio.run(main(parser.parse_args()))
     print(f"total {time.monotonic() - started:.0f}s")

@@ -54,10 +54,11 @@ ReplyRefSink = Callable[[str], Awaitable[None]]
 
 
 # Told of each noteworthy thing a stream does, by name: "reply" (a streamed reply
-# started), "edit" (a platform message updated), "rate_limited" (the platform said to
-# wait), "plain_fallback" (formatting refused, sent as plain text), "update_fallback"
-# (native streaming refused, edits used instead), "continued" (a new message past the
-# size limit). The gateway counts them in /metrics (gateway_stream_events_total).
+# started), "edit" (a platform message updated), "draft" (a draft updated), "rate_limited"
+# (the platform said to wait), "plain_fallback" (formatting refused, sent as plain text),
+# "update_fallback" (native streaming or drafts refused, edits used instead), "continued"
+# (a new message past the size limit). The gateway counts them in /metrics
+# (gateway_stream_events_total).
 StreamObserver = Callable[[str], None]
 
 

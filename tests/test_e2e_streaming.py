@@ -75,8 +75,11 @@ def telegram_section(fake: FakeTelegram, **extra: Any) -> dict[str, Any]:
                          "base_file_url": fake.base_file_url, "poll_timeout_s": 1, **extra}}
 
 
-async def telegram_gateway(make_gateway: GatewayFactory, fake: FakeTelegram, interval_s: float) -> Gateway:
-    return await make_gateway(access={"dm_policy": "open"}, channels=telegram_section(fake),
+async def telegram_gateway(make_gateway: GatewayFactory, fake: FakeTelegram, interval_s: float,
+                           streaming: str | None = "edit") -> Gateway:
+    """A gateway on the fake Bot API; `streaming` None keeps the default (`auto`)."""
+    extra = {} if streaming is None else {"streaming": streaming}
+    return await make_gateway(access={"dm_policy": "open"}, channels=telegram_section(fake, **extra),
                               stream_interval_s=interval_s)
 
 
@@ -187,6 +190,62 @@ async def test_telegram_refused_formatting_falls_back_to_plain_text(
         sent_once(fake, CHAT)
         events = await stream_events(gw)
         assert events[("telegram", "plain_fallback")] == 1
+    finally:
+        await fake.stop()
+
+
+async def test_telegram_private_chat_reply_grows_as_a_draft_and_is_sent_once(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    fake = FakeTelegram(edit_interval_s=FAST_S, draft_interval_s=FAST_S)
+    await fake.start()
+    try:
+        gw = await telegram_gateway(make_gateway, fake, FAST_S, streaming=None)  # auto: drafts in a DM
+        reply = big_reply()
+        fake_model.tool_call("web_fetch", {"url": "http://127.0.0.1:9/report"}, text="Let me fetch that.")
+        fake_model.reply(reply, chunks=pieces(reply, 60), chunk_delay=0.004, delay=0.3)
+        update = fake.push_message(chat_id=CHAT, user_id=CHAT, text="write the report")
+        await answered(gw, "telegram", str(update))
+
+        stored = await stored_reply(gw, f"telegram:dm:{CHAT}")
+        shows_the_reply(fake, CHAT, stored)
+        sent_once(fake, CHAT)
+        chunks = len(render_markdown(stored))
+        calls = fake.methods("sendMessageDraft", "sendMessage", "editMessageText", "deleteMessage")
+        assert calls[-chunks:] == ["sendMessage"] * chunks, "the finished reply, once, at the end"
+        assert set(calls[:-chunks]) == {"sendMessageDraft"}, "before it only drafts: no edit, no delete"
+        assert "⏳ fetching 127.0.0.1…" in [d["text"] for d in fake.drafts], "the tool's status in the draft"
+        assert fake.rate_limited == []
+        events = await stream_events(gw)
+        assert events[("telegram", "reply")] == 1 and events[("telegram", "draft")] == len(fake.drafts) - 1
+        assert events[("telegram", "continued")] == chunks - 1
+        assert ("telegram", "edit") not in events
+    finally:
+        await fake.stop()
+
+
+async def test_telegram_a_crash_while_a_draft_grows_leaves_one_final_message(
+    make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    fake = FakeTelegram(edit_interval_s=FAST_S, draft_interval_s=FAST_S)
+    await fake.start()
+    try:
+        gw = await telegram_gateway(make_gateway, fake, FAST_S, streaming=None)
+        slow = "A reply that is still being written, word by word. " * 40
+        fake_model.reply(slow, chunks=pieces(slow, 10), chunk_delay=0.1)  # about 20 s of writing
+        update = fake.push_message(chat_id=CHAT, user_id=CHAT, text="a long answer please")
+        await fake.wait_draft(CHAT, lambda text: len(text) > 60, timeout=20)
+        await gw.stop(timeout=0)  # the crash: the turn is cut while its draft grows
+        assert fake.sent == [] and fake.edits == [], "a draft is not a message: nothing is left behind"
+
+        fake_model.reply("The **whole** answer, after the restart.")
+        gw2 = await telegram_gateway(make_gateway, fake, FAST_S, streaming=None)
+        await answered(gw2, "telegram", str(update))
+        stored = await stored_reply(gw2, f"telegram:dm:{CHAT}")
+        assert stored == "The **whole** answer, after the restart."
+        shows_the_reply(fake, CHAT, stored)
+        assert len(fake.sent) == 1 and fake.edits == [] and fake.deleted == [], "one final message, nothing else"
+        assert len(fake_model.requests) == 2
     finally:
         await fake.stop()
 

@@ -68,7 +68,7 @@ async def test_a_reply_killed_mid_stream_is_finished_in_the_message_already_show
     model.respond_with(lambda body: Reply(text=REPLY, chunks=tuple(pieces(REPLY, 65)), chunk_delay=0.03))
     config = gateway_config(tmp_path, model.base_url, stream_interval_s=INTERVAL_S,
                             telegram=telegram_section(telegram.base_url, telegram.base_file_url, telegram.token,
-                                                      poll_timeout_s=1))
+                                                      poll_timeout_s=1) | {"streaming": "edit"})
     child: Child | None = None
     try:
         telegram.push_message(chat_id=CHAT, user_id=CHAT, text="tell me everything")

@@ -109,14 +109,15 @@ class Rig:
         self.channels: list[SlackChannel] = []
         self.inbox = Inbox()
 
-    async def channel(self, streaming: str = "native", *, unfurl_links: bool = False) -> SlackChannel:
+    async def channel(self, streaming: str = "native", interval: float = INTERVAL, *,
+                      unfurl_links: bool = False) -> SlackChannel:
         # "channel": a mention made with thread=False stays at the top level, where these tests want it.
         cfg = SlackConfig(enabled=True, bot_token=BOT_TOKEN, app_token=APP_TOKEN, base_url=self.fake.base_url,
                           streaming=streaming, unfurl_links=unfurl_links, reply_to_mode="channel")
         channel = SlackChannel(
             cfg, self.inbox,
             workspace_for=lambda inbound: self.tmp_path / scope_dirname(memory_scope(inbound)),
-            sleep=scaled_sleep, start_timeout_s=5, stream_interval_s=INTERVAL, observe=self.events.append,
+            sleep=scaled_sleep, start_timeout_s=5, stream_interval_s=interval, observe=self.events.append,
         )
         await channel.start()
         self.channels.append(channel)
@@ -271,6 +272,38 @@ async def test_native_refused_falls_back_to_updates(rig: Rig, refusal: str) -> N
     assert all(m.format == "mrkdwn" for m in shown)
     assert rig.events.count("update_fallback") == 1
     assert len(rig.fake.method_calls("chat.startStream")) == 1  # asked once per reply
+
+
+# ---------------------------------------------------------------------------- the first interval
+
+
+@pytest.mark.parametrize(("mode", "thread"), [("update", False), ("update", True), ("native", True)])
+async def test_a_reply_complete_within_the_first_interval_is_posted_once_at_once(
+    rig: Rig, mode: str, thread: bool
+) -> None:
+    interval = 30.0  # an update before this would break the pace: anything the stream waited for is late
+    channel = await rig.channel(mode, interval=interval)
+    inbound = await rig.inbound(thread=thread)
+    stream = open_stream(channel, inbound)
+    began = time.monotonic()
+    await stream.append("Sure, ")
+    for _ in range(20):
+        await asyncio.sleep(0)  # the stream's flusher runs between the model's pieces
+    await stream.append("it is **done**.")
+    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 20)
+
+    fake = rig.fake
+    [shown] = fake.visible_messages("C1", inbound.thread_id)
+    if mode == "native":
+        assert shown.text == "Sure, it is **done**." and not shown.streaming
+        assert [len(fake.method_calls(m)) for m in ("chat.startStream", "chat.appendStream", "chat.stopStream")] \
+            == [1, 0, 1], "started with the whole reply and stopped at once"
+        [(posted_at, _)] = fake.timed_calls("chat.startStream")
+    else:
+        assert shown.text == "Sure, it is *done*."
+        [(posted_at, _)] = fake.timed_calls("chat.postMessage")
+    assert fake.method_calls("chat.update") == [], "posted finished: never edited"
+    assert posted_at < began + interval, "posted before the stream's first update would have been allowed"
 
 
 # ---------------------------------------------------------------------------- update

@@ -1,6 +1,7 @@
-"""Streamed Telegram replies (SPEC §5.1, `channels.telegram.streaming: "edit"`): the real
-python-telegram-bot against the fake Bot API, which enforces Telegram's flood control,
-size limit, "not modified" and "not found" rules."""
+"""Streamed Telegram replies (SPEC §5.1, `channels.telegram.streaming`: `edit`, and the
+drafts of `auto` / `draft`): the real python-telegram-bot against the fake Bot API, which
+enforces Telegram's flood control, size limit, "not modified" and "not found" rules, and
+refuses drafts outside private chats."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from telegram import Bot
 from telegram.error import BadRequest, RetryAfter
 
 from channels.base import ReplyStream, StreamingChannel
+from channels.telegram import stream as stream_module
 from channels.telegram.adapter import TelegramChannel
 from channels.telegram.format import TELEGRAM_TEXT_LIMIT, render_markdown, utf16_len
 from gateway.config.schema import TelegramConfig
@@ -83,7 +85,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
                   ) -> tuple[TelegramChannel, FakeTelegram, Observed]:
         """A started channel; on a new fake Bot API unless `fake` is given (a restart)."""
         if fake is None:
-            fake = FakeTelegram(edit_interval_s=edit_rule_s)
+            fake = FakeTelegram(edit_interval_s=edit_rule_s, draft_interval_s=edit_rule_s)
             await fake.start()
             fakes.append(fake)
         observed = Observed()
@@ -482,3 +484,236 @@ async def test_the_fake_enforces_telegram_limits() -> None:
                     assert resp.status == 429 and body["parameters"]["retry_after"] == expected
     finally:
         await fake.stop()
+
+
+async def test_the_fake_takes_drafts_only_where_telegram_does() -> None:
+    fake = FakeTelegram(draft_interval_s=1.0)
+    await fake.start()
+    try:
+        async with Bot(fake.token, base_url=fake.base_url) as bot:
+            assert await bot.send_message_draft(CHAT, 7, "Thinking about it")
+            assert fake.draft(CHAT) == "Thinking about it"
+            with pytest.raises(RetryAfter):  # one draft a second per chat, like edits
+                await bot.send_message_draft(CHAT, 7, "Thinking about it more")
+            with pytest.raises(BadRequest, match=r"(?i)textdraft_peer_invalid"):
+                await bot.send_message_draft(GROUP, 7, "not in a group")
+            with pytest.raises(BadRequest, match=r"(?i)draft_id_invalid"):
+                await bot.send_message_draft(CHAT + 1, 0, "a draft needs an id")
+            with pytest.raises(BadRequest, match=r"(?i)too long"):
+                await bot.send_message_draft(CHAT + 2, 1, "😀" * 2049)
+            with pytest.raises(BadRequest, match=r"(?i)can't parse entities"):
+                await bot.send_message_draft(CHAT + 3, 1, "bad", entities=[{"type": "bold", "offset": 1, "length": 9}])
+            assert fake.shown(CHAT) == [] and fake.sent == [], "a draft is not a message"
+            await bot.send_message(CHAT, "The answer")
+        assert fake.draft(CHAT) is None, "the message took the draft's place"
+        assert fake.shown(CHAT) == ["The answer"]
+        assert [d["text"] for d in fake.drafts] == ["Thinking about it"]
+        assert fake.rate_limited == ["sendMessageDraft"]
+        fake.fail_next("sendMessageDraft", 429, retry_after=2)
+        async with aiohttp.ClientSession() as http:
+            for method in ("sendMessageDraft", "sendMessage"):  # the wait holds for the chat's messages too
+                async with http.post(f"{fake.base_url}{fake.token}/{method}",
+                                     json={"chat_id": CHAT + 4, "draft_id": 1, "text": "y"}) as resp:
+                    assert resp.status == 429
+    finally:
+        await fake.stop()
+
+
+# ---------------------------------------------------------------------------- drafts and the first interval
+
+
+def message_calls(fake: FakeTelegram) -> list[str]:
+    """The reply's Bot API calls in order, drafts included (refused ones too)."""
+    return fake.methods("sendMessageDraft", "sendMessage", "editMessageText", "deleteMessage")
+
+
+async def test_auto_in_a_private_chat_grows_a_draft_then_sends_the_reply_once(start: Start) -> None:
+    channel, fake, observed = await start(streaming="auto")
+    refs = Refs()
+    stream = open_stream(channel, dm(), on_ref=refs)
+    await stream.append("Let me look ")
+    await stream.append("at your notes.")
+    await fake.wait_draft(CHAT, lambda text: text == "Let me look at your notes.")
+    await stream.status("reading notes.md…")
+    await fake.wait_draft(CHAT, lambda text: text == "⏳ reading notes.md…")
+    answer = "Your notes say **three** things:\n\n- milk\n- eggs\n- `bread`"
+    await feed(stream, answer, size=5)
+    await fake.wait_draft(CHAT, lambda text: text == render_markdown(answer)[0].text)
+    assert fake.sent == [] and refs.refs == [], "nothing is a message (nor a reference) before the end"
+
+    await stream.finish(answer)
+    calls = message_calls(fake)
+    assert calls[-1] == "sendMessage" and set(calls[:-1]) == {"sendMessageDraft"}
+    assert len(calls) >= 4  # text, status and answer drafts, then the message
+    [message] = fake.shown_parsed(CHAT)
+    [chunk] = render_markdown(answer)
+    assert (message.text, message.entities) == (chunk.text, list(chunk.entities)), "sent finished, formatted"
+    assert fake.edits == [] and fake.deleted == [] and fake.rate_limited == []
+    assert fake.draft(CHAT) is None
+    assert refs.refs and refs.last_ids() == fake.message_ids(CHAT)
+    assert observed.count("reply") == 1 and observed.count("draft") == len(fake.drafts) - 1
+    assert observed.count("edit") == 0 and observed.count("continued") == 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "draft"])
+async def test_a_group_reply_still_grows_by_edits(start: Start, mode: str) -> None:
+    channel, fake, _ = await start(streaming=mode)
+    stream = open_stream(channel, in_topic(5, 77))
+    await stream.append("First words")
+    await fake.wait_shown(GROUP, lambda shown: shown == ["First words"])
+    await stream.append(" and more.")
+    await fake.wait_shown(GROUP, lambda shown: shown == ["First words and more."])
+    await stream.finish("First words and **more**.")
+    assert fake.calls_of("sendMessageDraft") == [], "Telegram has no drafts in groups"
+    assert len(fake.sent) == 1 and len(fake.edits) == 2
+    assert fake.sent[0]["reply_parameters"] == {"message_id": 77, "allow_sending_without_reply": True}
+
+
+@pytest.mark.parametrize(("mode", "where"), [("auto", "dm"), ("draft", "dm"), ("edit", "dm"), ("auto", "group")])
+async def test_a_reply_complete_within_the_first_interval_is_sent_once_at_once(
+    start: Start, mode: str, where: str
+) -> None:
+    interval = 30.0  # an update before this would break the pace: anything the stream waited for is late
+    channel, fake, observed = await start(streaming=mode, interval_s=interval, edit_rule_s=interval)
+    chat, inbound = (CHAT, dm()) if where == "dm" else (GROUP, in_topic(5, 78))
+    stream = open_stream(channel, inbound)
+    began = time.monotonic()
+    await stream.append("Sure, ")
+    for _ in range(20):
+        await asyncio.sleep(0)  # the stream's flusher runs between the model's pieces
+    await stream.append("it is **done**.")
+    await asyncio.wait_for(stream.finish("Sure, it is **done**."), 20)
+
+    assert message_calls(fake) == ["sendMessage"], "one finished message: no draft, no edit"
+    [message] = fake.shown_parsed(chat)
+    assert (message.text, message.entities) == ("Sure, it is done.", [{"type": "bold", "offset": 12, "length": 4}])
+    [sent_at] = fake.times_of("sendMessage")
+    assert sent_at < began + interval, "sent before the stream's first update would have been allowed"
+    assert observed.count("reply") == 1
+
+
+async def test_the_first_words_of_a_long_reply_show_when_the_first_interval_ends(start: Start) -> None:
+    channel, fake, _ = await start(streaming="edit", interval_s=0.3, edit_rule_s=0.3)
+    stream = open_stream(channel, dm())
+    began = time.monotonic()
+    await stream.append("The first words")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["The first words"])
+    [sent_at] = fake.times_of("sendMessage")
+    assert sent_at >= began + 0.3, "held for the first interval: the reply might have been complete in it"
+    await stream.append(", then the rest.")
+    await stream.finish("The first words, then the rest.")
+    assert fake.shown(CHAT) == ["The first words, then the rest."] and len(fake.edits) == 1
+
+
+async def test_a_draft_reply_sends_its_final_text_without_waiting_for_the_next_draft(start: Start) -> None:
+    setting = [FAST_S]  # stream_interval_s as the running config holds it
+    channel, fake, _ = await start(streaming="auto", interval=lambda: setting[0], edit_rule_s=None)
+    stream = open_stream(channel, dm())
+    await stream.append("First words")
+    await fake.wait_draft(CHAT, lambda text: text == "First words")
+    setting[0] = 30.0  # from the next draft on, one per 30 s
+    await stream.append(", more")
+    await fake.wait_draft(CHAT, lambda text: text == "First words, more")
+    await stream.append(" and the end.")  # the next draft is due in 30 s: the stream waits for it
+    for _ in range(20):
+        await asyncio.sleep(0)
+    await asyncio.wait_for(stream.finish("First words, more and **the end**."), 20)
+    last_draft_at = fake.times_of("sendMessageDraft")[-1]
+    [sent_at] = fake.times_of("sendMessage")
+    assert sent_at < last_draft_at + 30.0, "the message did not wait for the next draft's slot"
+    assert fake.shown(CHAT) == ["First words, more and the end."] and fake.edits == []
+
+
+async def test_a_draft_reply_past_the_size_limit_ends_as_two_messages(start: Start) -> None:
+    channel, fake, observed = await start(streaming="auto")
+    stream = open_stream(channel, dm())
+    text = " ".join(f"word{i} 数据" for i in range(500))  # about 5,000 characters
+    assert 4096 < len(text) < 8000
+    await feed(stream, text, size=50)
+    await fake.wait_draft(CHAT, lambda draft: draft.endswith("word499 数据"))
+    await stream.finish(text)
+
+    assert fake.shown(CHAT) == final_texts(text) and len(final_texts(text)) == 2
+    assert message_calls(fake)[-2:] == ["sendMessage", "sendMessage"]
+    assert fake.edits == [] and fake.deleted == [] and fake.rate_limited == []
+    assert observed.count("update_fallback") == 0, "every draft fitted Telegram's limit"
+    assert len({d["draft_id"] for d in fake.drafts}) == 2, "the second part grew in a draft of its own"
+    assert observed.count("continued") == 1
+
+
+async def test_a_429_on_a_draft_pauses_the_drafts_and_the_final_text_still_arrives(start: Start) -> None:
+    channel, fake, observed = await start(streaming="auto")
+    fake.fail_next("sendMessageDraft", 429, retry_after=0.3)
+    stream = open_stream(channel, dm())
+    await stream.append("First words.")
+    await fake.wait_calls("sendMessageDraft", 1)  # refused
+    await stream.append(" More words.")
+    await fake.wait_draft(CHAT, lambda text: text == "First words. More words.")  # after the wait
+
+    fake.fail_next("sendMessageDraft", 429, retry_after=0.3)
+    await stream.append(" The end.")
+    await fake.wait_calls("sendMessageDraft", 3)  # refused again
+    fake.fail_next("sendMessage", 429, retry_after=0.3)  # and the final message once
+    await stream.finish("First words. More words. **The end.**")  # waits out each retry_after
+
+    assert fake.rate_limited == [], "no call of the chat before Telegram's retry_after"
+    assert fake.shown(CHAT) == ["First words. More words. The end."]
+    assert len(fake.sent) == 1 and fake.edits == []
+    assert observed.count("rate_limited") == 3
+
+
+@pytest.mark.parametrize("mode", ["auto", "draft"])
+async def test_drafts_refused_in_a_private_chat_fall_back_to_edits(start: Start, mode: str) -> None:
+    channel, fake, observed = await start(streaming=mode)
+    fake.fail_next("sendMessageDraft", 400, "Bad Request: TEXTDRAFT_PEER_INVALID")
+    first = open_stream(channel, dm())
+    await first.append("Growing")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Growing"])
+    await first.append(" by edits.")
+    await fake.wait_shown(CHAT, lambda shown: shown == ["Growing by edits."])
+    await first.finish("Growing by **edits**.")
+    assert fake.shown(CHAT) == ["Growing by edits."] and len(fake.sent) == 1
+    assert observed.count("update_fallback") == 1
+
+    drafts_before = len(fake.calls_of("sendMessageDraft"))
+    second = open_stream(channel, dm(501))
+    await second.append("The next reply")
+    await fake.wait_shown(CHAT, lambda shown: len(shown) == 2) if mode == "auto" else await fake.wait_draft(
+        CHAT, lambda text: text == "The next reply")
+    await second.finish("The next reply.")
+    tried_again = len(fake.calls_of("sendMessageDraft")) > drafts_before
+    assert tried_again == (mode == "draft"), "auto remembers the chat that refused drafts; draft tries again"
+
+
+async def test_an_unchanged_draft_is_sent_again_before_telegram_drops_it(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_module, "DRAFT_REFRESH_S", 0.2)  # Telegram drops a draft after 30 s
+    channel, fake, _ = await start(streaming="auto")
+    stream = open_stream(channel, dm())
+    await stream.status("running a long tool")
+    await fake.wait_calls("sendMessageDraft", 3, timeout=15)  # a long tool run: the same status again
+    assert {d["text"] for d in fake.drafts} == {"⏳ running a long tool"}
+    await stream.finish("Done.")
+    assert fake.shown(CHAT) == ["Done."] and fake.edits == []
+
+
+async def test_a_resumed_draft_reply_edits_the_message_it_sent_never_a_draft(start: Start) -> None:
+    channel, fake, _ = await start(streaming="auto")
+    refs = Refs()
+    before_crash = open_stream(channel, dm(), on_ref=refs)
+    await before_crash.append("A draft that is never a message")
+    await fake.wait_draft(CHAT, lambda text: text.startswith("A draft"))
+    assert refs.refs == [], "a draft leaves no reference: a resumed turn has nothing to edit"
+    await before_crash.finish("The answer.")
+    [shown_id] = await refs.wait_ids(1)
+    await channel.stop()  # a crash after the message went out, before the turn was marked answered
+
+    restarted, _, _ = await start(fake=fake, streaming="auto")
+    drafts_before = len(fake.calls_of("sendMessageDraft"))
+    resumed = open_stream(restarted, dm(), resume_ref=refs.refs[-1])
+    await resumed.append("The whole answer")
+    await resumed.finish("The **whole** answer.")
+    assert fake.message_ids(CHAT) == [shown_id] and len(fake.sent) == 1
+    assert fake.shown(CHAT) == ["The whole answer."]
+    assert len(fake.calls_of("sendMessageDraft")) == drafts_before, "the message is edited, not drafted over"

@@ -17,6 +17,10 @@ first text, then `chat.update` at most once per interval, rendered exactly as se
 renders; long replies continue in new messages; at the end the messages equal what
 send() would have posted (messages no longer needed are deleted).
 
+Nothing is posted in the first interval (counted from the first text or status): a reply
+complete by then is posted once, finished, at once, instead of posted and then updated
+an interval later (SPEC §5.1: streaming never makes a short answer arrive later).
+
 One flusher task per stream makes every platform call; append/status only record and
 wake it, so the agent never waits on Slack. A 429 pauses the flusher for Retry-After and
 what arrived meanwhile goes out in the next pass: nothing is dropped, and a refused call
@@ -131,6 +135,11 @@ class SlackReplyStream:
         self._wake = asyncio.Event()
         self._task: asyncio.Future[None] | None = None
         self._last_pass = -math.inf
+        # The first interval: nothing is posted before the first text (or status) is one
+        # interval old, so a reply complete by then is posted once, finished, at once
+        # (its last update would otherwise wait for the pace).
+        self._shows_from: float | None = None
+        self._ended = asyncio.Event()
         self._failures = 0
         self._error: BaseException | None = None
         if resume_ref:
@@ -161,6 +170,7 @@ class SlackReplyStream:
     async def _end(self, text: str) -> None:
         if self._final is None:
             self._final = clean_text(text)
+        self._ended.set()
         self._kick()
         task = self._task
         assert task is not None
@@ -178,6 +188,8 @@ class SlackReplyStream:
             raise RuntimeError(f"slack: streamed reply not delivered: {describe(self._error)}") from self._error
 
     def _kick(self) -> None:
+        if self._shows_from is None and not self._messages:
+            self._shows_from = asyncio.get_running_loop().time() + self._interval
         self._wake.set()
         if self._task is None:
             self._task = self._spawn(self._run(), self._name)
@@ -195,6 +207,12 @@ class SlackReplyStream:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(IDLE_WAIT_S):
                         await self._wake.wait()
+                continue
+            hold = self._hold(loop.time())
+            if hold > 0:  # the first interval: the end of the reply (or of the interval) wakes us
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(hold):
+                        await self._ended.wait()
                 continue
             pause = self._last_pass + self._interval - loop.time()
             if pause > 0:
@@ -226,6 +244,13 @@ class SlackReplyStream:
                 return
             # Counted from the end of a pass: no message is touched twice within an interval.
             self._last_pass = loop.time()
+
+    def _hold(self, now: float) -> float:
+        """Seconds left of the first interval, while nothing is posted and the reply is
+        not complete."""
+        if self._final is not None or self._messages or self._shows_from is None:
+            return 0.0
+        return self._shows_from - now
 
     async def _pass(self, final: bool) -> None:
         """One reconciliation: make Slack show what the reply is now (or finally)."""

@@ -83,6 +83,7 @@ POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurr
 # library's 1 s default turned a busy minute into undelivered replies.
 POOL_WAIT_S = 30.0
 TYPING_CONNECTIONS = 4  # of the pooled connections, at most this many send typing actions
+MAX_NO_DRAFT_CHATS = 4096  # private chats remembered as refusing drafts (`auto`); the oldest go first
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 NO_WEBHOOK_SECRET = ("telegram: webhook mode needs channels.telegram.webhook_secret "
                      "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
@@ -160,6 +161,8 @@ class TelegramChannel:
         self._observe = observe
         self._paces = ChatPaces()
         self._stream_tasks: set[asyncio.Task[None]] = set()
+        # Private chats where a draft was refused (`auto` then edits there), oldest first.
+        self._no_drafts: dict[str, None] = {}
 
     @property
     def cfg(self) -> TelegramConfig:
@@ -603,8 +606,9 @@ class TelegramChannel:
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None:
-        """A reply shown as it grows by editing messages (SPEC §5.1), or None when
-        `streaming` is "off" (the reply is then sent whole with `send()`)."""
+        """A reply shown as it grows (SPEC §5.1): as a draft in private chats (`auto`,
+        `draft`), by editing messages elsewhere and in `edit` mode; None when `streaming`
+        is "off" (the reply is then sent whole with `send()`)."""
         if self._cfg.streaming == "off":
             return None
         chat = _chat_ref(inbound.chat_id)
@@ -620,12 +624,30 @@ class TelegramChannel:
             resume_ids=parse_reply_ref(resume_ref, chat),
             observe=self._observe,
             link_preview=self._link_preview(),
+            drafts=self._drafts_in(inbound),
+            on_drafts_refused=lambda: self._drafts_refused(str(chat)),
         )
 
     def _link_preview(self) -> LinkPreviewOptions | None:
         """No previews unless `link_previews` is on: a URL that an attacker got into a reply
         would otherwise be fetched by Telegram's servers before anyone clicks it."""
         return None if self._cfg.link_previews else LinkPreviewOptions(is_disabled=True)
+
+    def _drafts_in(self, inbound: Inbound) -> bool:
+        """Drafts where Telegram shows them, private chats; `auto` stops trying them in a
+        chat that refused one (a self-hosted Bot API server without them, say)."""
+        mode = self._cfg.streaming
+        if mode not in ("auto", "draft") or inbound.is_group:
+            return False
+        return mode == "draft" or str(_chat_ref(inbound.chat_id)) not in self._no_drafts
+
+    def _drafts_refused(self, chat: str) -> None:
+        if self._cfg.streaming != "auto":
+            return
+        self._no_drafts.pop(chat, None)
+        self._no_drafts[chat] = None
+        while len(self._no_drafts) > MAX_NO_DRAFT_CHATS:
+            del self._no_drafts[next(iter(self._no_drafts))]
 
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:

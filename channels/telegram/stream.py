@@ -1,23 +1,43 @@
-"""A reply streamed into Telegram by editing messages (`channels.telegram.streaming:
-"edit"`, SPEC §5.1).
+"""A reply streamed into Telegram (SPEC §5.1): by editing messages
+(`channels.telegram.streaming: "edit"`, and `"auto"` outside private chats) or as a draft
+(`"draft"` and `"auto"` in private chats, the only ones where Telegram shows drafts).
 
-The agent appends text; one flusher task per stream makes the Bot API calls: the first
-`sendMessage` as soon as there is text, then `editMessageText` at most once per
-`stream_interval_s` per chat (every stream to that chat shares one pace), as plain text.
-What a message should show is recomputed from the whole reply right before each call, so
-text that piled up while a call or a 429 wait was in progress goes out in one edit:
-nothing is dropped and nothing is sent twice.
+The agent appends text; one flusher task per stream makes the Bot API calls: at most one
+update per `stream_interval_s` per chat (every stream to that chat shares one pace), as
+plain text. What the reply should show is recomputed from the whole reply right before
+each call, so text that piled up while a call or a 429 wait was in progress goes out in
+one update: nothing is dropped and nothing is sent twice.
 
-While streaming, the reply's Markdown is cut into messages of at most 4096 UTF-16 units
-of the source; a cut message is closed (its text no longer changes) and the reply goes on
-in a new one. Each message shows its part rendered as plain text (the converter's text
-without the entities). On `finish` the reply is cut exactly as `send()` cuts it
-(`render_markdown`), each message is edited to its chunk with formatting (plain when
-Telegram refuses the entities), missing ones are sent and left-over ones deleted.
+The first interval: nothing is shown during the first `stream_interval_s`. A reply that
+is complete by then (`finish` came) is sent at once as one finished, formatted message:
+streaming never makes a short answer arrive later than sending it whole would. A longer
+one shows what it has when the interval ends. With edits the interval starts with the
+reply's first text (or status line), because their last edit waits for the pace: the
+first words of a long reply show up to one interval later, with what followed them, as
+the first edit would have shown them. With drafts the final message never waits, so the
+interval starts with the turn: only what a quick model writes within it is held back.
 
-A status line ("⏳ reading notes.md…") is shown as the message text and replaced by the
-answer; before any text it sends the first message, so the person sees what is happening
-at once (the typing indicator keeps running beside it).
+Edits: the first `sendMessage`, then `editMessageText`. While streaming, the reply's
+Markdown is cut into messages of at most 4096 UTF-16 units of the source; a cut message
+is closed (its text no longer changes) and the reply goes on in a new one. Each message
+shows its part rendered as plain text (the converter's text without the entities). On
+`finish` the reply is cut exactly as `send()` cuts it (`render_markdown`), each message is
+edited to its chunk with formatting (plain when Telegram refuses the entities), missing
+ones are sent and left-over ones deleted.
+
+Drafts: the part being written (past 4096 units, the next part in a draft of its own)
+grows in an animated draft (`sendMessageDraft`), which is not a message. On `finish` the
+final chunks go out with `sendMessage`, one after another, without waiting for the pace
+(only a 429's retry_after is waited out), formatted (plain where Telegram refuses the
+entities). The chat gets one message per chunk and no edit; a crash before them leaves
+nothing behind (a draft is a 30-second preview), and no reference is reported through
+`on_ref` before a message exists, so a resumed turn never looks for a draft. A draft
+unchanged for `DRAFT_REFRESH_S` (a long tool run) is sent again so it does not expire.
+Where Telegram refuses a draft, this reply is shown by edits instead (nothing was shown
+yet). A resumed reply that has messages edits them, whatever the mode.
+
+A status line ("⏳ reading notes.md…") is shown as the message's (or draft's) text and
+replaced by the answer.
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +81,8 @@ IDLE_EXIT_S = 900.0  # a flusher with nothing to do for this long ends (a later 
 NETWORK_ATTEMPTS = 5  # consecutive transport failures before the stream gives up
 STATUS_MARK = "⏳"
 MAX_PACES = 1024  # chats whose pace is remembered; idle ones are forgotten beyond this
+DRAFT_REFRESH_S = 20.0  # an unchanged draft is sent again after this (Telegram drops it after 30 s)
+DRAFT_ID_SPAN = 2**31 - 2**20  # draft ids are 1 … this, plus the part number (Telegram's ints are 32-bit)
 
 
 def retry_seconds(exc: RetryAfter) -> float:
@@ -91,23 +114,40 @@ def _gone(exc: BadRequest) -> bool:
 
 class ChatPace:
     """When the next Bot API call of a stream to one chat may go out. Shared by every
-    stream to that chat; the lock makes them take turns."""
+    stream to that chat; the lock makes their updates take turns."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
-        self.next_at = 0.0  # loop time
+        self.next_at = 0.0  # loop time: no update before (the interval after the last one)
+        self.blocked_until = 0.0  # loop time: no call at all before (a 429's retry_after, a backoff)
 
-    async def wait_turn(self) -> None:
-        """Sleep until a call is allowed (the caller holds `lock`); bounded by the interval
-        or the capped flood-control wait that set `next_at`."""
-        delay = self.next_at - asyncio.get_running_loop().time()
-        if delay > 0:
+    async def wait_turn(self, *, paced: bool = True, unless: asyncio.Event | None = None) -> bool:
+        """Sleep until a call is allowed: an update waits for the interval too, a draft
+        reply's final message only for a flood-control wait. Bounded by the interval or the
+        capped wait that set the time; False when `unless` was set first (the wait was cut
+        short: no call may go out yet)."""
+        at = max(self.next_at, self.blocked_until) if paced else self.blocked_until
+        delay = at - asyncio.get_running_loop().time()
+        if delay <= 0:
+            return True
+        if unless is None:
             await asyncio.sleep(delay)
+            return True
+        try:
+            await asyncio.wait_for(unless.wait(), delay)
+        except TimeoutError:
+            return True
+        return False
 
     def after(self, seconds: float) -> None:
-        """No call before `seconds` from now (a call just ended, or Telegram said to wait)."""
+        """No update before `seconds` from now (a call just ended)."""
         at = asyncio.get_running_loop().time() + seconds
         self.next_at = max(self.next_at, at)
+
+    def block(self, seconds: float) -> None:
+        """No call at all before `seconds` from now (Telegram said to wait)."""
+        at = asyncio.get_running_loop().time() + seconds
+        self.blocked_until = max(self.blocked_until, at)
 
 
 class ChatPaces:
@@ -128,7 +168,7 @@ class ChatPaces:
     def _forget_idle(self) -> None:
         now = asyncio.get_running_loop().time()
         for key, pace in list(self._by_chat.items()):
-            if not pace.lock.locked() and pace.next_at <= now:
+            if not pace.lock.locked() and max(pace.next_at, pace.blocked_until) <= now:
                 del self._by_chat[key]
 
 
@@ -199,7 +239,8 @@ class _Shown:
 
 
 class TelegramReplyStream:
-    """One reply as it grows, shown by editing Telegram messages (implements `ReplyStream`)."""
+    """One reply as it grows, shown by editing Telegram messages or as a draft
+    (implements `ReplyStream`)."""
 
     def __init__(
         self,
@@ -216,6 +257,8 @@ class TelegramReplyStream:
         observe: StreamObserver | None = None,
         limit: int = TELEGRAM_TEXT_LIMIT,
         link_preview: LinkPreviewOptions | None = None,
+        drafts: bool = False,
+        on_drafts_refused: Callable[[], None] | None = None,
     ) -> None:
         self._bot = bot  # looked up per call: raises once the channel has stopped
         self._chat = chat
@@ -238,10 +281,20 @@ class TelegramReplyStream:
         self._shown: list[_Shown] = [_Shown(i, None) for i in resume_ids or ()]
         self._orphans: list[int] = []  # messages no longer part of the reply: to delete
         self._reported: list[int] = [s.message_id for s in self._shown]
-        self._started = bool(self._shown)  # a resumed reply already "started"
+        self._started = bool(self._shown)  # a message of the reply exists (a resumed one has)
+        # Drafts: only before any message exists; a resumed reply edits what it showed.
+        self._drafting = drafts and not self._shown
+        self._on_drafts_refused = on_drafts_refused
+        self._draft_base = secrets.randbelow(DRAFT_ID_SPAN) + 1  # new each stream: a resumed turn's draft is new
+        self._drafted: tuple[int, Chunk] | None = None  # (part, text) the draft shows now
+        self._drafted_at = 0.0  # loop time of the last draft
+        self._opened_at = asyncio.get_running_loop().time()  # the turn's start
+        self._shows_from: float | None = None  # the end of the first interval (loop time)
+        self._changed_at = 0.0  # loop time of the last append/status
         self._network_failures = 0
         self._failure: BaseException | None = None
         self._wake = asyncio.Event()
+        self._finished = asyncio.Event()  # the final text came: a draft's wait for the pace ends
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ ReplyStream
@@ -274,6 +327,15 @@ class TelegramReplyStream:
     def _changed(self) -> None:
         if self._failure is not None:
             return
+        now = asyncio.get_running_loop().time()
+        self._changed_at = now
+        if self._shows_from is None and not self._started:
+            # A reply complete within the first interval is sent once, finished, when
+            # `finish` comes. Edits count it from the first text: their last edit would
+            # wait for the pace. A draft reply's message never waits, so only the turn's
+            # first interval is held (the first words of a slow model are not).
+            start = self._opened_at if self._drafting else now
+            self._shows_from = start + self._interval()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._flush_forever(), name="telegram-stream")
             self._tasks.add(self._task)
@@ -285,6 +347,7 @@ class TelegramReplyStream:
         could not be shown. Called again (a `fail` after a `finish` that raised), the
         new text replaces the old one."""
         self._final = render_markdown(text)
+        self._finished.set()
         if isinstance(self._failure, NetworkError):
             # The connection may be back: the final text gets a fresh set of attempts.
             self._failure, self._network_failures = None, 0
@@ -333,6 +396,8 @@ class TelegramReplyStream:
         """The one Bot API call that brings the messages closest to the view, or None."""
         if self._orphans:
             return ("delete", self._orphans[0], None)
+        if self._drafting and self._final is None:
+            return self._next_draft()
         view = self._view()
         if not view and self._final is None:
             return None  # nothing to show yet: keep what is there (a resumed reply's messages)
@@ -347,6 +412,33 @@ class TelegramReplyStream:
             return ("delete", self._orphans[0], None)
         return None
 
+    def _next_draft(self) -> tuple[str, int, Chunk | None] | None:
+        """The draft to show: the part being written (or the status line), when it changed."""
+        view = self._view()
+        if not view:
+            return None
+        part, want = len(view) - 1, view[-1]
+        return None if self._drafted == (part, want) else ("draft", part, want)
+
+    def _hold(self) -> float:
+        """Seconds left of the first interval, while the reply is not complete."""
+        if self._final is not None or self._shows_from is None or self._started or self._drafted:
+            return 0.0
+        return self._shows_from - asyncio.get_running_loop().time()
+
+    def _idle_wait(self) -> float:
+        """How long the flusher waits for more when it has nothing to do: until its idle
+        exit, or until a draft is due again (Telegram drops one after 30 s)."""
+        now = asyncio.get_running_loop().time()
+        wait = self._changed_at + IDLE_EXIT_S - now
+        if self._drafting and self._drafted is not None:
+            wait = min(wait, self._drafted_at + DRAFT_REFRESH_S - now)
+        return max(wait, 0.0)
+
+    def _abandoned(self) -> bool:
+        """Nothing came for `IDLE_EXIT_S` (a second's slack: timers may fire a little early)."""
+        return asyncio.get_running_loop().time() - self._changed_at >= IDLE_EXIT_S - 1.0
+
     async def _flush_forever(self) -> None:
         """The stream's one flusher: makes every Bot API call, one at a time, paced."""
         try:
@@ -357,19 +449,35 @@ class TelegramReplyStream:
                     self._failure = exc
                     return
                 self._wake.clear()
+                hold = self._hold()
+                if hold > 0:  # the first interval: `finish` (or its end) wakes us
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), hold)
+                    continue
                 if self._next_call() is None:
                     if self._final is not None:
                         return
                     try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_EXIT_S)
+                        await asyncio.wait_for(self._wake.wait(), self._idle_wait())
                     except TimeoutError:
-                        return  # abandoned; append/status/finish start a new flusher
+                        if self._abandoned() or not self._drafting or self._drafted is None:
+                            return  # append/status/finish start a new flusher
+                        self._drafted = None  # the draft is due again, unchanged
                     continue
-                async with self._pace.lock:
-                    await self._pace.wait_turn()
-                    call = self._next_call()  # what piled up while waiting goes out at once
+                if self._drafting and self._final is not None:
+                    # A draft reply's final messages: nothing to pace (no message was
+                    # updated), only Telegram's own waits are kept.
+                    await self._pace.wait_turn(paced=False)
+                    call = self._next_call()
                     if call is not None:
                         await self._make(call)
+                else:
+                    async with self._pace.lock:
+                        # A draft waiting for its slot gives way to the final text at once.
+                        if await self._pace.wait_turn(unless=self._finished if self._drafting else None):
+                            call = self._next_call()  # what piled up while waiting goes out at once
+                            if call is not None:
+                                await self._make(call)
                 await self._report_ref()
                 if self._failure is not None:
                     return
@@ -384,6 +492,9 @@ class TelegramReplyStream:
         try:
             if kind == "delete":
                 await self._delete(index)
+            elif kind == "draft":
+                assert chunk is not None
+                await self._draft(index, chunk)
             elif kind == "send":
                 assert chunk is not None
                 await self._send(chunk)
@@ -394,14 +505,18 @@ class TelegramReplyStream:
             self._pace.after(self._interval())
         except RetryAfter as exc:
             wait = retry_seconds(exc)
-            log.info("telegram: flood control on %s; edits pause %.1f s", self._chat, wait)
+            log.info("telegram: flood control on %s; updates pause %.1f s", self._chat, wait)
             self._observe("rate_limited")
+            self._pace.block(wait)
             self._pace.after(max(wait, self._interval()))
         except ChatMigrated as exc:
             # A group became a supergroup: the old messages stay behind in the old chat.
             self._chat = exc.new_chat_id
             self._shown, self._orphans = [], []
         except BadRequest as exc:
+            if kind == "draft":
+                self._drafts_refused(exc)  # nothing was shown: no pause needed
+                return
             self._pace.after(self._interval())
             self._refused(kind, index, chunk, exc)
         except NetworkError as exc:
@@ -410,10 +525,23 @@ class TelegramReplyStream:
                 log.warning("telegram: reply stream to %s gave up: %s", self._chat, exc)
                 self._failure = exc
             else:
-                self._pace.after(min(2.0 ** (self._network_failures - 1), 30.0))
+                self._pace.block(min(2.0 ** (self._network_failures - 1), 30.0))
         except TelegramError as exc:  # Forbidden, InvalidToken …: nothing more can be shown
+            if kind == "draft":
+                # Perhaps only drafts (a Bot API server without them): a message decides.
+                self._drafts_refused(exc)
+                return
             log.warning("telegram: reply stream to %s stopped: %s", self._chat, exc)
             self._failure = exc
+
+    def _drafts_refused(self, exc: TelegramError) -> None:
+        log.info("telegram: drafts refused in %s (%s); this reply is shown by edits", self._chat, exc)
+        self._drafting = False
+        self._drafted = None
+        self._observe("update_fallback")
+        if self._on_drafts_refused is not None:
+            with contextlib.suppress(Exception):
+                self._on_drafts_refused()
 
     def _refused(self, kind: str, index: int, chunk: Chunk | None, exc: BadRequest) -> None:
         if kind == "delete":
@@ -451,6 +579,16 @@ class TelegramReplyStream:
     def _entities(self, bot: Bot, chunk: Chunk) -> list[MessageEntity] | None:
         return [MessageEntity.de_json(e, bot) for e in chunk.entities] or None
 
+    async def _draft(self, part: int, chunk: Chunk) -> None:
+        await self._bot().send_message_draft(
+            chat_id=self._chat, draft_id=self._draft_base + part, text=chunk.text,
+            message_thread_id=self._thread, **self._timeouts(),
+        )
+        first = self._drafted_at == 0.0
+        self._drafted = (part, chunk)
+        self._drafted_at = asyncio.get_running_loop().time()
+        self._observe("reply" if first else "draft")
+
     async def _send(self, chunk: Chunk) -> None:
         bot = self._bot()
         first = not self._started
@@ -463,7 +601,10 @@ class TelegramReplyStream:
         )
         self._shown.append(_Shown(message.message_id, chunk))
         self._started = True
-        self._observe("reply" if first else "continued")
+        if not first:
+            self._observe("continued")
+        elif self._drafted_at == 0.0:  # a reply shown by drafts began with its first one
+            self._observe("reply")
 
     async def _edit(self, index: int, chunk: Chunk) -> None:
         bot = self._bot()

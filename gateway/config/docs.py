@@ -139,8 +139,10 @@ MEANINGS: dict[str, str] = {
     "channels.telegram.webhook_secret": "The secret Telegram sends with every webhook request (required in "
                                         "webhook mode), e.g. `openssl rand -hex 32`.",
     "channels.telegram.poll_timeout_s": "Seconds one long poll waits for updates (polling mode).",
-    "channels.telegram.streaming": "`edit`: a reply grows in place as the model writes it; `off`: sent whole "
-                                   "at the end.",
+    "channels.telegram.streaming": "`auto`: a reply grows as a draft in private chats and by editing its "
+                                   "message in groups, then is sent once, finished; `draft`: the same, and a "
+                                   "chat that refused a draft is still offered one next time; `edit`: a "
+                                   "message that grows in place everywhere; `off`: sent whole at the end.",
     "channels.telegram.link_previews": "Let Telegram show link previews in replies. Off by default: Telegram's "
                                        "servers would fetch a URL in a reply before anyone clicks it.",
     "channels.slack.enabled": "Run the Slack app (setup: [slack.md](slack.md)).",

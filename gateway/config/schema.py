@@ -191,7 +191,8 @@ class TelegramConfig(_Strict):
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     poll_timeout_s: int = Field(default=30, ge=0, le=60)
-    streaming: Literal["edit", "off"] = "edit"  # edit: replies grow in place (SPEC §5.1)
+    # auto: drafts in private chats, edits elsewhere (SPEC §5.1)
+    streaming: Literal["auto", "draft", "edit", "off"] = "auto"
     # Off: a link the model was led to write is not fetched by Telegram's servers unclicked.
     link_previews: bool = False
 

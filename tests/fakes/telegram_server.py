@@ -10,6 +10,7 @@ events with timeouts and script failures:
     fake.fail_next("sendMessage", 429, retry_after=1)
     fake.reject_formatting()             # next formatted send/edit → "can't parse entities"
     fake.shown(42)                       # what the person sees in chat 42, edits applied
+    fake.draft(42)                       # the draft chat 42 shows now (sendMessageDraft), or None
 
 Text is read as Telegram reads it (tests/fakes/telegram_text.py): `parse_mode` HTML and
 MarkdownV2 are parsed and malformed markup is refused with "can't parse entities", and the
@@ -23,6 +24,16 @@ a call made before a 429's retry_after has passed (scripted with `fail_next` or 
 refused again. Every 429 the fake decides itself is listed in `rate_limited`.
 An edit that changes nothing is refused as "message is not modified", an edit or delete
 of a message that is gone as "message to edit/delete not found".
+
+Drafts (`sendMessageDraft`, Bot API 9.3+): an animated preview of a reply being written,
+in private chats only: in any other chat it is refused with 400 "TEXTDRAFT_PEER_INVALID",
+as Telegram does. `draft_id` must be a non-zero integer; the text is read like a
+message's (entities, parse modes, 4096 units after parsing; empty shows Telegram's
+"Thinking…" placeholder). Drafts are under flood control too: one per `draft_interval_s`
+per chat, and a 429's retry_after holds for every paced method of the chat. A draft is
+not a message: drafts are recorded in `drafts` (never in `sent`, `history` or
+`shown`), the chat's current one is `draft(chat)`, and it is gone once the bot sends a
+message to that chat (or `DRAFT_TTL_S` after its last update).
 
 One poller per bot, as the Bot API server does it (tdlib/telegram-bot-api, Client.cpp
 `do_get_updates` / `abort_long_poll` / `fail_query_conflict`): a getUpdates that is about
@@ -55,8 +66,10 @@ DEFAULT_TOKEN = "123456:TEST-fake-token"
 TEXT_LIMIT = 4096
 GET_FILE_LIMIT = 20 * 1024 * 1024  # bots may download files up to 20 MB from the cloud Bot API
 
+DRAFT_TTL_S = 30.0  # a draft is a 30-second preview unless updated or replaced by a message
+
 # Methods under per-chat flood control: a 429's retry_after holds for all of them.
-_PACED = frozenset({"sendmessage", "editmessagetext", "deletemessage"})
+_PACED = frozenset({"sendmessage", "editmessagetext", "deletemessage", "sendmessagedraft"})
 
 # Form fields that stay strings even when they look like JSON numbers.
 _STRING_FIELDS = frozenset(
@@ -85,6 +98,7 @@ class FakeTelegram:
         bot_id: int = 7_000_001,
         bot_username: str = "gateway_test_bot",
         edit_interval_s: float | None = 1.0,
+        draft_interval_s: float | None = 1.0,
         send_burst: int = 20,
         send_per_s: float | None = 1.0,
         conflict_interval_s: float = 3.0,
@@ -95,11 +109,13 @@ class FakeTelegram:
         self._long_poll: asyncio.Future[None] | None = None  # done: terminated by a newer one
         self._next_conflict_at = 0.0
         self.edit_interval_s = edit_interval_s  # None: edits are not rate limited
+        self.draft_interval_s = draft_interval_s  # None: drafts are not rate limited
         self.send_burst = send_burst
         self.send_per_s = send_per_s  # None: sendMessage is not rate limited
         self.bot_id = bot_id
         self.bot_username = bot_username
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.call_times: list[float] = []  # monotonic arrival time of each of `calls`
         self.sent: list[dict[str, Any]] = []  # sendMessage params that succeeded, in order
         self.uploads: list[tuple[str, str, bytes]] = []  # (method, file name, bytes) of sendPhoto/sendDocument
         self.confirmed_offset = 0  # highest offset a getUpdates call confirmed
@@ -108,6 +124,11 @@ class FakeTelegram:
         self.chat_actions: list[dict[str, Any]] = []
         self.edits: list[dict[str, Any]] = []  # editMessageText params that succeeded
         self.deleted: list[int] = []  # ids of the bot's messages deleted (by the bot or a person)
+        self.drafts: list[dict[str, Any]] = []  # sendMessageDraft params that succeeded, in order
+        # The draft each chat shows now: chat → (draft_id, text as read, monotonic time of its update).
+        self._drafts: dict[str, tuple[int, Parsed, float]] = {}
+        self._last_draft: dict[str, float] = {}  # chat → monotonic time of its last draft
+        self._chat_types: dict[str, str] = {}  # chat → "private" / "group" / … as pushed
         self.rate_limited: list[str] = []  # the method of each call answered with 429
         # What happened to the bot's messages, in order: (method, chat id, message id,
         # visible text): every successful sendMessage, editMessageText and deleteMessage.
@@ -176,6 +197,7 @@ class FakeTelegram:
         """Queue a `message` update from a person; returns its update_id. `extra` is merged
         into the message (e.g. `photo=[...]`, `caption=...`, `sticker={...}`)."""
         message_id = self._new_message_id()
+        self._chat_types[str(chat_id)] = chat_type
         chat: dict[str, Any] = {"id": chat_id, "type": chat_type}
         if chat_type == "private":
             chat["first_name"] = f"User{user_id}"
@@ -246,8 +268,8 @@ class FakeTelegram:
         self._failures[method.lower()].append(_Failure(status, description, retry_after))
 
     def reject_formatting(self, times: int = 1) -> None:
-        """The next `times` sendMessage or editMessageText calls that carry entities or
-        parse_mode get 400 "Bad Request: can't parse entities"."""
+        """The next `times` sendMessage, editMessageText or sendMessageDraft calls that
+        carry entities or parse_mode get 400 "Bad Request: can't parse entities"."""
         self._reject_formatting += times
 
     def delete_by_person(self, message_id: int) -> None:
@@ -287,6 +309,39 @@ class FakeTelegram:
         """Wait until `ready(shown(chat_id))`; returns what is shown then."""
         await self._wait_for(lambda: ready(self.shown(chat_id)), timeout, f"text shown in {chat_id}")
         return self.shown(chat_id)
+
+    def draft(self, chat_id: Any) -> str | None:
+        """The text of the draft `chat_id` shows now, or None (none yet, replaced by a
+        message, or expired)."""
+        current = self._drafts.get(str(chat_id))
+        if current is None or time.monotonic() - current[2] > DRAFT_TTL_S:
+            return None
+        return current[1].text
+
+    async def wait_draft(self, chat_id: Any, ready: Callable[[str], bool], timeout: float = 5) -> str:
+        """Wait until the chat shows a draft for which `ready(text)` holds; returns its text."""
+        def shows() -> bool:
+            text = self.draft(chat_id)
+            return text is not None and ready(text)
+
+        await self._wait_for(shows, timeout, f"a draft in {chat_id}")
+        return self.draft(chat_id) or ""
+
+    def methods(self, *names: str) -> list[str]:
+        """The methods of the calls made so far that are among `names`, in order (refused
+        calls included): e.g. drafts, then one sendMessage."""
+        wanted = {n.lower() for n in names}
+        return [name for name, _ in self.calls if name.lower() in wanted]
+
+    def times_of(self, method: str) -> list[float]:
+        """When each call of `method` arrived (time.monotonic(), the event loop's clock)."""
+        return [at for (name, _), at in zip(self.calls, self.call_times, strict=True)
+                if name.lower() == method.lower()]
+
+    async def wait_calls(self, method: str, n: int, timeout: float = 5) -> list[dict[str, Any]]:
+        """Wait until `method` was called at least `n` times (refused calls included)."""
+        await self._wait_for(lambda: len(self.calls_of(method)) >= n, timeout, f"{n} calls of {method}")
+        return self.calls_of(method)
 
     def calls_of(self, method: str) -> list[dict[str, Any]]:
         return [params for name, params in self.calls if name.lower() == method.lower()]
@@ -364,6 +419,7 @@ class FakeTelegram:
         except ValueError as exc:
             return _error(400, f"Bad Request: {exc}")
         self.calls.append((method, params))
+        self.call_times.append(time.monotonic())
         self._notify()
         chat = str(params.get("chat_id"))
         if method.lower() in _PACED and self._blocked_until.get(chat, 0.0) > time.monotonic():
@@ -484,6 +540,7 @@ class FakeTelegram:
             return flooded
         message_id = self._new_message_id()
         self._shown[message_id] = (chat_id, parsed)
+        self._drafts.pop(str(chat_id), None)  # the message takes the draft's place
         self.sent.append(params)
         self.history.append(("sendMessage", chat_id, message_id, parsed.text))
         self._notify()
@@ -555,6 +612,44 @@ class FakeTelegram:
             "text": text,
         })
 
+    async def _api_sendmessagedraft(self, params: dict[str, Any]) -> web.Response:
+        chat = str(params["chat_id"])
+        draft_id = params.get("draft_id")
+        if not self._is_private(chat):
+            return _error(400, "Bad Request: TEXTDRAFT_PEER_INVALID")
+        if not isinstance(draft_id, int) or isinstance(draft_id, bool) or draft_id == 0:
+            return _error(400, "Bad Request: DRAFT_ID_INVALID")
+        text = params.get("text")
+        refused = self._refused_formatting(text, params)
+        if refused is not None:
+            return refused
+        if text is None or text == "":
+            parsed = Parsed("", [])  # Telegram's "Thinking…" placeholder
+        else:
+            read = _read_text(text, params)
+            if isinstance(read, web.Response):
+                return read
+            parsed = read
+        flooded = self._draft_flood(chat)
+        if flooded is not None:
+            return flooded
+        now = time.monotonic()
+        self._last_draft[chat] = now
+        self._drafts[chat] = (draft_id, parsed, now)
+        self.drafts.append(params)
+        self._notify()
+        return _ok(True)
+
+    def _is_private(self, chat: str) -> bool:
+        """Private chats as pushed; otherwise by Telegram's ids (people's are positive)."""
+        kind = self._chat_types.get(chat)
+        if kind is not None:
+            return kind == "private"
+        try:
+            return int(chat) > 0
+        except ValueError:
+            return False  # "@channelname"
+
     async def _api_deletemessage(self, params: dict[str, Any]) -> web.Response:
         chat_id, message_id = params["chat_id"], params["message_id"]
         shown = self._shown.get(message_id)
@@ -579,6 +674,13 @@ class FakeTelegram:
             return None
         wait = self._last_edit[chat] + self.edit_interval_s - time.monotonic()
         return self._flooded("editMessageText", wait, self.edit_interval_s) if wait > 0 else None
+
+    def _draft_flood(self, chat: str) -> web.Response | None:
+        """429 when this chat's previous draft was less than `draft_interval_s` ago."""
+        if self.draft_interval_s is None or chat not in self._last_draft:
+            return None
+        wait = self._last_draft[chat] + self.draft_interval_s - time.monotonic()
+        return self._flooded("sendMessageDraft", wait, self.draft_interval_s) if wait > 0 else None
 
     def _send_flood(self, chat: str) -> web.Response | None:
         """A token bucket per chat: `send_burst` messages at once, then `send_per_s`."""
