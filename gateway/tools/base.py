@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,6 +28,9 @@ class ToolContext:
     services: Any = None  # gateway.app.Services: store, memory (set by the agent)
     inbound: Inbound | None = None  # the message that started the turn (who asked, where to answer)
     skills: Skills | None = None  # the skills this turn's agent may read under skills/ (SPEC §5.6)
+    # Runs a sub-turn for `delegate` (SPEC §5.8): (task, agent or None) → its final answer;
+    # None inside a sub-turn, which cannot delegate further.
+    delegate: Callable[[str, str | None], Awaitable[ToolOutput]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ class ToolRegistry:
             ("gateway.tools.tasks", "ScheduleTask"),
             ("gateway.tools.tasks", "ListTasks"),
             ("gateway.tools.tasks", "CancelTask"),
+            ("gateway.tools.delegate", "Delegate"),
         ):
             tool = _optional(module, name)
             if tool is not None:

@@ -14,11 +14,12 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from context.effects import Prepared
-from context.engine import prepare, recover_overflow
+from context.engine import SessionContext, prepare, recover_overflow
 from context.outside import OUTSIDE_PREFIX
 from context.outside import SYSTEM_NOTE as OUTSIDE_NOTE
 from context.truncate import cut_tool_result
@@ -33,7 +34,7 @@ from gateway.services import Services
 from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
-from gateway.turns.live import LiveSession
+from gateway.turns.live import LiveSession, SubTurn
 from gateway.turns.streaming import StepFeed, clean_reply
 from gateway.turns.summaries import Summarizer
 from gateway.types import Attachment, Message, ToolCall
@@ -50,6 +51,11 @@ TOOL_TIMEOUT_MAX_S = 600.0  # however long a tool says it may take (the turn's d
 # x") comes first; this bound only catches a tool that does not keep its word.
 TOOL_TIMEOUT_GRACE_S = 1.0
 COUNT_OFF_LOOP_CHARS = 8192  # texts this long are counted in a worker thread
+DELEGATE = "delegate"  # the tool that runs a sub-turn (SPEC §5.8)
+DELEGATES_AT_ONCE = 3  # sub-turns of one step running at the same time
+SUB_TURN_MAX_STEPS = 8  # a sub-turn's own step limit (at most agent_max_steps)
+SUB_TURN_MAX_TOKENS = 32_000  # and its own request budget (at most agent_max_context_tokens)
+SUB_TURNS_KEPT = 20  # sub-turns /context lists per session
 
 OVERFLOW_CLEARED = (
     "This conversation grew larger than the model can read, even after trimming it. "
@@ -114,17 +120,23 @@ class Agent:
         view = agent_view(cfg, live.agent)
         return Step(view, model_chain(cfg, view, live.model_alias))
 
-    def tool_schemas(self, view: AgentView) -> list[dict[str, Any]]:
-        """The tools `view`'s agent may use, in the registry's order (SPEC §5.5)."""
+    def tool_schemas(self, view: AgentView, *, nested: bool = False) -> list[dict[str, Any]]:
+        """The tools `view`'s agent may use, in the registry's order (SPEC §5.5); without
+        `delegate` in a sub-turn (SPEC §5.8)."""
         everything = self.s.tools.schemas()
-        if view.settings.tools is None:
+        if view.settings.tools is None and not nested:
             return everything
-        cached = self._tool_lists.get(view.name)
+        key = f"{view.name}/sub" if nested else view.name
+        cached = self._tool_lists.get(key)
         if cached is not None and cached[0] is everything:
             return cached[1]
-        mine = [t for t in everything if view.tool_allowed(str(t.get("function", {}).get("name", "")))]
-        self._tool_lists[view.name] = (everything, mine)
+        mine = [t for t in everything if self._offered(view, str(t.get("function", {}).get("name", "")), nested)]
+        self._tool_lists[key] = (everything, mine)
         return mine
+
+    @staticmethod
+    def _offered(view: AgentView, tool: str, nested: bool) -> bool:
+        return view.tool_allowed(tool) and not (nested and tool == DELEGATE)
 
     def usable_skills(self, cfg: Config, agent: str) -> Skills:
         """The skills `agent` may use (SPEC §5.6; `agents.<name>.skills`): listed in its
@@ -232,10 +244,13 @@ class Agent:
             live.turn_steps = step
             # Steps 1..agent_max_steps may call tools; when the last of them still asked
             # for one, this extra step has no tools and must answer (SPEC §1, §5).
-            final = step > cfg.agent_max_steps
+            max_steps = cfg.agent_max_steps if live.sub_limits is None else live.sub_limits[0]
+            final = step > max_steps
             plan = self.step(live, cfg)
-            tools = [] if final else self.tool_schemas(plan.view)
+            tools = [] if final else self.tool_schemas(plan.view, nested=live.sub_limits is not None)
             budget = cfg.context_budget(plan.model)  # the session's model's window (SPEC §5.5)
+            if live.sub_limits is not None:  # a sub-turn's own budget (SPEC §5.8)
+                budget = replace(budget, max_tokens=min(budget.max_tokens, live.sub_limits[1]))
             counter = self.s.counter_for(plan.model.name)
             system = await self.system_prompt(live, cfg)
             prepared = prepare(live.ctx, system_prompt=system, tools=tools, budget=budget,
@@ -277,7 +292,7 @@ class Agent:
                 if feed is not None:
                     await feed.end()
                 if not text:
-                    text = step_limit_reply(cfg.agent_max_steps) if final else EMPTY_REPLY
+                    text = step_limit_reply(max_steps) if final else EMPTY_REPLY
                 await self.store(live, Message(role="assistant", content=text, turn=live.ctx.current_turn))
                 return TurnResult(text, "ok")
             if feed is not None:
@@ -287,8 +302,7 @@ class Agent:
             # tool calls expect to read their thoughts back within the turn.
             await self.store(live, Message(role="assistant", content=reply.content or "", turn=live.ctx.current_turn,
                                            tool_calls=tuple(calls)))
-            for call in calls:
-                await self._run_tool(live, cfg, call)
+            await self._run_tools(live, cfg, calls)
 
     async def _recover(
         self, live: LiveSession, cfg: Config, plan: Step, system: str, tools: list[dict[str, Any]],
@@ -321,8 +335,33 @@ class Agent:
         await self.store(live, Message(role="assistant", content=OVERFLOW_CLEARED, turn=turn))
         return TurnResult(OVERFLOW_CLEARED, "overflow_cleared")
 
-    async def _run_tool(self, live: LiveSession, cfg: Config, call: ToolCall) -> None:
-        output, outcome = await self._execute(live, cfg, call)
+    async def _run_tools(self, live: LiveSession, cfg: Config, calls: tuple[ToolCall, ...]) -> None:
+        """One step's tool calls, their results stored in call order. `delegate` calls run at
+        the same time, at most DELEGATES_AT_ONCE (SPEC §5.8); the others one after another."""
+        slots = asyncio.Semaphore(DELEGATES_AT_ONCE)
+
+        async def delegated(call: ToolCall) -> tuple[ToolOutput, str]:
+            async with slots:
+                return await self._execute(live, cfg, call)
+
+        running = {i: asyncio.ensure_future(delegated(call)) for i, call in enumerate(calls)
+                   if call.name == DELEGATE and live.sub_limits is None}
+        try:
+            done: dict[int, tuple[ToolOutput, str]] = {}
+            for i, call in enumerate(calls):
+                if i not in running:
+                    done[i] = await self._execute(live, cfg, call)
+            for i, task in running.items():
+                done[i] = await task
+        finally:
+            for task in running.values():
+                task.cancel()  # a stopped turn stops its sub-turns too
+            await asyncio.gather(*running.values(), return_exceptions=True)
+        for i, call in enumerate(calls):
+            await self._record_tool(live, cfg, call, *done[i])
+
+    async def _record_tool(self, live: LiveSession, cfg: Config, call: ToolCall, output: ToolOutput,
+                           outcome: str) -> None:
         saved = await self._save_images(live, cfg, output)
         self.s.metrics.tool_calls.labels(call.name if self.s.tools.get(call.name) else "unknown", outcome).inc()
         # Providers reuse ids like "call_0"; the saved file name must stay unique in the scope.
@@ -356,11 +395,45 @@ class Agent:
             out.append((att if att.is_image else None, line))
         return out
 
+    async def delegate(self, parent: LiveSession, task: str, agent: str | None) -> ToolOutput:
+        """A sub-turn (SPEC §5.8): a fresh context holding only `task`, the named agent's tools
+        and skills (default: the parent's agent) without `delegate`, its own step limit and
+        token budget. Its messages are stored under `<session key>#sub:<n>`, apart from the
+        session's turns; its tokens count toward the person's budget through the parent turn."""
+        cfg = self.s.cfg
+        name = agent or parent.agent
+        if name != "default" and name not in cfg.agents:
+            known = ", ".join(["default", *sorted(cfg.agents)])
+            raise ToolError(f"there is no agent {name!r}; agents: {known}")
+        # Unique per call, also across restarts; the parent's turn names where it came from.
+        key = f"{parent.key}#sub:{parent.ctx.current_turn}:{secrets.token_hex(4)}"
+        await self.s.store.ensure_session(key, parent.scope, parent.channel)
+        sub = LiveSession(key=key, scope=parent.scope, channel=parent.channel, workspace=parent.workspace,
+                          ctx=SessionContext(key), agent=name, inbound=parent.inbound,
+                          sub_limits=(min(cfg.agent_max_steps, SUB_TURN_MAX_STEPS),
+                                      min(cfg.agent_max_context_tokens, SUB_TURN_MAX_TOKENS)))
+        await self.store(sub, Message(role="user", content=task, turn=sub.ctx.next_turn_number(), origin=DELEGATE))
+        result = await self.run_turn(sub)
+        parent.turn_tokens += sub.turn_tokens
+        parent.turn_tokens_in += sub.turn_tokens_in
+        parent.turn_tokens_out += sub.turn_tokens_out
+        parent.sub_turns.append(SubTurn(key=key, task=task, agent=name, steps=sub.turn_steps,
+                                        tokens=sub.turn_tokens, outcome=result.outcome))
+        del parent.sub_turns[:-SUB_TURNS_KEPT]
+        log.info("sub-turn ended", extra={"session": parent.key, "sub": key, "agent": name,
+                                           "steps": sub.turn_steps, "tokens": sub.turn_tokens,
+                                           "outcome": result.outcome})
+        if result.outcome != "ok":
+            raise ToolError(f"the sub-agent did not finish ({result.outcome}): {result.text}")
+        return ToolOutput(result.text)
+
     async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
         view = agent_view(cfg, live.agent)
-        tool = self.s.tools.get(call.name) if view.tool_allowed(call.name) else None
+        allowed = view.tool_allowed(call.name) and not (live.sub_limits is not None and call.name == DELEGATE)
+        tool = self.s.tools.get(call.name) if allowed else None
         if tool is None:
-            known = ", ".join(name for name in self.s.tools.names if view.tool_allowed(name))
+            nested = live.sub_limits is not None
+            known = ", ".join(name for name in self.s.tools.names if self._offered(view, name, nested))
             return ToolOutput(f"error: there is no tool named {call.name!r}; available: {known}"), "unknown"
         try:
             args = json.loads(call.arguments or "{}")
@@ -376,8 +449,12 @@ class Agent:
                                           tool=call.name, arguments=call.arguments)
             if not verdict.allowed:
                 return ToolOutput(f"error: the call was not run. {verdict.note}"), "denied"
+        async def delegate(task: str, agent: str | None) -> ToolOutput:
+            return await self.delegate(live, task, agent)
+
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg, live.agent))
+                          services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg, live.agent),
+                          delegate=delegate if live.sub_limits is None else None)
         timeout = tool_timeout(tool)
         try:
             out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)

@@ -233,6 +233,13 @@ class Commands:
         text = format_context_stats(stats, details=admin)
         answered = f" (the last answer came from {live.last_model})" if live.last_model else ""
         text += f"\nAgent: {live.agent}; model: {plan.model.name}{answered}"
+        if live.sub_turns:  # delegated work (SPEC §5.8): stored apart, counted with the turn that asked
+            tokens = sum(sub.tokens for sub in live.sub_turns)
+            text += f"\nSub-turns: {len(live.sub_turns)} since the session loaded, {tokens:,} tokens"
+            for sub in live.sub_turns[-3:]:
+                task = " ".join(sub.task.split())
+                task = task if len(task) <= 60 else task[:59] + "…"
+                text += f"\n- {sub.agent}: {task!r}, {sub.steps} steps, {sub.tokens:,} tokens ({sub.outcome})"
         runs = await self.s.store.job_runs(limit=3) if admin else []
         if runs:
             text += "\nLast jobs: " + ", ".join(f"{r.job} {slot_words(r.slot)}: {r.outcome}" for r in runs)

@@ -13,6 +13,18 @@ if TYPE_CHECKING:
     from gateway.types import Inbound
 
 
+@dataclass(frozen=True, slots=True)
+class SubTurn:
+    """What one sub-turn did, for /context: its task, agent, decision steps and tokens."""
+
+    key: str  # where its messages are stored: `<session key>#sub:<n>`
+    task: str
+    agent: str
+    steps: int
+    tokens: int
+    outcome: str
+
+
 @dataclass
 class LiveSession:
     key: str
@@ -37,3 +49,7 @@ class LiveSession:
     agent: str = "default"  # the agent that answers here (SPEC §5.5; gateway/agents.py)
     model_alias: str | None = None  # picked with /model; None: the agent's own model
     last_model: str | None = None  # the model that answered the last step (a fallback, maybe)
+    # A sub-turn's own limits (SPEC §5.8): (most decision steps, most request tokens); None
+    # for a session's own turns. A sub-turn cannot delegate further.
+    sub_limits: tuple[int, int] | None = None
+    sub_turns: list[SubTurn] = field(default_factory=list)  # the sub-turns this session ran (for /context)
