@@ -144,3 +144,35 @@ async def make_store(store_url: str | None, tmp_path: Path) -> AsyncIterator[Sto
     for s in opened:
         with contextlib.suppress(Exception):  # a test may have closed it already
             await s.close()
+
+
+# -- order: the longest tests first ---------------------------------------------------------
+# The suite runs in several processes (pytest-xdist, `--dist worksteal`), which hand out tests
+# in collection order: a long test collected last keeps one process busy after the others
+# are done. These take several seconds each (`pytest --durations`); they start first.
+LONG_FIRST = (
+    "tests/test_cluster_e2e.py",
+    "tests/test_reliability_crash.py",
+    "tests/test_cluster_leader.py",
+    "tests/test_live_config.py",
+    "tests/test_model.py::test_a_stream_held_open_after_done_does_not_hold_the_reply",
+    "tests/test_e2e_parsing.py",
+    "tests/test_terminal_chat.py",
+    "tests/test_cluster_sessions.py",
+    "tests/test_reliability_disk.py",
+    "tests/test_cli_ops.py",
+    "tests/test_mcp.py",
+    "tests/test_exec.py",
+    "tests/test_tasks.py",
+    "tests/test_cluster_jobs.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        for i, prefix in enumerate(LONG_FIRST):
+            if item.nodeid.startswith(prefix):
+                return i
+        return len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keeps its order

@@ -47,7 +47,7 @@ def stdio(**extra: Any) -> dict[str, Any]:
     return {"command": sys.executable, "args": [str(ECHO)], **extra}
 
 
-async def until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> None:
+async def until(predicate: Callable[[], Any], timeout: float = 40.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
