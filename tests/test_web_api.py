@@ -370,7 +370,9 @@ async def test_a_client_that_stops_reading_is_dropped_in_time(served: Served) ->
         # Dropped at the reply's deadline plus the stuck-write allowance (0.6 s here); the
         # bound below only guards against never.
         async with asyncio.timeout(15):
-            while served.channel._waiters:
+            while True:
+                if not served.channel._waiters:
+                    break
                 await asyncio.sleep(0.05)
         await stream.finish("x" * 64_000_000)  # nobody is listening: a no-op, no error
         resp.close()
