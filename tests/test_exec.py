@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -441,6 +442,25 @@ def test_the_command_line() -> None:
     networked = " ".join(sandbox.command_line(tools, sandbox.Box(Path("/w"), network=True), ["true"]))
     assert "--share-net" in networked and "--ro-bind-try /etc/resolv.conf /etc/resolv.conf" in networked
     assert "/etc/ssl/private" not in networked and "--ro-bind-try /etc/ssl/certs /etc/ssl/certs" in networked
+
+
+async def test_a_read_only_path_below_tmp_shows_inside(tmp_path: Path) -> None:
+    # The private /tmp must not hide what is bound below it: a checkout or a virtualenv under
+    # /tmp (as in CI) holds the Python a sandboxed MCP server runs.
+    assert str(tmp_path).startswith("/tmp/")
+    shared = tmp_path / "venv"
+    shared.mkdir()
+    (shared / "marker.txt").write_text("visible")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    bwrap = shutil.which("bwrap")
+    assert bwrap is not None
+    tools = sandbox.Tools(bwrap, "/usr/bin/prlimit", "/usr/bin/choom", "/usr/bin/chrt")
+    box = sandbox.Box(workdir, inside=str(workdir), read_only=(shared,))
+    line = sandbox.command_line(tools, box, ["/bin/cat", str(shared / "marker.txt")])
+    proc = await asyncio.create_subprocess_exec(*line, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert (proc.returncode, out) == (0, b"visible"), err
 
 
 # -- MCP servers in the sandbox ------------------------------------------------------------------

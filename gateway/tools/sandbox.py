@@ -152,8 +152,6 @@ def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | 
     if identity_fds is not None:
         args += ["--ro-bind-data", str(identity_fds[0]), "/etc/passwd",
                  "--ro-bind-data", str(identity_fds[1]), "/etc/group"]
-    for path in box.read_only:
-        args += ["--ro-bind", str(path), str(path)]
     limits = box.limits
     args += ["--proc", "/proc"]
     # Kernel settings are guarded by uid 0 alone, and the sandbox's user is root outside when
@@ -163,8 +161,11 @@ def command_line(tools: Tools, box: Box, argv: Sequence[str], *, info_fd: int | 
     args += ["--dev", "/dev",
              "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
              "--remount-ro", "/dev",  # device nodes still work; no files in /dev's own tmpfs
-             "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--bind", str(box.workdir), box.inside, "--chdir", box.inside,
+             "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+    # After the private /tmp, so a path below /tmp (a checkout or a virtualenv there) shows.
+    for path in box.read_only:
+        args += ["--ro-bind", str(path), str(path)]
+    args += ["--bind", str(box.workdir), box.inside, "--chdir", box.inside,
              "--remount-ro", "/"]  # the sandbox's root tmpfs: nothing written there either
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]  # tells us the PID namespace's first process
