@@ -14,15 +14,23 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import discord
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from slack_sdk.errors import SlackApiError
+from slack_sdk.web.async_client import AsyncWebClient
+from telegram import Bot, InlineKeyboardButton, InlineKeyboardMarkup
+from telegram.error import BadRequest
 
 from channels.base import ApprovalCard
 from channels.discord.approvals import card_content, components
 from channels.discord.format import DISCORD_TEXT_LIMIT
+from channels.discord.transport import DiscordHttp, DiscordRest
 from channels.slack.approvals import SECTION_LIMIT, card_blocks, code_pieces, unescape
 from channels.slack.events import parse_block_action
 from channels.telegram.approvals import CALLBACK_DATA_LIMIT, keyboard, render_card
@@ -30,12 +38,14 @@ from channels.telegram.format import TELEGRAM_TEXT_LIMIT, utf16_len
 from channels.telegram.updates import parse_callback
 from gateway.app import Gateway
 from gateway.approvals import pretty_arguments
+from tests.approval_screenshots import NAMES, entities_html, take
 from tests.conftest import GatewayFactory
 from tests.fakes import discord_server, slack_server, telegram_server
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.slack_server import FakeSlack, event_callback, signed_event_request, signed_interaction_request
 from tests.fakes.telegram_server import FakeTelegram
+from tests.test_web_page import chromium_path  # noqa: F401  (a fixture)
 
 fake_telegram = telegram_server.fake_telegram  # the fixtures
 fake_slack = slack_server.fake_slack
@@ -340,6 +350,7 @@ async def test_slack_no_answer_and_a_restart(make_gateway: GatewayFactory, fake_
     assert fake_slack.responses[0]["text"].startswith(f"Approval {approval_id} was decided already: Denied: "
                                                       "the gateway restarted")
     assert (await decisions(gw))[-1][0] == "restart"
+    await fake_slack.wait_for(lambda: "Answered after the restart." in fake_slack.visible("D1"), timeout=15)
 
 
 async def test_slack_long_arguments_are_shown_whole(make_gateway: GatewayFactory, fake_model: FakeModel,
@@ -570,3 +581,137 @@ def test_junk_slack_presses_never_raise(payload: dict[str, Any]) -> None:
     if click is not None:
         assert click.who.user_id == "U1" and click.who.chat_id in ("C1", "D1")
         assert click.approval_id.isalnum() and len(click.approval_id) <= 32
+
+
+# ---------------------------------------------------------------------------- the fakes keep the rules
+
+
+async def test_the_fake_bot_api_refuses_what_telegram_refuses() -> None:
+    fake_telegram = FakeTelegram(edit_interval_s=None)  # edits back to back here
+    await fake_telegram.start()
+    try:
+        await _refusals(fake_telegram)
+    finally:
+        await fake_telegram.stop()
+
+
+async def _refusals(fake_telegram: FakeTelegram) -> None:
+    bot = Bot(fake_telegram.token, base_url=fake_telegram.base_url)
+    async with bot:
+        for markup, error in [
+            (InlineKeyboardMarkup([[InlineKeyboardButton("Allow", callback_data="x" * 65)]]), "BUTTON_DATA_INVALID"),
+            (InlineKeyboardMarkup([[InlineKeyboardButton("Allow")]]), "Text buttons are unallowed"),
+            (InlineKeyboardMarkup([[InlineKeyboardButton(str(i), callback_data=str(i)) for i in range(101)]]),
+             "too many"),
+        ]:
+            with pytest.raises(BadRequest, match="(?i)" + error):
+                await bot.send_message(chat_id=5, text="card", reply_markup=markup)
+        ok = InlineKeyboardMarkup([[InlineKeyboardButton("Allow", callback_data="é" * 32)]])  # 64 bytes
+        card = await bot.send_message(chat_id=5, text="card", reply_markup=ok)
+        with pytest.raises(AssertionError, match="no button"):
+            fake_telegram.push_callback(chat_id=5, user_id=5, message_id=card.message_id, data="other")
+        query = fake_telegram.push_callback(chat_id=5, user_id=5, message_id=card.message_id, data="é" * 32)
+        with pytest.raises(BadRequest, match="(?i)" + "MESSAGE_TOO_LONG"):
+            await bot.answer_callback_query(query, text="x" * 201)
+        await bot.answer_callback_query(query, text="Allowed.")
+        with pytest.raises(BadRequest, match="(?i)" + "query is too old"):  # once only
+            await bot.answer_callback_query(query, text="Allowed.")
+        # An edit of the text without a keyboard removes it, as on Telegram.
+        await bot.edit_message_text("card, decided", chat_id=5, message_id=card.message_id)
+        assert fake_telegram.buttons(card.message_id) == []
+        with pytest.raises(AssertionError, match="no button"):
+            fake_telegram.push_callback(chat_id=5, user_id=5, message_id=card.message_id, data="é" * 32)
+        with pytest.raises(BadRequest, match="(?i)" + "not modified"):
+            await bot.edit_message_reply_markup(chat_id=5, message_id=card.message_id)
+    slow = FakeTelegram(callback_answer_s=0.0)
+    await slow.start()
+    try:
+        async with Bot(slow.token, base_url=slow.base_url) as late:
+            card = await late.send_message(chat_id=5, text="card", reply_markup=ok)
+            query = slow.push_callback(chat_id=5, user_id=5, message_id=card.message_id, data="é" * 32)
+            with pytest.raises(BadRequest, match="(?i)" + "query is too old"):
+                await late.answer_callback_query(query)
+    finally:
+        await slow.stop()
+
+
+async def test_the_fake_slack_refuses_what_slack_refuses(fake_slack: FakeSlack) -> None:
+    client = AsyncWebClient(token=fake_slack.bot_token, base_url=fake_slack.base_url)
+    section = {"type": "section", "text": {"type": "mrkdwn", "text": "x"}}
+    button = {"type": "button", "action_id": "approval_allow", "value": "k3m9qa",
+              "text": {"type": "plain_text", "text": "Allow"}}
+    for blocks, pointer in [
+        ([{**section, "text": {"type": "mrkdwn", "text": "x" * 3001}}], "/blocks/0/text/text"),
+        ([section] * 51, "/blocks"),
+        ([{"type": "actions", "elements": [{**button, "text": {"type": "plain_text", "text": "y" * 76}}]}],
+         "/blocks/0/elements/0/text/text"),
+        ([{"type": "actions", "elements": [button, button]}], "/blocks/0/elements/1/action_id"),
+        ([{"type": "actions", "elements": [{**button, "style": "green"}]}], "/blocks/0/elements/0/style"),
+        ([{"type": "carousel"}], "/blocks/0/type"),
+    ]:
+        with pytest.raises(SlackApiError) as refused:
+            await client.chat_postMessage(channel="D1", text="card", blocks=blocks)
+        assert refused.value.response["error"] == "invalid_blocks"
+        assert f"[json-pointer:{pointer}]" in refused.value.response["response_metadata"]["messages"][0]
+    posted = await client.chat_postMessage(channel="D1", text="card", blocks=[section, {
+        "type": "actions", "elements": [button]}])
+    with pytest.raises(SlackApiError):
+        await client.chat_update(channel="D1", ts=posted["ts"], text="card", blocks=[section] * 51)
+    await client.chat_update(channel="D1", ts=posted["ts"], text="card", blocks=[section])
+    with pytest.raises(AssertionError, match="no button"):
+        fake_slack.block_actions_payload(user="U1", channel="D1", ts=posted["ts"], action_id="approval_allow")
+    stale = fake_slack.block_actions_payload(user="U1", channel="D1", ts=posted["ts"], action_id="approval_allow",
+                                             stale=True)
+    assert stale["actions"][0]["value"] == "k3m9qa" and stale["message"]["blocks"][1]["type"] == "actions"
+
+
+async def test_the_fake_discord_refuses_what_discord_refuses(fake_discord: FakeDiscord) -> None:
+    rest = DiscordRest(DiscordHttp(fake_discord.api_base))
+    await rest.login(fake_discord.token)
+    try:
+        channel = fake_discord.channel_id
+        button = {"type": 2, "style": 3, "label": "Allow", "custom_id": "ap:k3m9qa:a"}
+        for rows in ([{"type": 1, "components": [{**button, "custom_id": "x" * 101}]}],
+                     [{"type": 1, "components": [button, button]}],
+                     [{"type": 1, "components": [button] * 6}],
+                     [{"type": 1, "components": [{**button, "label": "y" * 81}]}],
+                     [button]):
+            with pytest.raises(discord.HTTPException) as refused:
+                await rest.post(channel, "card", components=rows)
+            assert refused.value.status == 400
+        card = await rest.post(channel, "card", components=[{"type": 1, "components": [button]}])
+        interaction = fake_discord.push_click(user_id=PERSON, message_id=card, custom_id="ap:k3m9qa:a")
+        token, _ = fake_discord._interactions[interaction]
+        with pytest.raises(discord.NotFound):  # the token is the credential
+            await rest.respond(interaction, token[:-1] + "0", "Allowed.")
+        await rest.respond(interaction, token, "Allowed.")
+        with pytest.raises(discord.HTTPException) as twice:
+            await rest.respond(interaction, token, "Allowed.")
+        assert twice.value.code == 40060
+        await rest.edit(channel, card, "card, decided", components=[])
+        with pytest.raises(AssertionError, match="no button"):
+            fake_discord.push_click(user_id=PERSON, message_id=card, custom_id="ap:k3m9qa:a")
+        fake_discord.interaction_deadline_s = 0.0  # Discord's 3 s, run out
+        late = fake_discord.push_click(user_id=PERSON, message_id=card, custom_id="ap:k3m9qa:a", stale=True)
+        with pytest.raises(discord.NotFound):
+            await rest.respond(late, fake_discord._interactions[late][0], "Allowed.")
+        assert fake_discord.late_responses == [late]
+    finally:
+        await rest.close()
+
+
+# ---------------------------------------------------------------------------- the README's pictures
+
+
+def test_the_mock_up_draws_the_card_as_sent() -> None:
+    card = render_card(make_card("a < b && 🙂 c"))
+    drawn = entities_html(card.text, list(card.entities))
+    assert "<b>Approval needed (k3m9qa)</b>" in drawn and "<code>exec</code>" in drawn
+    assert "<pre>a &lt; b &amp;&amp; 🙂 c</pre>" in drawn
+
+
+async def test_the_screenshot_script_still_works(chromium_path: str, tmp_path: Path) -> None:  # noqa: F811
+    shots = await take(tmp_path, chromium_path)
+    assert [p.name for p in shots] == list(NAMES)
+    for shot in shots:
+        assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 20_000
