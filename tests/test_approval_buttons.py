@@ -228,6 +228,67 @@ async def test_telegram_long_arguments_are_shown_whole(make_gateway: GatewayFact
     assert len(fake_telegram.uploads) == 1
 
 
+async def test_telegram_presses_reach_a_webhook(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                               fake_telegram: FakeTelegram) -> None:
+    secret = "hook-secret-0123456789"
+    settings_ = telegram_settings(fake_telegram)
+    settings_["channels"]["telegram"].update(mode="webhook", webhook_url="https://bot.example/telegram/webhook",
+                                             webhook_secret=secret)
+    gw = await make_gateway(**settings_)
+    assert gw.http is not None and fake_telegram.webhook is not None
+    assert "callback_query" in fake_telegram.webhook["allowed_updates"]  # else Telegram never sends presses
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Allowed, it ran.")
+    message = {"message_id": 90, "date": int(time.time()), "text": "time?",
+               "chat": {"id": 1, "type": "private", "first_name": "A"},
+               "from": {"id": 1, "is_bot": False, "first_name": "A"}}
+    url = f"http://127.0.0.1:{gw.http.port}/telegram/webhook"
+    headers = {"X-Telegram-Bot-Api-Secret-Token": secret}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json={"update_id": 900, "message": message}, headers=headers) as resp:
+            assert resp.status == 200
+        card = await telegram_card(fake_telegram, 1)
+        (approval_id,) = await pending_ids(gw)
+        query, update = fake_telegram.callback_update(chat_id=1, user_id=1, message_id=card,
+                                                      data=f"ap:{approval_id}:a")
+        async with http.post(url, json={**update, "update_id": 901}, headers=headers) as resp:
+            assert resp.status == 200
+    assert (await fake_telegram.wait_answer(query))["text"] == "Allowed."
+    await fake_telegram.wait_shown(1, lambda texts: "Allowed, it ran." in texts, timeout=15)
+
+
+async def test_telegram_participants_answer_in_their_own_conversation(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    """`participants`: in a forum topic (one session for everyone in it) another member may
+    answer; at a group's top level (a session per person) only the one who asked."""
+    gw = await make_gateway(**telegram_settings(fake_telegram, approvers="participants"))
+    bot = f"@{fake_telegram.bot_username}"
+    mention = [{"type": "mention", "offset": 0, "length": len(bot)}]
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Topic answered.")
+    fake_telegram.push_message(chat_id=-100, user_id=2, text=f"{bot} time?", chat_type="supergroup", thread_id=7,
+                               entities=mention)
+    card = await telegram_card(fake_telegram, -100)
+    assert fake_telegram.calls_of("sendMessage")[-1]["message_thread_id"] == 7
+    (approval_id,) = await pending_ids(gw)
+    query = fake_telegram.push_callback(chat_id=-100, user_id=3, message_id=card, data=f"ap:{approval_id}:a")
+    assert (await fake_telegram.wait_answer(query))["text"] == "Allowed."
+    await fake_telegram.wait_shown(-100, lambda texts: "Topic answered." in texts, timeout=15)
+
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Top level answered.")
+    fake_telegram.push_message(chat_id=-100, user_id=2, text=f"{bot} and now?", chat_type="supergroup",
+                               entities=mention)
+    second = await telegram_card(fake_telegram, -100, after=card)
+    (approval_id,) = await pending_ids(gw)
+    query = fake_telegram.push_callback(chat_id=-100, user_id=3, message_id=second, data=f"ap:{approval_id}:a")
+    assert (await fake_telegram.wait_answer(query))["text"].startswith("Only someone in that conversation")
+    query = fake_telegram.push_callback(chat_id=-100, user_id=2, message_id=second, data=f"ap:{approval_id}:a")
+    assert (await fake_telegram.wait_answer(query))["text"] == "Allowed."
+    await fake_telegram.wait_shown(-100, lambda texts: "Top level answered." in texts, timeout=15)
+    assert await decisions(gw) == [("allow", "telegram:3"), ("allow", "telegram:2")]
+
+
 # ---------------------------------------------------------------------------- Slack
 
 
@@ -382,6 +443,20 @@ async def test_slack_long_arguments_are_shown_whole(make_gateway: GatewayFactory
     await fake_slack.wait_for(lambda: "Both denied." in fake_slack.visible("D1"), timeout=15)
 
 
+async def test_slack_participants_of_a_thread_answer(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                      fake_slack: FakeSlack) -> None:
+    gw = await make_gateway(**slack_settings(fake_slack, approvals={"approvers": "participants"}))
+    await fake_slack.wait_connected()
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Thread answered.")
+    await fake_slack.push_event(slack_mention(fake_slack, "U5", "500.1", "time?"))
+    card = await slack_card(fake_slack, "C1")
+    # U6 is in the thread the mention opened (a session everyone in it shares): may answer.
+    await fake_slack.push_block_action(user="U6", channel="C1", ts=card.ts, action_id="approval_allow")
+    await fake_slack.wait_for(lambda: "Thread answered." in fake_slack.visible("C1", "500.1"), timeout=15)
+    assert await decisions(gw) == [("allow", "slack:U6")]
+
+
 # ---------------------------------------------------------------------------- Discord
 
 PERSON, OTHER = 4242, 4343
@@ -437,6 +512,22 @@ async def test_discord_a_stranger_is_refused_an_admin_allows_once(
     await until(lambda: fake_discord.messages[card]["content"].endswith("**Allowed by discord:4242.**")
                 and fake_discord.components(card) == [])
     assert fake_discord.late_responses == []
+
+
+async def test_discord_participants_of_a_thread_answer(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                        fake_discord: FakeDiscord) -> None:
+    gw = await discord_gateway(make_gateway, fake_discord, approvers="participants")
+    thread = fake_discord.add_thread(fake_discord.channel_id)
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Thread answered.")
+    fake_discord.push_message(user_id=OTHER, channel_id=thread, content=f"<@{fake_discord.bot_id}> time?",
+                              mentions=(fake_discord.bot_id,))
+    card = await discord_card(fake_discord, thread)
+    (approval_id,) = await pending_ids(gw)
+    press = fake_discord.push_click(user_id=4444, message_id=card, custom_id=f"ap:{approval_id}:a")
+    assert (await fake_discord.wait_response(press))["data"]["content"] == "Allowed."
+    await fake_discord.wait_visible(thread, lambda shown: "Thread answered." in shown, timeout=15)
+    assert await decisions(gw) == [("allow", "discord:4444")]
 
 
 async def test_discord_deny_no_answer_and_a_restart(make_gateway: GatewayFactory, fake_model: FakeModel,

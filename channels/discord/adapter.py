@@ -81,7 +81,7 @@ DOWNLOAD_READ_TIMEOUT_S = 30.0
 PLACES_CACHE = 4096  # channels whose kind was looked up over REST
 # A press must be answered within 3 s; the decision gets most of that, then the presser is
 # told it is still being recorded (it goes on, and the card shows the outcome).
-DECIDE_BUDGET_S = 2.0
+DECIDE_BUDGET_S = 1.5
 INTENT_HELP = ("discord: Discord refused the gateway intents; turn on the Message Content intent "
                "(Developer Portal → your app → Bot → Privileged Gateway Intents)")
 

@@ -284,6 +284,15 @@ class FakeTelegram:
         """A person presses the button with `data` under the bot's message `message_id`;
         returns the callback query id. Only a button the message shows now can be pressed,
         unless `stale` (a client that has not seen the latest edit yet)."""
+        query_id, update = self.callback_update(chat_id=chat_id, user_id=user_id, message_id=message_id,
+                                                data=data, stale=stale)
+        self.push_update(update)
+        return query_id
+
+    def callback_update(self, *, chat_id: int, user_id: int, message_id: int, data: str,
+                        stale: bool = False) -> tuple[str, dict[str, Any]]:
+        """The query id and the `callback_query` update of such a press, not queued (for a
+        webhook, which the test posts itself)."""
         shown = self._shown.get(message_id)
         if shown is None or str(shown[0]) != str(chat_id):
             raise AssertionError(f"message {message_id} is not shown in chat {chat_id}")
@@ -303,9 +312,8 @@ class FakeTelegram:
             message["message_thread_id"] = thread
             message["is_topic_message"] = True
         self._queries[query_id] = time.monotonic()
-        self.push_update({"callback_query": {"id": query_id, "from": person, "message": message,
-                                             "chat_instance": str(chat_id), "data": data}})
-        return query_id
+        return query_id, {"update_id": self._next_update_id, "callback_query": {
+            "id": query_id, "from": person, "message": message, "chat_instance": str(chat_id), "data": data}}
 
     def buttons(self, message_id: int) -> list[str]:
         """The texts of the buttons message `message_id` shows now, row by row."""
