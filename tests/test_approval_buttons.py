@@ -289,6 +289,21 @@ async def test_telegram_participants_answer_in_their_own_conversation(
     assert await decisions(gw) == [("allow", "telegram:3"), ("allow", "telegram:2")]
 
 
+async def test_telegram_a_deleted_card_gets_its_outcome_as_a_message(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(**telegram_settings(fake_telegram))
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Denied by text.")
+    fake_telegram.push_message(chat_id=1, user_id=1, text="time?")
+    card = await telegram_card(fake_telegram, 1)
+    (approval_id,) = await pending_ids(gw)
+    fake_telegram.delete_by_person(card)
+    fake_telegram.push_message(chat_id=1, user_id=1, text=f"/deny {approval_id}")
+    await fake_telegram.wait_shown(1, lambda texts: f"Approval {approval_id}: Denied by telegram:1." in texts,
+                                   timeout=15)
+    await fake_telegram.wait_shown(1, lambda texts: "Denied by text." in texts, timeout=15)
+
+
 # ---------------------------------------------------------------------------- Slack
 
 
@@ -457,6 +472,24 @@ async def test_slack_participants_of_a_thread_answer(make_gateway: GatewayFactor
     assert await decisions(gw) == [("allow", "slack:U6")]
 
 
+async def test_slack_a_deleted_card_gets_its_outcome_as_a_message(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_slack: FakeSlack) -> None:
+    gw = await make_gateway(**slack_settings(fake_slack))
+    await fake_slack.wait_connected()
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Denied by text.")
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U1", "text": "time?",
+                                 "ts": "600.1", "channel": "D1"})
+    card = await slack_card(fake_slack, "D1")
+    (approval_id,) = await pending_ids(gw)
+    card.deleted = True  # someone deleted it
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U1",
+                                 "text": f"/deny {approval_id}", "ts": "600.2", "channel": "D1"})
+    await fake_slack.wait_for(lambda: f"Approval {approval_id}: Denied by slack:U1." in fake_slack.visible("D1"),
+                              timeout=15)
+    await fake_slack.wait_for(lambda: "Denied by text." in fake_slack.visible("D1"), timeout=15)
+
+
 # ---------------------------------------------------------------------------- Discord
 
 PERSON, OTHER = 4242, 4343
@@ -528,6 +561,22 @@ async def test_discord_participants_of_a_thread_answer(make_gateway: GatewayFact
     assert (await fake_discord.wait_response(press))["data"]["content"] == "Allowed."
     await fake_discord.wait_visible(thread, lambda shown: "Thread answered." in shown, timeout=15)
     assert await decisions(gw) == [("allow", "discord:4444")]
+
+
+async def test_discord_a_deleted_card_gets_its_outcome_as_a_message(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_discord: FakeDiscord) -> None:
+    gw = await discord_gateway(make_gateway, fake_discord)
+    dm = fake_discord.dm_channel(PERSON)
+    fake_model.tool_call("current_time", {})
+    fake_model.reply("Denied by text.")
+    fake_discord.push_message(user_id=PERSON, content="time?", dm=True)
+    card = await discord_card(fake_discord, dm)
+    (approval_id,) = await pending_ids(gw)
+    fake_discord.delete_by_someone(card)
+    fake_discord.push_message(user_id=PERSON, content=f"/deny {approval_id}", dm=True)
+    await fake_discord.wait_visible(dm, lambda shown: f"Approval {approval_id}: Denied by discord:4242." in shown,
+                                    timeout=15)
+    await fake_discord.wait_visible(dm, lambda shown: "Denied by text." in shown, timeout=15)
 
 
 async def test_discord_deny_no_answer_and_a_restart(make_gateway: GatewayFactory, fake_model: FakeModel,

@@ -459,6 +459,8 @@ class TelegramChannel:
                 self._in_handler = True
                 try:
                     await self._on_click(click)
+                except Exception:  # never a reason to hold the update loop up
+                    log.exception("telegram: press %s not handled", click.query_id[:64])
                 finally:
                     self._in_handler = False
             return True  # a press is answered once; a failure is the presser's notice, not a retry
@@ -698,6 +700,8 @@ class TelegramChannel:
                         continue
                     log.info("telegram: approval card %s not edited (%s); the outcome goes as a message",
                              card.id, exc)
+                    with contextlib.suppress(TelegramError):  # at least no buttons left to press
+                        await bot.edit_message_reply_markup(chat_id=chat, message_id=message_id)
                     break
                 except NetworkError:
                     if attempt == SEND_ATTEMPTS:
