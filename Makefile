@@ -31,7 +31,9 @@ bench-cluster:
 soak:
 	$(PYTHON) -m bench.soak
 
-# The web chat's and the admin page's README screenshots (headless Chromium, a gateway on the fakes).
+# The web chat's, the admin page's and the approval cards' README screenshots (headless Chromium,
+# a gateway on the fakes).
 screenshots:
 	$(PYTHON) -m tests.web_screenshots docs/img
 	$(PYTHON) -m tests.admin_screenshot docs/img
+	$(PYTHON) -m tests.approval_screenshots docs/img

@@ -16,6 +16,13 @@ downloaded only for a sender the router admits (`hooks.admits`), capped by
 channel of its own), quoting the person's message in guild channels; nobody is pinged
 by what the model writes. `send(..., components=...)` carries Discord message
 components (buttons) on the last message of a reply.
+
+Approvals (SPEC §5.7): the card comes with Allow and Deny buttons (channels/discord/
+approvals.py). A press arrives over the gateway websocket as an INTERACTION_CREATE; it goes
+to `hooks.decide` with the presser and the approval id from the button's custom id, and the
+interaction is answered (within Discord's 3 s) with the notice, seen only by the presser (a
+refusal changes nothing). Once decided the card is edited: the outcome in place of its last
+line, the buttons gone.
 """
 
 from __future__ import annotations
@@ -34,13 +41,15 @@ import discord
 from discord.voice_client import VoiceClient
 from yarl import URL
 
-from channels.base import ChannelHooks, ReplyRefSink, ReplyStream
+from channels.base import ApprovalCard, ChannelHooks, ReplyRefSink, ReplyStream
+from channels.discord.approvals import card_content, components, file_name, in_file
 from channels.discord.format import render_markdown
 from channels.discord.messages import (
     BotIdentity,
     ParsedMessage,
     PendingFile,
     Place,
+    parse_click,
     parse_message,
     place_of_channel,
     place_of_payload,
@@ -70,6 +79,9 @@ UPLOAD_MAX_BYTES = 10 * 1024 * 1024  # what a bot may upload to any server witho
 DOWNLOAD_TIMEOUT_S = 120.0
 DOWNLOAD_READ_TIMEOUT_S = 30.0
 PLACES_CACHE = 4096  # channels whose kind was looked up over REST
+# A press must be answered within 3 s; the decision gets most of that, then the presser is
+# told it is still being recorded (it goes on, and the card shows the outcome).
+DECIDE_BUDGET_S = 1.5
 INTENT_HELP = ("discord: Discord refused the gateway intents; turn on the Message Content intent "
                "(Developer Portal → your app → Bot → Privileged Gateway Intents)")
 
@@ -105,6 +117,9 @@ class _Receiver(discord.Client):
 
     async def on_message(self, message: discord.Message) -> None:
         self._channel._received(message)
+
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        self._channel._pressed(interaction)
 
 
 class DiscordChannel:
@@ -349,28 +364,93 @@ class DiscordChannel:
     async def _place(self, message: discord.Message) -> Place | None:
         """Where the message was written; a channel discord.py does not know (a thread older
         than the connection) is looked up once over REST."""
-        known = place_of_channel(message.channel)
-        if known is not None:
-            return known
         if isinstance(message.channel, discord.GroupChannel):
             return None  # bots are never in group DMs
-        channel_id = message.channel.id
+        return await self._place_of(message.channel, message.channel.id,
+                                    getattr(message.channel, "guild_id", None) or message.guild)
+
+    async def _place_of(self, channel: Any, channel_id: int, guild: Any, timeout: float = CALL_TIMEOUT_S) -> Place:
+        """The place of a channel (`guild`: whether it is in a server, when it must be
+        guessed because the lookup failed)."""
+        known = place_of_channel(channel)
+        if known is not None:
+            return known
         cached = self._places.get(channel_id)
         if cached is not None:
             return cached
         try:
-            found = place_of_payload(await asyncio.wait_for(self._require_rest().channel(channel_id),
-                                                            CALL_TIMEOUT_S))
+            found = place_of_payload(await asyncio.wait_for(self._require_rest().channel(channel_id), timeout))
         except Exception as exc:
             log.warning("discord: channel %s could not be looked up (%s); taken as a channel", channel_id, exc)
             found = None
         if found is None:
-            guild = getattr(message.channel, "guild_id", None) or message.guild
             return Place("channel", channel_id) if guild is not None else Place("dm", channel_id)
         self._places[channel_id] = found
         while len(self._places) > PLACES_CACHE:
             self._places.popitem(last=False)
         return found
+
+    # ------------------------------------------------------------ approvals (SPEC §5.7)
+
+    def _pressed(self, interaction: discord.Interaction) -> None:
+        # Answered in a task of ours (cancelled by stop), never behind queued messages.
+        task = asyncio.create_task(self._answer_press(interaction), name="discord-interaction")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _answer_press(self, interaction: discord.Interaction) -> None:
+        rest, channel_id = self._rest, interaction.channel_id
+        if rest is None or channel_id is None:
+            return
+        place = await self._place_of(interaction.channel, channel_id, interaction.guild_id, timeout=1.0)
+        click = parse_click(interaction, place)
+        if click is None:
+            return  # not ours to answer (another app's component, a command)
+        notice = "Your answer could not be recorded; please try again."
+        if self._hooks.decide is not None:
+            deciding = asyncio.ensure_future(self._hooks.decide(click.approval_id, click.who, click.allow))
+            done, _ = await asyncio.wait({deciding}, timeout=DECIDE_BUDGET_S)
+            if not done:
+                # It goes on (its own task, owned until it ends); the card shows the outcome.
+                self._side_tasks.add(deciding)
+                deciding.add_done_callback(self._side_tasks.discard)
+                notice = "Your answer is being recorded; the card will show the outcome."
+            elif deciding.exception() is None:
+                notice = deciding.result()
+            else:
+                log.warning("discord: the answer to approval %s was not recorded: %s", click.approval_id,
+                            deciding.exception())
+        try:
+            await asyncio.wait_for(rest.respond(interaction.id, interaction.token, notice), CALL_TIMEOUT_S)
+        except Exception as exc:  # expired (over 3 s) or refused: the card still shows the outcome
+            log.info("discord: interaction %s not answered: %s", interaction.id, exc)
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The card with Allow and Deny where the turn's message came from (the arguments
+        as a file posted first when they do not fit); "channel id:message id"."""
+        rest = self._require_rest()
+        target = await self._target(inbound)
+        if in_file(card):
+            data = card.arguments.encode("utf-8", "backslashreplace")
+            await asyncio.wait_for(rest.upload(target, [Upload(file_name(card), data)]), CALL_TIMEOUT_S)
+        buttons = self._hooks.decide is not None
+        content = card_content(card, buttons=buttons)
+        message_id = await self._post(rest, target, content, _reply_to(inbound), components(card) if buttons else None)
+        return f"{target}:{message_id}"
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        """The card edited: the outcome in place of its last line, no buttons. A card that
+        cannot be edited (deleted, never shown) gets the outcome as a message of its own."""
+        channel, _, message = (ref or "").partition(":")
+        if channel.isdigit() and message.isdigit():
+            try:
+                await asyncio.wait_for(self._require_rest().edit(int(channel), int(message),
+                                                                 card_content(card, outcome), components=[]),
+                                       CALL_TIMEOUT_S)
+                return
+            except (discord.NotFound, discord.Forbidden) as exc:
+                log.info("discord: approval card %s not edited (%s); the outcome goes as a message", card.id, exc)
+        await self.send(inbound, f"Approval {card.id}: {outcome}")
 
     # ------------------------------------------------------------ attachments
 
@@ -432,13 +512,13 @@ class DiscordChannel:
             await self._post(rest, target, chunk, reply_to if i == 0 else None, components if last else None)
 
     async def _post(self, rest: DiscordRest, target: int, chunk: str, reply_to: int | None,
-                    components: Sequence[Mapping[str, Any]] | None) -> None:
+                    components: Sequence[Mapping[str, Any]] | None) -> int:
+        """Post one message (retried, posted once); its id."""
         nonce = new_nonce()  # the same for every attempt: Discord posts it once
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
-                await asyncio.wait_for(rest.post(target, chunk, reply_to=reply_to, components=components,
-                                                 nonce=nonce), CALL_TIMEOUT_S)
-                return
+                return await asyncio.wait_for(rest.post(target, chunk, reply_to=reply_to, components=components,
+                                                        nonce=nonce), CALL_TIMEOUT_S)
             except discord.RateLimited as exc:  # longer than discord.py waits on its own
                 if attempt == SEND_ATTEMPTS:
                     raise
@@ -448,6 +528,7 @@ class DiscordChannel:
                     log.warning("discord: sending to %s failed %d times: %s", target, attempt, exc)
                     raise
                 await asyncio.sleep(min(2.0 ** (attempt - 1), 30.0))
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def send_files(self, inbound: Inbound, files: Sequence[ReplyFile]) -> None:
         """Files a reply names, after its text, one message each; a file over Discord's

@@ -6,6 +6,9 @@ seen yet takes a REST call to learn its parent.
 
 Only a person's new message is a turn: the bot's own and other bots' messages, webhooks,
 system messages (joins, pins, thread notices) and edits (never passed here) are not.
+
+A press of an approval card's button (an INTERACTION_CREATE of a message component) is
+read by `parse_click`: who pressed it, in the conversation the card is in.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Literal
 
 import discord
 
+from channels.discord.approvals import parse_custom_id
 from channels.discord.format import clean_text
 from gateway.media import kind_of
 from gateway.types import AttachmentKind, Inbound
@@ -143,6 +147,49 @@ def _parse(message: discord.Message, me: BotIdentity, place: Place) -> ParsedMes
         extra=extra,
     )
     return ParsedMessage(inbound, files)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedClick:
+    approval_id: str
+    allow: bool
+    who: Inbound  # the presser, in the card's conversation, without text
+
+
+def parse_click(interaction: discord.Interaction, place: Place) -> ParsedClick | None:
+    """A press of Allow or Deny on an approval card, or None for any other interaction
+    (logged at debug). Never raises."""
+    try:
+        data = interaction.data if isinstance(interaction.data, dict) else {}
+        wanted = parse_custom_id(data.get("custom_id"))
+        user = interaction.user
+        if interaction.type != discord.InteractionType.component or wanted is None:
+            return _dropped(interaction.id, "not a press of an approval card's button")
+        if user is None or getattr(user, "bot", True):
+            return _dropped(interaction.id, "pressed by no person")
+    except Exception as exc:  # hostile or malformed input: drop, never crash
+        return _dropped(getattr(interaction, "id", None), f"unparsable interaction ({type(exc).__name__})")
+    user_id = str(user.id)
+    if place.kind == "dm":
+        chat_id, thread_id = user_id, None  # as for messages: a DM's chat is the person
+    elif place.kind == "thread" and place.parent_id is not None:
+        chat_id, thread_id = str(place.parent_id), str(place.channel_id)
+    else:
+        chat_id, thread_id = str(place.channel_id), None
+    message = interaction.message
+    who = Inbound(
+        channel="discord",
+        chat_id=chat_id,
+        user_id=user_id,
+        text="",
+        event_id=f"interaction:{interaction.id}",
+        message_id=str(message.id) if message is not None else None,
+        thread_id=thread_id,
+        is_group=place.kind != "dm",
+        user_name=_display_name(user),
+        extra={"channel_id": str(place.channel_id)},
+    )
+    return ParsedClick(wanted[0], wanted[1], who)
 
 
 def readable_text(message: discord.Message, me: BotIdentity) -> tuple[str, bool]:

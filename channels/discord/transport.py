@@ -39,6 +39,7 @@ from yarl import URL
 DEFAULT_API_BASE = "https://discord.com/api/v10"
 MAX_RATE_LIMIT_WAIT_S = 30.0  # the least discord.py allows; a longer 429 raises RateLimited
 DM_CACHE = 4096  # users whose DM channel id is remembered
+EPHEMERAL = 1 << 6  # a message flag: only the person who pressed sees it
 
 # Called (in the task that made the request) for every 429 Discord answers.
 RATE_LIMITED: ContextVar[Callable[[], None] | None] = ContextVar("discord_rate_limited", default=None)
@@ -128,9 +129,24 @@ class DiscordRest:
         data = await self.http.send_message(channel_id, params=params)
         return int(data["id"])
 
-    async def edit(self, channel_id: int, message_id: int, content: str) -> None:
+    async def edit(self, channel_id: int, message_id: int, content: str, *,
+                   components: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """Edit a message's text; `components` replace its components ([] removes them)."""
         params = handle_message_parameters(content=content, allowed_mentions=ALLOWED_MENTIONS)
+        if components is not None:
+            assert params.payload is not None
+            params.payload["components"] = [dict(c) for c in components]
         await self.http.edit_message(channel_id, message_id, params=params)
+
+    async def respond(self, interaction_id: int, token: str, notice: str) -> None:
+        """Answer an interaction (`POST /interactions/{id}/{token}/callback`, within 3 s of
+        it) with a message only the presser sees (type 4, flag 64: ephemeral). discord.py's
+        own interaction response goes to discord.com whatever api_base says, so this goes
+        through our HTTP client."""
+        route = Route("POST", "/interactions/{interaction_id}/{interaction_token}/callback",
+                      interaction_id=interaction_id, interaction_token=token)
+        await self.http.request(route, json={"type": 4, "data": {
+            "content": notice, "flags": EPHEMERAL, "allowed_mentions": {"parse": []}}})
 
     async def delete(self, channel_id: int, message_id: int) -> None:
         await self.http.delete_message(channel_id, message_id)

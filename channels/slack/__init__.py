@@ -16,4 +16,5 @@ def from_config(cfg: SlackConfig, hooks: ChannelHooks) -> SlackChannel:
     from channels.slack.adapter import SlackChannel
 
     return SlackChannel(cfg, hooks.handle, workspace_for=hooks.workspace_for, admits=hooks.admits,
-                        file_limit=hooks.file_limit, observe=hooks.observe, stream_interval=hooks.stream_interval)
+                        file_limit=hooks.file_limit, observe=hooks.observe, stream_interval=hooks.stream_interval,
+                        decide=hooks.decide)

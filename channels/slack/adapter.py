@@ -18,6 +18,14 @@ shared, per `group_session_scope`). Slash commands
 ephemerally, only to the person who ran them: through the command's `response_url`
 (no channel membership needed; at most 5 posts within 30 minutes), falling back to
 `chat.postEphemeral` when the URL is used up, expired or refused.
+
+Approvals (SPEC §5.7): the card is a Block Kit message with Allow and Deny buttons
+(channels/slack/approvals.py). A press reaches the app as a `block_actions` interaction,
+over Socket Mode (an `interactive` envelope) or in HTTP mode as a signed form post to the
+Interactivity Request URL, which is /slack/events too; it is acknowledged at once, goes to
+`hooks.decide` with the presser and the approval id from the button, and the presser gets
+the notice ephemerally (a refusal changes nothing). Once decided the card is updated
+(`chat.update`): the outcome in place of the buttons.
 """
 
 from __future__ import annotations
@@ -50,10 +58,13 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
-from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.base import AccessCheck, ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.slack.approvals import ACTIONS, card_blocks, code_pieces, file_name, summary
 from channels.slack.events import (
+    ParsedClick,
     ParsedEvent,
     SlackFile,
+    parse_block_action,
     parse_command,
     parse_event,
     profile_name,
@@ -90,6 +101,7 @@ RESPONSE_URL_USES = 5  # Slack accepts at most 5 posts to one response_url
 API_TIMEOUT_S = 15
 SIDE_CALL_TIMEOUT_S = 5.0  # reactions, users.info: best effort, never hold a turn up
 TAKEN_KEPT = 2048  # event ids remembered so a post's twin event does not fetch its files again
+DECIDE_TIMEOUT_S = 10.0  # a press waits this long for the decision before the presser is told it failed
 
 # Set in a request's bolt context when the event must stay unacknowledged (Slack redelivers).
 _DEFER = "gateway_defer_ack"
@@ -126,8 +138,10 @@ class SlackChannel:
         stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
         file_limit: Callable[[], int] | None = None,
+        decide: Decide | None = None,
     ) -> None:
         self._cfg = cfg
+        self._decide = decide  # a press of Allow or Deny (SPEC §5.7); None: cards come without buttons
         # The largest file downloaded (limits.max_inbound_file_mb of the running config).
         self._file_limit = file_limit or (lambda: DEFAULT_FILE_LIMIT)
         # The running config's `stream_interval_s`, read as each reply starts, or a fixed value.
@@ -285,6 +299,7 @@ class SlackChannel:
         app.event("app_mention")(self._on_event)
         app.event(re.compile(".*"))(self._on_other_event)  # acknowledged, never answered
         app.command(re.compile(r"^/"))(self._on_command)
+        app.action(ACTIONS)(self._on_approval_click)
         return app
 
     async def _on_socket_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
@@ -373,6 +388,35 @@ class SlackChannel:
             log.debug("slack: ignored slash command payload")
             return
         self._spawn(self._deliver(inbound), name=f"slack-command-{inbound.event_id}")
+
+    async def _on_approval_click(self, ack: AsyncAck, body: dict[str, Any]) -> None:
+        await ack()  # Slack's 3 s deadline; the notice follows
+        click = parse_block_action(body)
+        if click is None:
+            log.debug("slack: ignored a block action that is not an approval card's")
+            return
+        self._spawn(self._answer_click(click), name=f"slack-approval-{click.approval_id}")
+
+    async def _answer_click(self, click: ParsedClick) -> None:
+        """The decision through `hooks.decide`, and its notice to the presser alone."""
+        if self._decide is None:
+            return
+        try:
+            async with asyncio.timeout(DECIDE_TIMEOUT_S):
+                notice = await self._decide(click.approval_id, click.who, click.allow)
+        except Exception as exc:
+            log.warning("slack: the answer to approval %s was not recorded: %s", click.approval_id, exc)
+            notice = "Your answer could not be recorded; please try again."
+        url = click.response_url
+        if url is not None and self._trusted(url) and await self._post_response_url(url, notice):
+            return
+        try:
+            params: dict[str, Any] = {"channel": click.who.chat_id, "user": click.who.user_id, "text": notice}
+            if click.who.thread_id:
+                params["thread_ts"] = click.who.thread_id
+            await self._call(self._require_client().chat_postEphemeral, **params)
+        except Exception as exc:  # the card still shows the outcome once decided
+            log.info("slack: approval notice not delivered: %s", _describe(exc))
 
     async def _deliver(self, inbound: Inbound) -> None:
         try:
@@ -524,6 +568,38 @@ class SlackChannel:
         except SlackApiError as exc:
             log.warning("slack: files not sent: %s", exc.response.get("error"))
 
+    # -- approvals (SPEC §5.7)
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The card with Allow and Deny where the turn's message came from (the arguments
+        uploaded as a file first when they are too long for the blocks); "channel:ts"."""
+        client = self._require_client()
+        thread_ts = reply_thread(inbound)
+        if code_pieces(card.arguments) is None:
+            await self._call(client.files_upload_v2, channel=inbound.chat_id, thread_ts=thread_ts,
+                             file_uploads=[{"content": card.arguments.encode("utf-8", "backslashreplace"),
+                                            "filename": file_name(card), "title": file_name(card)}])
+        params: dict[str, Any] = {"channel": inbound.chat_id, "text": summary(card),
+                                  "blocks": card_blocks(card, buttons=self._decide is not None), **self._unfurl()}
+        if thread_ts:
+            params["thread_ts"] = thread_ts
+        resp = await self._call(client.chat_postMessage, **params)
+        return f"{resp.get('channel') or inbound.chat_id}:{resp['ts']}"
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        """The card updated: the outcome where the buttons were. A card that cannot be
+        updated (deleted, never shown) gets the outcome as a message of its own."""
+        channel, _, ts = (ref or "").partition(":")
+        if slack_id(channel) is not None and slack_id(ts) is not None:
+            try:
+                await self._call(self._require_client().chat_update, channel=channel, ts=ts,
+                                 text=summary(card, outcome), blocks=card_blocks(card, outcome=outcome))
+                return
+            except SlackApiError as err:
+                log.info("slack: approval card %s not updated (%s); the outcome goes as a message",
+                         card.id, _error_code(err))
+        await self.send(inbound, f"Approval {card.id}: {outcome}")
+
     def stream(
         self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None, resume_ref: str | None = None
     ) -> ReplyStream | None:
@@ -583,7 +659,8 @@ class SlackChannel:
 
     async def _post_response_url(self, url: str, chunk: str) -> bool:
         assert self._session is not None
-        body = {"response_type": "ephemeral", "text": chunk}
+        # Never in place of the message the URL came with (an approval card's).
+        body = {"response_type": "ephemeral", "replace_original": False, "text": chunk}
         try:
             timeout = aiohttp.ClientTimeout(total=API_TIMEOUT_S)
             async with self._session.post(url, json=body, timeout=timeout) as resp:

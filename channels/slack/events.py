@@ -1,5 +1,5 @@
-"""A Slack event or slash command as the gateway's `Inbound`, and the request signature
-check (SPEC §9). Pure, no I/O."""
+"""A Slack event or slash command as the gateway's `Inbound`, a press of an approval card's
+button (`block_actions`), and the request signature check (SPEC §9). Pure, no I/O."""
 
 from __future__ import annotations
 
@@ -190,6 +190,68 @@ def parse_command(payload: Any) -> Inbound | None:
         user_name=clean_text(user_name)[:80] if isinstance(user_name, str) and user_name else None,
         extra=extra,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedClick:
+    """A press of Allow or Deny on an approval card: who pressed it where (an `Inbound`
+    without text, in the conversation the card is in), and where a notice to them goes."""
+
+    approval_id: str
+    allow: bool
+    who: Inbound
+    response_url: str | None
+
+
+_APPROVAL_ID = re.compile(r"[a-z0-9]{1,32}")
+
+
+def parse_block_action(payload: Any) -> ParsedClick | None:
+    """A `block_actions` payload whose first action is one of the card's buttons, or None.
+    Never raises."""
+    if not isinstance(payload, dict) or payload.get("type") != "block_actions":
+        return None
+    actions = payload.get("actions")
+    action = actions[0] if isinstance(actions, list) and actions else None
+    if not isinstance(action, dict) or action.get("action_id") not in ("approval_allow", "approval_deny"):
+        return None
+    value = action.get("value")
+    if not isinstance(value, str) or not _APPROVAL_ID.fullmatch(value):
+        return None
+    user = _field(payload, "user")
+    container = _field(payload, "container")
+    message = _field(payload, "message")
+    user_id = slack_id(user.get("id"))
+    channel = slack_id(_field(payload, "channel").get("id")) or slack_id(container.get("channel_id"))
+    if user_id is None or channel is None:
+        return None
+    ts = slack_id(container.get("message_ts")) or slack_id(message.get("ts"))
+    thread = slack_id(container.get("thread_ts")) or slack_id(message.get("thread_ts"))
+    if thread == ts:
+        thread = None  # a thread's parent: the card is at the top level
+    trigger = payload.get("trigger_id")
+    name = user.get("name") or user.get("username")
+    response_url = payload.get("response_url")
+    who = Inbound(
+        channel="slack",
+        chat_id=channel,
+        user_id=user_id,
+        text="",
+        event_id="action:" + (clean_text(trigger)[:100] if isinstance(trigger, str) else f"{channel}:{ts}"),
+        message_id=ts,
+        thread_id=thread,
+        is_group=not channel.startswith("D"),
+        user_name=clean_text(name)[:80] if isinstance(name, str) and name else None,
+        extra=_team_extra({"team": user.get("team_id")}, slack_id(_field(payload, "team").get("id"))),
+    )
+    return ParsedClick(value, action["action_id"] == "approval_allow", who,
+                       response_url if isinstance(response_url, str) and response_url.startswith(
+                           ("https://", "http://")) else None)
+
+
+def _field(payload: dict[str, Any], key: str) -> dict[str, Any]:
+    value = payload.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def verify_signature(

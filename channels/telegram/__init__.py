@@ -17,4 +17,4 @@ def from_config(cfg: TelegramConfig, hooks: ChannelHooks) -> TelegramChannel:
 
     return TelegramChannel(cfg, hooks.handle, workspace_for=hooks.workspace_for, commands=hooks.commands,
                            admits=hooks.admits, file_limit=hooks.file_limit, observe=hooks.observe,
-                           stream_interval=hooks.stream_interval)
+                           stream_interval=hooks.stream_interval, decide=hooks.decide)

@@ -10,6 +10,13 @@ audio file, a round video note; the caption is the text) is fetched afterwards, 
 senders the router admits: getFile, then a download into the scope's `files/` capped
 by `limits.max_inbound_file_mb` (the size Telegram reports is checked first, and the
 bytes as they arrive). What becomes of the file is the turn's business (gateway/media.py).
+
+Approvals (SPEC §5.7): the card comes with Allow and Deny buttons (channels/telegram/
+approvals.py). A press arrives as a `callback_query` update in the same loop; it goes to
+`hooks.decide` with the presser and the approval id from the button's data (nothing is
+remembered here, so a card from before a restart still answers), and the query is
+answered with the notice (Telegram shows it briefly; a refusal changes nothing). Once
+decided the card is edited: the outcome in place of the last line, the buttons gone.
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from telegram import Bot, BotCommand, LinkPreviewOptions, MessageEntity, ReplyParameters
+from telegram import (
+    Bot,
+    BotCommand,
+    InlineKeyboardMarkup,
+    LinkPreviewOptions,
+    Message,
+    MessageEntity,
+    ReplyParameters,
+)
 from telegram.constants import ChatAction
 from telegram.error import (
     BadRequest,
@@ -41,13 +56,22 @@ from telegram.error import (
 )
 from yarl import URL
 
-from channels.base import AccessCheck, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.base import AccessCheck, ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.telegram.approvals import keyboard, parse_callback_data, render_card
 from channels.telegram.format import Chunk, render_markdown
 from channels.telegram.stream import ChatPaces, TelegramReplyStream, parse_reply_ref
 from channels.telegram.stream import is_format_error as _is_format_error
 from channels.telegram.stream import retry_seconds as _retry_seconds
 from channels.telegram.transport import AiohttpRequest
-from channels.telegram.updates import BotIdentity, ParsedMessage, PendingFile, is_int, parse_update
+from channels.telegram.updates import (
+    BotIdentity,
+    ParsedClick,
+    ParsedMessage,
+    PendingFile,
+    is_int,
+    parse_callback,
+    parse_update,
+)
 from gateway.config.checks import usable_webhook_secret
 from gateway.config.schema import TelegramConfig
 from gateway.http.proxy import env_proxy
@@ -65,7 +89,8 @@ from gateway.types import Attachment, Inbound
 
 log = logging.getLogger("channels.telegram")
 
-ALLOWED_UPDATES = ("message",)  # edits, channel posts, reactions … are not turns
+# Edits, channel posts, reactions … are not turns; callback queries are presses of a card's buttons.
+ALLOWED_UPDATES = ("message", "callback_query")
 DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default (the cloud Bot API's own)
 DOWNLOAD_TIMEOUT_S = 120.0
 DOWNLOAD_READ_TIMEOUT_S = 30.0
@@ -84,6 +109,8 @@ POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurr
 POOL_WAIT_S = 30.0
 TYPING_CONNECTIONS = 4  # of the pooled connections, at most this many send typing actions
 MAX_NO_DRAFT_CHATS = 4096  # private chats remembered as refusing drafts (`auto`); the oldest go first
+DECIDE_TIMEOUT_S = 10.0  # a press's answer waits this long for the decision (the query expires soon after)
+CALLBACK_NOTICE_LIMIT = 200  # characters Telegram shows of a callback query's answer
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 NO_WEBHOOK_SECRET = ("telegram: webhook mode needs channels.telegram.webhook_secret "
                      "(16-256 characters of A-Z, a-z, 0-9, _ and -)")
@@ -128,8 +155,10 @@ class TelegramChannel:
         stream_interval: Callable[[], float] | None = None,
         observe: StreamObserver | None = None,
         file_limit: Callable[[], int] | None = None,
+        decide: Decide | None = None,
     ) -> None:
         self._cfg = cfg
+        self._decide = decide  # a press of Allow or Deny (SPEC §5.7); None: cards come without buttons
         self._handler = handler
         self._workspace_for = workspace_for
         # The largest file downloaded (limits.max_inbound_file_mb of the running config).
@@ -424,6 +453,17 @@ class TelegramChannel:
         me = self._me
         if me is None:
             return False
+        if isinstance(raw, dict) and "callback_query" in raw:
+            click = parse_callback(raw)
+            if click is not None:
+                self._in_handler = True
+                try:
+                    await self._on_click(click)
+                except Exception:  # never a reason to hold the update loop up
+                    log.exception("telegram: press %s not handled", click.query_id[:64])
+                finally:
+                    self._in_handler = False
+            return True  # a press is answered once; a failure is the presser's notice, not a retry
         parsed = parse_update(raw, me, self._bot)
         if parsed is None:
             return True
@@ -564,21 +604,30 @@ class TelegramChannel:
         self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None
     ) -> int | str:
         """Returns the chat id to use from now on (a group may have become a supergroup)."""
+        return (await self._deliver(bot, chat, chunk, thread, reply_to))[0]
+
+    async def _deliver(
+        self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None,
+        reply_markup: InlineKeyboardMarkup | None = None,
+    ) -> tuple[int | str, Message]:
+        """Send one message, waiting out flood control and following a migrated group;
+        the chat id to use from now on, and the message."""
         entities = [MessageEntity.de_json(e, bot) for e in chunk.entities]
         reply = ReplyParameters(reply_to, allow_sending_without_reply=True) if reply_to else None
         attempt = 0
         while True:
             attempt += 1
             try:
-                await bot.send_message(
+                sent = await bot.send_message(
                     chat_id=chat,
                     text=chunk.text,
                     entities=entities or None,
                     message_thread_id=thread,
                     reply_parameters=reply,
                     link_preview_options=self._link_preview(),
+                    reply_markup=reply_markup,
                 )
-                return chat
+                return chat, sent
             except RetryAfter as exc:
                 if attempt >= SEND_ATTEMPTS:
                     log.warning("telegram: still rate limited after %d attempts", attempt)
@@ -603,6 +652,83 @@ class TelegramChannel:
                     log.warning("telegram: sending to %s failed %d times: %s", chat, attempt, exc)
                     raise
                 await self._sleep(min(2.0 ** (attempt - 1), 30.0))
+
+    # ------------------------------------------------------------ approvals (SPEC §5.7)
+
+    async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
+        """The card, with Allow and Deny under it, where the turn's message came from (its
+        arguments as a file sent just before it when they do not fit); "chat:message id"."""
+        bot = self._require_bot()
+        chat: int | str = _chat_ref(inbound.chat_id)
+        thread = _int_or_none(inbound.thread_id)
+        reply_to = _int_or_none(inbound.message_id) if inbound.is_group else None
+        shown = render_card(card)
+        if shown.document is not None:
+            name, data = shown.document
+            doc = await bot.send_document(chat_id=chat, document=data, filename=name, message_thread_id=thread,
+                                          reply_parameters=ReplyParameters(reply_to, allow_sending_without_reply=True)
+                                          if reply_to else None)
+            reply_to = doc.message_id  # the card answers the file it names
+        markup = keyboard(card) if self._decide is not None else None
+        chat, sent = await self._deliver(bot, chat, Chunk(shown.text, shown.entities), thread, reply_to, markup)
+        return f"{chat}:{sent.message_id}"
+
+    async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
+        """The card edited: the outcome in place of its last line, and no buttons (an edit
+        without a keyboard removes it). A card that cannot be edited (deleted, never
+        shown) gets the outcome as a message of its own."""
+        bot = self._require_bot()
+        place = _message_ref(ref)
+        if place is not None:
+            chat, message_id = place
+            shown = render_card(card, outcome)
+            entities: list[MessageEntity] | None = [MessageEntity.de_json(e, bot) for e in shown.entities]
+            for attempt in range(1, SEND_ATTEMPTS + 1):
+                try:
+                    await bot.edit_message_text(shown.text, chat_id=chat, message_id=message_id, entities=entities,
+                                                link_preview_options=self._link_preview())
+                    return
+                except RetryAfter as exc:
+                    if attempt == SEND_ATTEMPTS:
+                        raise
+                    await self._sleep(_retry_seconds(exc))
+                except BadRequest as exc:
+                    if "not modified" in str(exc).lower():
+                        return  # it says so already
+                    if entities and _is_format_error(exc):
+                        entities = None
+                        continue
+                    log.info("telegram: approval card %s not edited (%s); the outcome goes as a message",
+                             card.id, exc)
+                    with contextlib.suppress(TelegramError):  # at least no buttons left to press
+                        await bot.edit_message_reply_markup(chat_id=chat, message_id=message_id)
+                    break
+                except NetworkError:
+                    if attempt == SEND_ATTEMPTS:
+                        raise
+                    await self._sleep(min(2.0 ** (attempt - 1), 30.0))
+        await self.send(inbound, f"Approval {card.id}: {outcome}")
+
+    async def _on_click(self, click: ParsedClick) -> None:
+        """A press of a card's button: the decision through `hooks.decide`, and the query
+        answered with its notice (every query is answered, or the client keeps spinning)."""
+        bot = self._require_bot()
+        notice = ""
+        wanted = parse_callback_data(click.data)
+        if wanted is not None and click.who is not None and self._decide is not None:
+            approval_id, allow = wanted
+            try:
+                async with asyncio.timeout(DECIDE_TIMEOUT_S):
+                    notice = await self._decide(approval_id, click.who, allow)
+            except Exception as exc:
+                log.warning("telegram: the answer to approval %s was not recorded: %s", approval_id, exc)
+                notice = "Your answer could not be recorded; please try again."
+        if len(notice) > CALLBACK_NOTICE_LIMIT:
+            notice = notice[:CALLBACK_NOTICE_LIMIT - 1] + "…"
+        try:
+            await bot.answer_callback_query(click.query_id, text=notice or None)
+        except TelegramError as exc:  # too old (answered after a restart), or junk
+            log.debug("telegram: callback query %s not answered: %s", click.query_id[:64], exc)
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None:
@@ -697,6 +823,16 @@ def _chat_ref(chat_id: str) -> int | str:
         return int(chat_id)
     except ValueError:
         return chat_id  # "@channelname"
+
+
+def _message_ref(ref: str | None) -> tuple[int | str, int] | None:
+    """(chat, message id) of a card's reference, "chat:message id"; None when unusable."""
+    if not ref:
+        return None
+    chat, _, message_id = ref.rpartition(":")
+    if not chat or not message_id.isdigit():
+        return None
+    return _chat_ref(chat), int(message_id)
 
 
 def _int_or_none(value: str | None) -> int | None:

@@ -1,5 +1,6 @@
 """A Telegram update as the gateway's `Inbound`: who wrote, where (chat, topic), whether the
-bot was addressed (mention, reply, command), and the files it carries. Pure, no I/O."""
+bot was addressed (mention, reply, command), and the files it carries; and a press of one
+of our inline buttons (`callback_query`): who pressed it, where, and its data. Pure, no I/O."""
 
 from __future__ import annotations
 
@@ -42,6 +43,62 @@ class PendingFile:
 class ParsedMessage:
     inbound: Inbound  # text without the file notes; attachments added after download
     file: PendingFile | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedClick:
+    """A press of an inline button: the query to answer, the button's data, and who pressed
+    it where (an `Inbound` without text, in the chat and topic of the message it is under)."""
+
+    query_id: str
+    data: str | None  # None: no data, or more than Telegram allows
+    who: Inbound | None  # None: not under a message of a chat (an inline message)
+
+
+def parse_callback(raw: Any) -> ParsedClick | None:
+    """A `callback_query` update, or None when it has no usable query id or presser (such a
+    query cannot be answered or attributed). Never raises."""
+    try:
+        return _click(raw)
+    except Exception as exc:  # hostile or malformed input: drop, never crash
+        return _dropped(raw.get("update_id") if isinstance(raw, dict) else None,
+                        f"unparsable callback ({type(exc).__name__})")
+
+
+def _click(raw: Any) -> ParsedClick | None:
+    if not isinstance(raw, dict) or not is_int(raw.get("update_id")):
+        return None
+    query = raw.get("callback_query")
+    if not isinstance(query, dict):
+        return None
+    query_id, person = query.get("id"), query.get("from")
+    if not isinstance(query_id, str) or not 0 < len(query_id) <= 128 or not isinstance(person, dict):
+        return _dropped(raw["update_id"], "a callback without an id or a presser")
+    user_id = person.get("id")
+    if not is_int(user_id) or person.get("is_bot") is not False:
+        return _dropped(raw["update_id"], "a callback from no person")
+    data = query.get("data")
+    if not isinstance(data, str) or len(data.encode("utf-8", "surrogatepass")) > 64:
+        data = None
+    message, who = query.get("message"), None
+    chat = message.get("chat") if isinstance(message, dict) else None
+    if isinstance(message, dict) and isinstance(chat, dict) and is_int(chat.get("id")) \
+            and is_int(message.get("message_id")) and isinstance(chat.get("type"), str):
+        chat_type = chat["type"]
+        thread = message.get("message_thread_id")
+        who = Inbound(
+            channel="telegram",
+            chat_id=str(chat["id"]),
+            user_id=str(user_id),
+            text="",
+            event_id=f"callback:{raw['update_id']}",
+            message_id=str(message["message_id"]),
+            thread_id=str(thread) if message.get("is_topic_message") is True and is_int(thread) else None,
+            is_group=chat_type != "private",
+            user_name=_display_name(person.get("first_name"), person.get("last_name"), person.get("username")),
+            extra={"chat_type": chat_type},
+        )
+    return ParsedClick(query_id, data, who)
 
 
 def parse_update(raw: Any, me: BotIdentity, bot: Bot | None = None) -> ParsedMessage | None:

@@ -32,6 +32,16 @@ Discord's limits, as Discord applies them:
 
 Every message the bot posts is dispatched back over the gateway (MESSAGE_CREATE), its
 edits and deletions too (MESSAGE_UPDATE, MESSAGE_DELETE), as Discord does.
+
+Components (buttons), as Discord checks them: at most 5 action rows (type 1) of 1-5
+buttons (type 2) with a style 1-5, a label of at most 80 characters and, except link
+buttons, a custom_id of 1-100 characters unique in the message; else 400 (50035). An
+edit's `components` replace the message's ([] removes them). `push_click(...)` is a person
+pressing a button: only a button the message shows now (unless `stale`, a client that has
+not seen the latest edit), dispatched as INTERACTION_CREATE (type 3) with a token. The
+app must answer it once with `POST /interactions/{id}/{token}/callback` within
+`interaction_deadline_s` (3 s), else 404 "Unknown interaction" (10062); a second answer
+gets 400 (40060). Answers are kept in `interaction_responses`, by interaction id.
 """
 
 from __future__ import annotations
@@ -116,8 +126,12 @@ class FakeDiscord:
 
     def __init__(self, token: str = DEFAULT_TOKEN, *, bot_id: int = 900_000_000_000_000_001,
                  bot_name: str = "gateway-bot", granted_intents: int = PRIVILEGED_INTENTS,
-                 limits: dict[str, tuple[int, float]] | None = None) -> None:
+                 limits: dict[str, tuple[int, float]] | None = None, interaction_deadline_s: float = 3.0) -> None:
         self.token = token
+        self.interaction_deadline_s = interaction_deadline_s
+        self._interactions: dict[int, tuple[str, float]] = {}  # id → (token, monotonic time dispatched)
+        self.interaction_responses: dict[int, dict[str, Any]] = {}  # id → the callback's body
+        self.late_responses: list[int] = []  # interactions answered after the deadline
         self.bot_id = bot_id
         self.bot_name = bot_name
         self.granted_intents = granted_intents  # the privileged intents the portal allows
@@ -258,6 +272,47 @@ class FakeDiscord:
         self._dispatch("MESSAGE_CREATE", message)
         return message_id
 
+    def push_click(self, *, user_id: int, message_id: int, custom_id: str, stale: bool = False) -> int:
+        """A person presses the button `custom_id` of the bot's message `message_id`, in the
+        message's channel (a DM, a guild channel or a thread); returns the interaction id."""
+        message = self.messages.get(message_id)
+        if message is None or message_id in self.deleted:
+            raise AssertionError(f"no message {message_id}")
+        shown = [c for row in message.get("components") or [] for c in row.get("components", [])]
+        if not stale and not any(c.get("custom_id") == custom_id for c in shown):
+            raise AssertionError(f"message {message_id} shows no button {custom_id!r}")
+        channel_id = int(message["channel_id"])
+        channel = self.channels[channel_id]
+        interaction_id = self._snowflake()
+        token = "itoken-" + secrets.token_hex(16)
+        data: dict[str, Any] = {
+            "id": str(interaction_id), "application_id": str(self.bot_id), "type": 3, "token": token, "version": 1,
+            "data": {"custom_id": custom_id, "component_type": 2}, "channel_id": str(channel_id),
+            "channel": channel, "message": message, "locale": "en-US", "app_permissions": "0",
+            "attachment_size_limit": UPLOAD_LIMIT, "entitlements": [], "authorizing_integration_owners": {},
+        }
+        if "guild_id" in channel:
+            data["guild_id"] = channel["guild_id"]
+            data["guild_locale"] = "en-US"
+            data["member"] = {"user": self.user(user_id), "roles": [], "joined_at": now_iso(), "deaf": False,
+                              "mute": False, "flags": 0, "permissions": "0"}
+            data["context"] = 0
+        else:
+            data["user"] = self.user(user_id)
+            data["context"] = 1
+        self._interactions[interaction_id] = (token, time.monotonic())
+        self._dispatch("INTERACTION_CREATE", data)
+        return interaction_id
+
+    async def wait_response(self, interaction_id: int, timeout: float = 10) -> dict[str, Any]:
+        """The callback that answered the interaction."""
+        await self.wait_for(lambda: interaction_id in self.interaction_responses, timeout)
+        return self.interaction_responses[interaction_id]
+
+    def components(self, message_id: int) -> list[dict[str, Any]]:
+        """The buttons message `message_id` shows now."""
+        return [c for row in self.messages[message_id].get("components") or [] for c in row.get("components", [])]
+
     def redeliver(self, message_id: int) -> None:
         """Dispatch an earlier MESSAGE_CREATE again (a new sequence number, the same message)."""
         self._dispatch("MESSAGE_CREATE", self.messages[message_id])
@@ -335,6 +390,9 @@ class FakeDiscord:
         path = "/" + request.match_info["path"]
         self.calls.append((request.method, path))
         self._notify()
+        parts = path.strip("/").split("/")
+        if request.method == "POST" and len(parts) == 4 and parts[0] == "interactions" and parts[3] == "callback":
+            return await self._interaction_callback(parts[1], parts[2], request)  # the token is the credential
         if request.headers.get("Authorization") != f"Bot {self.token}":
             return self._error(401, 0, "401: Unauthorized")
         parts = path.strip("/").split("/")
@@ -422,6 +480,32 @@ class FakeDiscord:
         self.typing.append(channel_id)
         return web.Response(status=204)
 
+    async def _interaction_callback(self, raw_id: str, token: str, request: web.Request) -> web.Response:
+        known = self._interactions.get(int(raw_id)) if raw_id.isdigit() else None
+        if known is None or not secrets.compare_digest(known[0], token):
+            return self._error(404, 10062, "Unknown interaction")
+        interaction_id = int(raw_id)
+        if interaction_id in self.interaction_responses:
+            return self._error(400, 40060, "Interaction has already been acknowledged.")
+        if time.monotonic() - known[1] > self.interaction_deadline_s:
+            self.late_responses.append(interaction_id)
+            self._notify()
+            return self._error(404, 10062, "Unknown interaction")
+        body = await request.json()
+        kind = body.get("type") if isinstance(body, dict) else None
+        if kind not in (1, 4, 5, 6, 7, 9, 10, 12):
+            return self._error(400, 50035, "Invalid Form Body")
+        data = body.get("data") or {}
+        if kind == 4:
+            problem = self._content_problem(data)
+            if problem is not None:
+                return problem
+            if not (data.get("content") or data.get("embeds") or data.get("components")):
+                return self._error(400, 50006, "Cannot send an empty message")
+        self.interaction_responses[interaction_id] = body
+        self._notify()
+        return web.Response(status=204)
+
     def _content_problem(self, payload: dict[str, Any]) -> web.Response | None:
         content = payload.get("content")
         if content is not None and not isinstance(content, str):
@@ -429,6 +513,10 @@ class FakeDiscord:
         if isinstance(content, str) and len(content) > TEXT_LIMIT:
             return self._error(400, 50035, "Invalid Form Body", errors={"content": {"_errors": [
                 {"code": "BASE_TYPE_MAX_LENGTH", "message": f"Must be {TEXT_LIMIT} or fewer in length."}]}})
+        problem = _components_problem(payload.get("components"))
+        if problem is not None:
+            return self._error(400, 50035, "Invalid Form Body", errors={"components": {"_errors": [
+                {"code": "COMPONENT_INVALID", "message": problem}]}})
         return None
 
     def _create(self, channel_id: int, payload: dict[str, Any], files: list[tuple[str, bytes]]) -> web.Response:
@@ -492,6 +580,8 @@ class FakeDiscord:
         if "content" in payload:
             message["content"] = payload["content"] or ""
             message["edited_timestamp"] = now_iso()
+        if "components" in payload:
+            message["components"] = payload["components"] or []
         self.edits.append({"channel_id": channel_id, "id": message_id, "content": message["content"]})
         self.history.append(("edit", channel_id, message_id, message["content"]))
         self._dispatch("MESSAGE_UPDATE", message)
@@ -632,6 +722,40 @@ class FakeDiscord:
         for key, session in list(self._sessions.items()):
             if session.invalid or (session.closed_at is not None and now - session.closed_at > RESUMABLE_FOR_S):
                 del self._sessions[key]
+
+
+def _components_problem(rows: Any) -> str | None:
+    """What Discord refuses in a message's components, or None."""
+    if rows is None:
+        return None
+    if not isinstance(rows, list) or len(rows) > 5:
+        return "at most 5 action rows"
+    custom_ids: set[str] = set()
+    for row in rows:
+        if not isinstance(row, dict) or row.get("type") != 1:
+            return "a top-level component must be an action row"
+        buttons = row.get("components")
+        if not isinstance(buttons, list) or not 1 <= len(buttons) <= 5:
+            return "an action row holds 1 to 5 buttons"
+        for button in buttons:
+            if not isinstance(button, dict) or button.get("type") != 2:
+                return "unsupported component"
+            style, label = button.get("style"), button.get("label")
+            if style not in (1, 2, 3, 4, 5, 6):
+                return "invalid button style"
+            if label is not None and (not isinstance(label, str) or len(label) > 80):
+                return "a label is at most 80 characters"
+            if style == 5:
+                if not isinstance(button.get("url"), str) or "custom_id" in button:
+                    return "a link button has a url and no custom_id"
+                continue
+            custom_id = button.get("custom_id")
+            if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= 100:
+                return "a custom_id is 1 to 100 characters"
+            if custom_id in custom_ids:
+                return "custom_ids must be unique"
+            custom_ids.add(custom_id)
+    return None
 
 
 @pytest.fixture

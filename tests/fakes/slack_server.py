@@ -16,6 +16,15 @@ tiers (token buckets per workspace, per channel for posting, per message for edi
 answer HTTP 429 with an integer `Retry-After`; a call that comes back before that time is
 recorded in `violations`. `rate_scale` speeds the fake's clock up for tests (limits and
 Retry-After are in "Slack seconds" = real seconds * rate_scale).
+
+Block Kit, as Slack checks it (chat.postMessage, chat.update): at most 50 blocks of known
+types; a section's text 1-3,000 characters; an actions block 1-25 elements; a button's
+text at most 75 characters, its action_id 255 and value 2,000, style `primary` or
+`danger`; block ids unique in the message. A refusal is `invalid_blocks` with Slack's
+`[ERROR] … [json-pointer:…]` line. People press buttons with `push_block_action` (Socket
+Mode: an `interactive` envelope) or `block_action_request` (HTTP mode: the signed form
+post Slack sends to the Interactivity Request URL); only a button the message shows now
+can be pressed, unless `stale` (a client that has not seen the latest update yet).
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ TEAM_ID = "T1"
 
 TEXT_LIMIT = 40_000  # Slack cuts `text` here
 MARKDOWN_LIMIT = 12_000  # `markdown_text` per call (chat.postMessage / update / *Stream)
+MAX_BLOCKS = 50
+SECTION_TEXT_LIMIT = 3000
+BUTTON_TEXT_LIMIT = 75
+MAX_ACTION_ELEMENTS = 25
 
 
 @dataclass
@@ -68,6 +81,17 @@ class FakeMessage:
     streaming: bool = False  # an open chat.startStream: only appends until stopped
     deleted: bool = False
     history: list[str] = field(default_factory=list)  # every text it has shown, in order
+    blocks: list[dict[str, Any]] | None = None  # its Block Kit blocks, as posted or last updated
+    earlier_blocks: list[list[dict[str, Any]]] = field(default_factory=list)  # what it showed before
+
+    def buttons(self, blocks: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The buttons of its actions blocks (now, or in `blocks`), in order."""
+        return [e for b in (self.blocks if blocks is None else blocks) or () if b.get("type") == "actions"
+                for e in b.get("elements", []) if e.get("type") == "button"]
+
+    def section_texts(self) -> list[str]:
+        """The text of each of its section blocks, in order (as sent: mrkdwn, escaped)."""
+        return [b["text"]["text"] for b in self.blocks or () if b.get("type") == "section" and "text" in b]
 
 
 @dataclass(frozen=True)
@@ -279,6 +303,44 @@ class FakeSlack:
         await ws.send_str(json.dumps(envelope))
         return envelope_id
 
+    def block_actions_payload(self, *, user: str, channel: str, ts: str, action_id: str,
+                              stale: bool = False) -> dict[str, Any]:
+        """What Slack sends when `user` presses the button `action_id` of the bot's message
+        `ts` in `channel` (only a button the message shows now, unless `stale`)."""
+        message = self.messages.get((channel, ts))
+        if message is None or message.deleted:
+            raise AssertionError(f"no message {ts} in {channel}")
+        versions = [message.blocks or []] + (list(reversed(message.earlier_blocks)) if stale else [])
+        seen = next((v for v in versions if any(b.get("action_id") == action_id for b in message.buttons(v))), None)
+        if seen is None:
+            raise AssertionError(f"message {ts} shows no button {action_id!r}" + (" and never did" if stale else ""))
+        button = next(b for b in message.buttons(seen) if b.get("action_id") == action_id)
+        block_id = next((b.get("block_id", "") for b in seen if b.get("type") == "actions"), "")
+        container: dict[str, Any] = {"type": "message", "message_ts": ts, "channel_id": channel,
+                                     "is_ephemeral": False}
+        shown: dict[str, Any] = {"type": "message", "ts": ts, "text": message.text, "user": self.bot_user_id,
+                                 "bot_id": BOT_ID, "blocks": seen}
+        if message.thread_ts:
+            container["thread_ts"] = shown["thread_ts"] = message.thread_ts
+        hook = f"hook{next(self._ids)}"
+        return {
+            "type": "block_actions", "api_app_id": "A1", "token": "verification-token",
+            "user": {"id": user, "username": f"name-{user}", "name": f"name-{user}", "team_id": TEAM_ID},
+            "team": {"id": TEAM_ID, "domain": "test"}, "enterprise": None, "is_enterprise_install": False,
+            "container": container, "trigger_id": f"trigger.{uuid.uuid4().hex}",
+            "channel": {"id": channel, "name": "directmessage" if channel.startswith("D") else "general"},
+            "message": shown, "state": {"values": {}}, "response_url": f"{self.root_url}/response/{hook}",
+            "actions": [{"type": "button", "action_id": action_id, "block_id": block_id, "text": button["text"],
+                         "value": button.get("value", ""), "action_ts": f"{time.time():.6f}",
+                         **({"style": button["style"]} if "style" in button else {})}],
+        }
+
+    async def push_block_action(self, *, user: str, channel: str, ts: str, action_id: str,
+                                stale: bool = False) -> str:
+        """A press of a button over Socket Mode (an `interactive` envelope); its envelope id."""
+        payload = self.block_actions_payload(user=user, channel=channel, ts=ts, action_id=action_id, stale=stale)
+        return await self.push_envelope("interactive", payload)
+
     async def push_raw(self, text: str) -> None:
         """Send any text frame (junk tests)."""
         ws = await self.wait_connected()
@@ -438,12 +500,16 @@ class FakeSlack:
             text, fmt = str(markdown), "markdown"
         else:
             text = str(params.get("text") or "")
-            if not text:
+            if not text and not params.get("blocks"):
                 return {"ok": False, "error": "no_text"}
             text = text[:TEXT_LIMIT]  # documented: Slack truncates past 40,000 characters
             fmt = "plain" if params.get("mrkdwn") in (False, "false", "0") else "mrkdwn"
+        blocks = _blocks(params)
+        if isinstance(blocks, dict):
+            return blocks
         self.posted.append(params)
         ts = self._add_message(channel, params.get("thread_ts"), text, fmt)
+        self.messages[(channel, ts)].blocks = blocks
         return {"ok": True, "channel": channel, "ts": ts, "message": {"text": text}}
 
     def _edit(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -474,6 +540,13 @@ class FakeSlack:
                     return {"ok": False, "error": "no_text"}
                 if len(text) > TEXT_LIMIT:
                     return {"ok": False, "error": "msg_too_long"}
+            if "blocks" in params:  # blocks not given: the message keeps its own
+                blocks = _blocks(params)
+                if isinstance(blocks, dict):
+                    return blocks
+                if message.blocks:
+                    message.earlier_blocks.append(message.blocks)
+                message.blocks = blocks
             message.text, message.format = text, fmt
             message.history.append(text)
             return {"ok": True, "channel": channel, "ts": message.ts, "text": text}
@@ -610,6 +683,108 @@ async def _params(request: web.Request) -> dict[str, Any]:
     return params
 
 
+def _blocks(params: dict[str, Any]) -> list[dict[str, Any]] | dict[str, Any] | None:
+    """The message's blocks (None without), or Slack's refusal (a dict with ok false)."""
+    raw = params.get("blocks")
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return _invalid_blocks("invalid JSON", "")
+    if not isinstance(raw, list):
+        return _invalid_blocks("must be an array", "")
+    if len(raw) > MAX_BLOCKS:
+        return _invalid_blocks(f"no more than {MAX_BLOCKS} items allowed", "")
+    block_ids: set[str] = set()
+    for i, block in enumerate(raw):
+        problem = _block_problem(block, block_ids)
+        if problem is not None:
+            return _invalid_blocks(problem[0], f"/{i}{problem[1]}")
+    return raw
+
+
+def _text_problem(obj: Any, limit: int, *, plain_only: bool = False) -> tuple[str, str] | None:
+    kinds = ("plain_text",) if plain_only else ("plain_text", "mrkdwn")
+    if not isinstance(obj, dict) or obj.get("type") not in kinds:
+        return "must be a text object", ""
+    text = obj.get("text")
+    if not isinstance(text, str) or not text:
+        return "must be more than 0 characters", "/text"
+    if len(text) > limit:
+        return f"must be less than {limit + 1} characters", "/text"
+    return None
+
+
+def _block_problem(block: Any, block_ids: set[str]) -> tuple[str, str] | None:
+    """(what is wrong, where below the block) or None."""
+    if not isinstance(block, dict):
+        return "must be an object", ""
+    block_id = block.get("block_id")
+    if block_id is not None:
+        if not isinstance(block_id, str) or not 0 < len(block_id) <= 255:
+            return "must be less than 256 characters", "/block_id"
+        if block_id in block_ids:
+            return "block_id must be unique", "/block_id"
+        block_ids.add(block_id)
+    kind = block.get("type")
+    if kind == "section":
+        problem = _text_problem(block.get("text"), SECTION_TEXT_LIMIT)
+        return (problem[0], "/text" + problem[1]) if problem else None
+    if kind == "context":
+        elements = block.get("elements")
+        if not isinstance(elements, list) or not 0 < len(elements) <= 10:
+            return "must provide between 1 and 10 items", "/elements"
+        for i, element in enumerate(elements):
+            problem = _text_problem(element, SECTION_TEXT_LIMIT)
+            if problem:
+                return problem[0], f"/elements/{i}{problem[1]}"
+        return None
+    if kind == "actions":
+        elements = block.get("elements")
+        if not isinstance(elements, list) or not 0 < len(elements) <= MAX_ACTION_ELEMENTS:
+            return f"must provide between 1 and {MAX_ACTION_ELEMENTS} items", "/elements"
+        action_ids: set[str] = set()
+        for i, element in enumerate(elements):
+            problem = _button_problem(element, action_ids)
+            if problem:
+                return problem[0], f"/elements/{i}{problem[1]}"
+        return None
+    if kind == "header":
+        problem = _text_problem(block.get("text"), 150, plain_only=True)
+        return (problem[0], "/text" + problem[1]) if problem else None
+    if kind == "divider":
+        return None
+    return f"unsupported type: {kind}", "/type"
+
+
+def _button_problem(element: Any, action_ids: set[str]) -> tuple[str, str] | None:
+    if not isinstance(element, dict) or element.get("type") != "button":
+        return "unsupported element", "/type"
+    problem = _text_problem(element.get("text"), BUTTON_TEXT_LIMIT, plain_only=True)
+    if problem:
+        return problem[0], "/text" + problem[1]
+    action_id = element.get("action_id")
+    if action_id is not None:
+        if not isinstance(action_id, str) or not 0 < len(action_id) <= 255:
+            return "must be less than 256 characters", "/action_id"
+        if action_id in action_ids:
+            return "action_id must be unique in the block", "/action_id"
+        action_ids.add(action_id)
+    value = element.get("value")
+    if value is not None and (not isinstance(value, str) or len(value) > 2000):
+        return "must be less than 2001 characters", "/value"
+    if element.get("style") not in (None, "primary", "danger"):
+        return "must be one of primary, danger", "/style"
+    return None
+
+
+def _invalid_blocks(problem: str, pointer: str) -> dict[str, Any]:
+    return {"ok": False, "error": "invalid_blocks",
+            "response_metadata": {"messages": [f"[ERROR] {problem} [json-pointer:/blocks{pointer}]"]}}
+
+
 # ---------------------------------------------------------------------------- HTTP mode
 
 
@@ -652,6 +827,17 @@ def signed_command_request(
 ) -> tuple[bytes, dict[str, str]]:
     """A slash command as Slack posts it in HTTP mode (form-encoded)."""
     raw = urlencode(fields).encode()
+    return signed_request(
+        signing_secret, raw, "application/x-www-form-urlencoded", timestamp=timestamp, forge=forge
+    )
+
+
+def signed_interaction_request(
+    signing_secret: str, payload: dict[str, Any], *, timestamp: int | None = None, forge: bool = False
+) -> tuple[bytes, dict[str, str]]:
+    """An interaction (a button press) as Slack posts it to the Interactivity Request URL:
+    a form with one field, `payload`, the JSON."""
+    raw = urlencode({"payload": json.dumps(payload)}).encode()
     return signed_request(
         signing_secret, raw, "application/x-www-form-urlencoded", timestamp=timestamp, forge=forge
     )

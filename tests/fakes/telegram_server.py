@@ -44,11 +44,24 @@ pending, or timeout 0) terminates nothing. At most one 409 goes out per
 `conflict_interval_s` (3 s there); a later one is held back that long first. Every 409
 is listed in `conflicts`. A long poll whose client hung up is gone (it terminates
 nothing and is not counted).
+
+Inline keyboards and button presses, as the Bot API has them: `reply_markup` of
+sendMessage, sendDocument, editMessageText and editMessageReplyMarkup must be an
+InlineKeyboardMarkup (an array of rows of buttons, each with a non-empty `text` and one
+action; `callback_data` of 1-64 bytes; at most 100 buttons), else 400. Editing a message's
+text without `reply_markup` removes its keyboard (Telegram's behaviour), as does
+editMessageReplyMarkup without one. `push_callback(...)` is a person pressing a button:
+only a button the message shows now can be pressed (`stale=True` is a client that has
+not seen the latest edit yet), and only a poller that asked for `callback_query` in
+`allowed_updates` is handed it. Every query must be answered with answerCallbackQuery,
+once, within `callback_answer_s` (else "query is too old"); the text shown is at most 200
+characters. Answers are kept in `callback_answers`, by query id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -69,7 +82,14 @@ GET_FILE_LIMIT = 20 * 1024 * 1024  # bots may download files up to 20 MB from th
 DRAFT_TTL_S = 30.0  # a draft is a 30-second preview unless updated or replaced by a message
 
 # Methods under per-chat flood control: a 429's retry_after holds for all of them.
-_PACED = frozenset({"sendmessage", "editmessagetext", "deletemessage", "sendmessagedraft"})
+_PACED = frozenset({"sendmessage", "editmessagetext", "editmessagereplymarkup", "deletemessage",
+                    "sendmessagedraft"})
+CALLBACK_DATA_LIMIT = 64  # bytes
+CALLBACK_TEXT_LIMIT = 200  # characters of an answerCallbackQuery notice
+MAX_BUTTONS = 100
+_BUTTON_ACTIONS = ("callback_data", "url", "web_app", "login_url", "switch_inline_query",
+                   "switch_inline_query_current_chat", "switch_inline_query_chosen_chat", "copy_text",
+                   "callback_game", "pay")
 
 # Form fields that stay strings even when they look like JSON numbers.
 _STRING_FIELDS = frozenset(
@@ -102,8 +122,15 @@ class FakeTelegram:
         send_burst: int = 20,
         send_per_s: float | None = 1.0,
         conflict_interval_s: float = 3.0,
+        callback_answer_s: float = 15.0,
     ) -> None:
         self.token = token
+        self.callback_answer_s = callback_answer_s
+        self._markups: dict[int, list[list[dict[str, Any]]]] = {}  # message id → its inline keyboard
+        self._threads: dict[int, int] = {}  # message id → the topic it was sent to
+        self._queries: dict[str, float] = {}  # unanswered callback query id → monotonic time pushed
+        self.callback_answers: dict[str, dict[str, Any]] = {}  # query id → answerCallbackQuery params
+        self.allowed_updates: list[str] | None = None  # as the last getUpdates asked
         self.conflict_interval_s = conflict_interval_s
         self.conflicts: list[float] = []  # monotonic time of every 409 a terminated getUpdates got
         self._long_poll: asyncio.Future[None] | None = None  # done: terminated by a newer one
@@ -251,6 +278,55 @@ class FakeTelegram:
         self._updates.append(update)
         self._notify()
         return uid
+
+    def push_callback(self, *, chat_id: int, user_id: int, message_id: int, data: str,
+                      stale: bool = False) -> str:
+        """A person presses the button with `data` under the bot's message `message_id`;
+        returns the callback query id. Only a button the message shows now can be pressed,
+        unless `stale` (a client that has not seen the latest edit yet)."""
+        query_id, update = self.callback_update(chat_id=chat_id, user_id=user_id, message_id=message_id,
+                                                data=data, stale=stale)
+        self.push_update(update)
+        return query_id
+
+    def callback_update(self, *, chat_id: int, user_id: int, message_id: int, data: str,
+                        stale: bool = False) -> tuple[str, dict[str, Any]]:
+        """The query id and the `callback_query` update of such a press, not queued (for a
+        webhook, which the test posts itself)."""
+        shown = self._shown.get(message_id)
+        if shown is None or str(shown[0]) != str(chat_id):
+            raise AssertionError(f"message {message_id} is not shown in chat {chat_id}")
+        rows = self._markups.get(message_id, [])
+        if not stale and not any(b.get("callback_data") == data for row in rows for b in row):
+            raise AssertionError(f"message {message_id} shows no button with data {data!r}")
+        query_id = str(next_query_id())
+        person = {"id": user_id, "is_bot": False, "first_name": f"User{user_id}", "username": f"user{user_id}"}
+        message: dict[str, Any] = {"message_id": message_id, "date": int(time.time()),
+                                   "chat": self._chat_of(chat_id), "from": self.bot_user(), "text": shown[1].text}
+        if shown[1].entities:
+            message["entities"] = shown[1].entities
+        if rows:
+            message["reply_markup"] = {"inline_keyboard": rows}
+        thread = self._threads.get(message_id)
+        if thread is not None:
+            message["message_thread_id"] = thread
+            message["is_topic_message"] = True
+        self._queries[query_id] = time.monotonic()
+        return query_id, {"update_id": self._next_update_id, "callback_query": {
+            "id": query_id, "from": person, "message": message, "chat_instance": str(chat_id), "data": data}}
+
+    def buttons(self, message_id: int) -> list[str]:
+        """The texts of the buttons message `message_id` shows now, row by row."""
+        return [str(b.get("text")) for row in self._markups.get(message_id, []) for b in row]
+
+    def unanswered(self) -> list[str]:
+        """Callback queries pushed and never answered."""
+        return list(self._queries)
+
+    async def wait_answer(self, query_id: str, timeout: float = 10) -> dict[str, Any]:
+        """The answerCallbackQuery params that answered `query_id`."""
+        await self._wait_for(lambda: query_id in self.callback_answers, timeout, f"an answer to query {query_id}")
+        return self.callback_answers[query_id]
 
     def add_file(self, file_id: str, content: bytes, file_path: str, *, reported_size: int | None = None) -> None:
         """A file bots can fetch (getFile, then GET /file/bot<token>/<file_path>). With
@@ -469,11 +545,22 @@ class FakeTelegram:
                 self._notify()
         timeout = params.get("timeout") or 0
         limit = params.get("limit") or 100
-        if not self._updates and timeout > 0:
+        allowed = params.get("allowed_updates")
+        if isinstance(allowed, list):
+            self.allowed_updates = [str(kind) for kind in allowed]
+        if not self._deliverable() and timeout > 0:
             terminated = await self._long_poll_wait(float(timeout), request)
             if terminated:
                 return await self._conflict()
-        return _ok(self._updates[: int(limit)])
+        return _ok(self._deliverable()[: int(limit)])
+
+    def _deliverable(self) -> list[dict[str, Any]]:
+        """Pending updates the poller asked for: button presses only when `allowed_updates`
+        names them (other kinds always, so junk can be pushed)."""
+        wanted = self.allowed_updates
+        if wanted is not None and "callback_query" not in wanted:
+            return [u for u in self._updates if "callback_query" not in u]
+        return self._updates
 
     async def _long_poll_wait(self, timeout: float, request: web.Request) -> bool:
         """Wait for updates as the one long poll of this bot; True when a newer getUpdates
@@ -486,7 +573,7 @@ class FakeTelegram:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
-            while not self._updates and not self._closing and not mine.done():
+            while not self._deliverable() and not self._closing and not mine.done():
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return False
@@ -535,11 +622,18 @@ class FakeTelegram:
         parsed = self._message_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
+        markup = _inline_keyboard(params)
+        if isinstance(markup, web.Response):
+            return markup
         flooded = self._send_flood(str(chat_id))
         if flooded is not None:
             return flooded
         message_id = self._new_message_id()
         self._shown[message_id] = (chat_id, parsed)
+        if markup:
+            self._markups[message_id] = markup
+        if params.get("message_thread_id") is not None:
+            self._threads[message_id] = params["message_thread_id"]
         self._drafts.pop(str(chat_id), None)  # the message takes the draft's place
         self.sent.append(params)
         self.history.append(("sendMessage", chat_id, message_id, parsed.text))
@@ -553,6 +647,8 @@ class FakeTelegram:
         }
         if entities:
             message["entities"] = entities
+        if markup:
+            message["reply_markup"] = {"inline_keyboard": markup}
         if params.get("message_thread_id") is not None:
             message["message_thread_id"] = params["message_thread_id"]
         return _ok(message)
@@ -570,6 +666,9 @@ class FakeTelegram:
             return _error(400, f"Bad Request: there is no {field} in the request")
         if len(file["data"]) > limit:
             return _error(413, "Request Entity Too Large")
+        markup = _inline_keyboard(params)
+        if isinstance(markup, web.Response):
+            return markup
         chat_id = params["chat_id"]
         message_id = self._new_message_id()
         self.uploads.append((method, file["filename"], file["data"]))
@@ -591,15 +690,18 @@ class FakeTelegram:
         parsed = self._message_text(text, params)
         if isinstance(parsed, web.Response):
             return parsed
+        markup = _inline_keyboard(params)  # none given: the keyboard goes, as on Telegram
+        if isinstance(markup, web.Response):
+            return markup
         flooded = self._edit_flood(str(chat_id))
         if flooded is not None:
             return flooded
-        if (parsed.text, parsed.entities) == (shown[1].text, shown[1].entities):
-            return _error(400, "Bad Request: message is not modified: specified new message content "
-                               "and reply markup are exactly the same as a current content and reply "
-                               "markup of the message")
+        if (parsed.text, parsed.entities, markup) == (shown[1].text, shown[1].entities,
+                                                      self._markups.get(message_id, [])):
+            return _not_modified()
         self._last_edit[str(chat_id)] = time.monotonic()
         self._shown[message_id] = (chat_id, parsed)
+        self._set_markup(message_id, markup)
         self.edits.append(params)
         self.history.append(("editMessageText", chat_id, message_id, parsed.text))
         self._notify()
@@ -611,6 +713,50 @@ class FakeTelegram:
             "from": self.bot_user(),
             "text": text,
         })
+
+    async def _api_editmessagereplymarkup(self, params: dict[str, Any]) -> web.Response:
+        chat_id, message_id = params["chat_id"], params["message_id"]
+        shown = self._shown.get(message_id)
+        if shown is None or str(shown[0]) != str(chat_id):
+            return _error(400, "Bad Request: message to edit not found")
+        markup = _inline_keyboard(params)
+        if isinstance(markup, web.Response):
+            return markup
+        flooded = self._edit_flood(str(chat_id))
+        if flooded is not None:
+            return flooded
+        if markup == self._markups.get(message_id, []):
+            return _not_modified()
+        self._last_edit[str(chat_id)] = time.monotonic()
+        self._set_markup(message_id, markup)
+        self.edits.append(params)
+        self.history.append(("editMessageReplyMarkup", chat_id, message_id, shown[1].text))
+        self._notify()
+        return _ok({"message_id": message_id, "date": int(time.time()), "edit_date": int(time.time()),
+                    "chat": _chat(chat_id), "from": self.bot_user(), "text": shown[1].text})
+
+    async def _api_answercallbackquery(self, params: dict[str, Any]) -> web.Response:
+        query_id = str(params.get("callback_query_id", ""))
+        pushed = self._queries.get(query_id)
+        if pushed is None or time.monotonic() - pushed > self.callback_answer_s:
+            return _error(400, "Bad Request: query is too old and response timeout expired or query ID is invalid")
+        text = params.get("text")
+        if text is not None and (not isinstance(text, str) or len(text) > CALLBACK_TEXT_LIMIT):
+            return _error(400, "Bad Request: MESSAGE_TOO_LONG")
+        del self._queries[query_id]
+        self.callback_answers[query_id] = params
+        self._notify()
+        return _ok(True)
+
+    def _set_markup(self, message_id: int, markup: list[list[dict[str, Any]]]) -> None:
+        if markup:
+            self._markups[message_id] = markup
+        else:
+            self._markups.pop(message_id, None)
+
+    def _chat_of(self, chat_id: Any) -> dict[str, Any]:
+        kind = self._chat_types.get(str(chat_id)) or ("private" if int(chat_id) > 0 else "supergroup")
+        return {"id": chat_id, "type": kind}
 
     async def _api_sendmessagedraft(self, params: dict[str, Any]) -> web.Response:
         chat = str(params["chat_id"])
@@ -774,6 +920,51 @@ def _read_text(text: Any, params: dict[str, Any]) -> Parsed | web.Response:
     if utf16_len(parsed.text) > TEXT_LIMIT:
         return _error(400, "Bad Request: message is too long")
     return parsed
+
+
+_query_ids = itertools.count(4_000_000_000_000_000_001)
+
+
+def next_query_id() -> int:
+    return next(_query_ids)
+
+
+def _inline_keyboard(params: dict[str, Any]) -> list[list[dict[str, Any]]] | web.Response:
+    """The rows of buttons `reply_markup` asks for ([] for none), or Telegram's refusal."""
+    markup = params.get("reply_markup")
+    if markup is None:
+        return []
+    if isinstance(markup, str):
+        try:
+            markup = json.loads(markup)
+        except ValueError:
+            return _error(400, "Bad Request: can't parse reply keyboard markup JSON object")
+    if not isinstance(markup, dict) or "inline_keyboard" not in markup:
+        return _error(400, "Bad Request: can't parse reply keyboard markup JSON object")
+    rows = markup["inline_keyboard"]
+    if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
+        return _error(400, "Bad Request: field \"inline_keyboard\" of the InlineKeyboardMarkup should be an Array "
+                           "of Arrays")
+    if sum(len(row) for row in rows) > MAX_BUTTONS:
+        return _error(400, "Bad Request: too many inline keyboard buttons")
+    for row in rows:
+        for button in row:
+            if not isinstance(button, dict) or not isinstance(button.get("text"), str) or not button["text"].strip():
+                return _error(400, "Bad Request: can't parse inline keyboard button: Text is empty")
+            actions = [key for key in _BUTTON_ACTIONS if key in button]
+            if len(actions) != 1:
+                return _error(400, "Bad Request: can't parse inline keyboard button: Text buttons are unallowed "
+                                   "in the inline keyboard")
+            data = button.get("callback_data")
+            if "callback_data" in button and (
+                    not isinstance(data, str) or not 1 <= len(data.encode("utf-8")) <= CALLBACK_DATA_LIMIT):
+                return _error(400, "Bad Request: BUTTON_DATA_INVALID")
+    return [row for row in rows if row]
+
+
+def _not_modified() -> web.Response:
+    return _error(400, "Bad Request: message is not modified: specified new message content and reply markup "
+                       "are exactly the same as a current content and reply markup of the message")
 
 
 def _ok(result: Any) -> web.Response:
