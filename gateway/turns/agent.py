@@ -34,7 +34,7 @@ from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession
-from gateway.turns.streaming import StepFeed, clean_reply
+from gateway.turns.streaming import StepFeed, clean_reply, stopped_reply
 from gateway.turns.summaries import Summarizer
 from gateway.types import Attachment, Message, ToolCall
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
@@ -59,6 +59,8 @@ OVERFLOW_CLEARED = (
 
 
 EMPTY_REPLY = "(The model returned an empty answer. Please try again or rephrase.)"
+# The result of a tool call a /stop cut short, as the model reads it next turn.
+STOPPED_RESULT = "the person stopped the turn (/stop) before this call finished; it may have done part of its work"
 
 
 def step_limit_reply(max_steps: int) -> str:
@@ -79,7 +81,7 @@ def tool_timeout(tool: Tool) -> float:
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
-    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash
+    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash | stopped
     tokens: int = 0  # prompt + completion tokens the provider reported for this turn
 
 
@@ -165,10 +167,44 @@ class Agent:
             tokens = await asyncio.to_thread(counter.count_message, msg)
         else:
             tokens = counter.count_message(msg)
-        stored = await self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event)
+        write = asyncio.ensure_future(
+            self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event))
+        try:
+            stored = await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # A /stop (or a shutdown) cancels the turn: a write under way still lands, and
+            # the live context takes it too, so the two agree when the stop closes the turn.
+            await asyncio.wait({write})
+            if not write.cancelled() and write.exception() is None:
+                self._kept(live, write.result())
+            raise
+        self._kept(live, stored)
+        return stored
+
+    @staticmethod
+    def _kept(live: LiveSession, stored: Message) -> None:
         live.seq += 1
         live.ctx.append(stored)
-        return stored
+
+    async def stopped(self, live: LiveSession, by: str) -> TurnResult:
+        """Close the current turn after a /stop cancelled it (SPEC §6): every tool call gets
+        a result, and what the stream showed of the answer, marked, is the stored reply.
+        A reply stored before the stop landed stands as it is."""
+        turn = live.ctx.current_turn
+        mine = [m for m in live.ctx.messages if m.turn == turn]
+        if mine and mine[-1].role == "assistant" and not mine[-1].tool_calls:
+            return TurnResult(mine[-1].content, "ok")
+        answered = {m.tool_call_id for m in mine if m.role == "tool"}
+        for m in mine:
+            for call in m.tool_calls if m.role == "assistant" else ():
+                if call.id not in answered:
+                    await self.store(live, Message(
+                        role="tool", content=f"error: {STOPPED_RESULT}", turn=turn, tool_call_id=call.id,
+                        tool_name=call.name))
+        text = stopped_reply(live.feed.shown_text if live.feed is not None else "")
+        await self.store(live, Message(role="assistant", content=text, turn=turn))
+        log.info("turn stopped", extra={"session": live.key, "by": by})
+        return TurnResult(text, "stopped")
 
     def _apply(self, live: LiveSession, prepared: Prepared) -> None:
         for event in prepared.events:
@@ -221,7 +257,7 @@ class Agent:
         """Run the current turn (its user message is already stored) to a final reply.
         With `stream`, the reply is shown as it is produced (append/status only: the
         caller finishes or fails the stream with the result's text)."""
-        feed = StepFeed(stream) if stream is not None else None
+        feed = live.feed = StepFeed(stream) if stream is not None else None
         recovered = False
         step = 0
         live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0

@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from context.effects import TrimEvent
     from context.engine import SessionContext
+    from gateway.turns.streaming import StepFeed
     from gateway.types import Inbound
+
+
+@dataclass
+class TurnStop:
+    """A /stop of the turn running now (SPEC §6): who asked, and set once that turn has
+    ended (its stopped reply stored and delivered)."""
+
+    by: str
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -37,3 +47,8 @@ class LiveSession:
     agent: str = "default"  # the agent that answers here (SPEC §5.5; gateway/agents.py)
     model_alias: str | None = None  # picked with /model; None: the agent's own model
     last_model: str | None = None  # the model that answered the last step (a fallback, maybe)
+    # The agent's run of the turn running now (what /stop cancels), the feed of its
+    # stream (what was shown), and the stop asked for it, if any.
+    running: asyncio.Task[Any] | None = None
+    feed: StepFeed | None = None
+    stop: TurnStop | None = None
