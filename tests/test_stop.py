@@ -17,14 +17,35 @@ from pathlib import Path
 
 import aiohttp
 
+from channels.discord.format import render_markdown as discord_markdown
+from channels.slack.format import clean_text, split_message, to_mrkdwn
+from channels.telegram.format import render_markdown
 from gateway.app import Gateway
 from gateway.turns.agent import STOPPED_RESULT
 from gateway.turns.commands import HELP, STOP_ANSWERS
 from gateway.turns.streaming import STOPPED_MARK, stopped_reply
 from tests.conftest import GatewayFactory, chat, post_chat
+from tests.fakes import discord_server, slack_server
+from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeModel
+from tests.fakes.slack_server import FakeSlack
+from tests.fakes.telegram_server import FakeTelegram
+from tests.test_discord import PERSON, discord_gateway
+from tests.test_e2e_slack import _mention
+from tests.test_e2e_streaming import (
+    CHAT,
+    FAST_S,
+    answered,
+    sent_once,
+    slack_gateway,
+    telegram_gateway,
+    telegram_section,
+)
 from tests.test_exec import NO_ASKING, marker, processes_with, until
 from tests.test_web_api import Events, open_stream
+
+fake_slack = slack_server.fake_slack  # the fixtures
+fake_discord = discord_server.fake_discord
 
 ENDLESS_PIECES = 100_000  # at PIECE_DELAY_S apart: longer than any test runs
 PIECE_DELAY_S = 0.02
@@ -211,3 +232,134 @@ async def test_stop_ends_a_pending_approval_as_stopped(make_gateway: GatewayFact
     reply = await chat(gw, "hal", f"/allow {card['id']}")
     assert "decided already" in reply
     assert processes_with(mark) == []
+
+
+# -- the platforms ----------------------------------------------------------------------------
+
+
+def prefix_of_the_endless_reply(text: str) -> bool:
+    words = text.split()
+    return bool(words) and words == [f"word{i}" for i in range(len(words))]
+
+
+async def stopped_turn(gw: Gateway, key: str, question: str) -> str:
+    """The stored reply of the session's first turn, checked to be a stopped one."""
+    messages = await stored(gw, key)
+    assert messages[0] == ("user", question)
+    role, reply = messages[1]
+    assert role == "assistant" and reply.endswith("\n\n" + STOPPED_MARK), reply[-200:]
+    assert prefix_of_the_endless_reply(reply.removesuffix(STOPPED_MARK)), reply[:200]
+    return reply
+
+
+async def test_telegram_stop_mid_stream(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    fake = FakeTelegram(edit_interval_s=FAST_S)
+    await fake.start()
+    try:
+        gw = await telegram_gateway(make_gateway, fake, FAST_S)  # a message edited as it grows
+        assert ("stop", "Stop the answer being written now") in [(c["command"], c["description"])
+                                                                  for c in fake.commands]
+        endless(fake_model)
+        asked = fake.push_message(chat_id=CHAT, user_id=CHAT, text="tell me everything")
+        await fake.wait_shown(CHAT, lambda shown: any("word5" in text for text in shown), timeout=20)
+        queued = fake.push_message(chat_id=CHAT, user_id=CHAT, text="and then?")
+        stop = fake.push_message(chat_id=CHAT, user_id=CHAT, text="/stop",
+                                 entities=[{"type": "bot_command", "offset": 0, "length": 5}])
+        await answered(gw, "telegram", str(stop))
+        await answered(gw, "telegram", str(asked))
+        await answered(gw, "telegram", str(queued))
+        assert await fake_model.wait_disconnects(1) == [0]
+        reply = await stopped_turn(gw, f"telegram:dm:{CHAT}", "tell me everything")
+        # The message that grew shows what it showed, and the mark: as send() would show the reply.
+        first = render_markdown(reply)
+        assert fake.shown(CHAT)[:len(first)] == [chunk.text for chunk in first]
+        assert sorted(fake.shown(CHAT)[len(first):]) == sorted([STOP_ANSWERS["stopped"], "echo: and then?"])
+        sent_once(fake, CHAT)
+        assert len(fake_model.requests) == 2  # "/stop" never reached the model
+    finally:
+        await fake.stop()
+
+
+async def test_telegram_commands_unknown_start_and_the_bots_name(make_gateway: GatewayFactory,
+                                                                 fake_model: FakeModel) -> None:
+    fake = FakeTelegram(edit_interval_s=FAST_S)
+    await fake.start()
+    try:
+        gw = await make_gateway(access={"allow_from": ["*"]}, channels=telegram_section(fake, streaming="edit"),
+                                stream_interval_s=FAST_S)
+        name = fake.bot_username
+        for text in ("/start", "/persona pirate", f"/help@{name}", "/reset"):
+            update = fake.push_message(chat_id=CHAT, user_id=CHAT, text=text,
+                                       entities=[{"type": "bot_command", "offset": 0, "length": len(text.split()[0])}])
+            await answered(gw, "telegram", str(update))
+        welcome, unknown, listed, reset = fake.shown(CHAT)
+        assert welcome.startswith("Hi!") and "/stop" in welcome
+        assert unknown.startswith("/persona: unknown command.") and "/help" in unknown
+        assert listed.startswith("Commands:") and "/stop" in listed
+        assert reset.startswith("Started a fresh context.")
+        # In a group: `/stop@thisbot` is this bot's.
+        endless(fake_model)
+        asked = fake.push_message(chat_id=-100, user_id=CHAT, text=f"@{name} go on", chat_type="group",
+                                  entities=[{"type": "mention", "offset": 0, "length": len(name) + 1}])
+        await fake_model.wait_requests(1)
+        stop = fake.push_message(chat_id=-100, user_id=CHAT, text=f"/stop@{name}", chat_type="group",
+                                 entities=[{"type": "bot_command", "offset": 0, "length": len(name) + 6}])
+        await answered(gw, "telegram", str(stop))
+        await answered(gw, "telegram", str(asked))
+        assert fake.shown(-100)[-1] == STOP_ANSWERS["stopped"]
+        assert len(fake_model.requests) == 1
+    finally:
+        await fake.stop()
+
+
+async def test_slack_stop_with_the_slash_command_and_in_a_thread(make_gateway: GatewayFactory,
+                                                                  fake_model: FakeModel,
+                                                                  fake_slack: FakeSlack) -> None:
+    gw = await slack_gateway(make_gateway, fake_slack)
+    # A DM: Slack's composer makes "/stop" the slash command; the reply grows by updates.
+    endless(fake_model)
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U5", "text": "tell me everything",
+                                 "ts": "100.1", "channel": "D5"})
+    await fake_slack.wait_for(lambda: any("word5" in t for t in fake_slack.visible("D5")), timeout=20)
+    env = await fake_slack.push_slash_command("/stop", "", user="U5", channel="D5")
+    await fake_slack.wait_acked(env)
+    await answered(gw, "slack", "D5:100.1")
+    await fake_slack.wait_for(lambda: fake_slack.responses or fake_slack.ephemeral)
+    assert STOP_ANSWERS["stopped"] in str((fake_slack.responses or fake_slack.ephemeral)[0])
+    reply = await stopped_turn(gw, "slack:dm:D5", "tell me everything")
+    assert fake_slack.visible("D5") == split_message(to_mrkdwn(reply))
+    assert await fake_model.wait_disconnects(1) == [0]
+    # A thread (a shared session): someone else's mention-prefixed /stop stops the native stream.
+    endless(fake_model)
+    await fake_slack.push_event(_mention(fake_slack, "301.1", "and you?", thread_ts="300.1"))
+    await fake_slack.wait_for(lambda: any("word5" in t for t in fake_slack.visible("C1", "300.1")), timeout=20)
+    await fake_slack.push_event(_mention(fake_slack, "302.1", "/stop", user="U6", thread_ts="300.1"))
+    await answered(gw, "slack", "C1:302.1")
+    await answered(gw, "slack", "C1:301.1")
+    assert await fake_model.wait_disconnects(2) == [0, 1]
+    messages = await stored(gw, "slack:channel:C1:thread:300.1")
+    reply = messages[1][1]
+    assert reply.endswith("\n\n" + STOPPED_MARK) and prefix_of_the_endless_reply(reply.removesuffix(STOPPED_MARK))
+    shown = fake_slack.visible_messages("C1", "300.1")
+    assert not any(m.streaming for m in shown), "the native stream was stopped"
+    assert [m.text for m in shown] == [*split_message(clean_text(reply)), STOP_ANSWERS["stopped"]]
+    assert len(fake_model.requests) == 2
+
+
+async def test_discord_stop_mid_stream(fake_discord: FakeDiscord, make_gateway: GatewayFactory,
+                                       fake_model: FakeModel) -> None:
+    gw = await discord_gateway(make_gateway, fake_discord, stream_interval_s=FAST_S)
+    dm = fake_discord.dm_channel(PERSON)
+    endless(fake_model)
+    asked = fake_discord.push_message(user_id=PERSON, content="tell me everything", dm=True)
+    await fake_discord.wait_visible(dm, lambda shown: any("word5" in t for t in shown), timeout=20)
+    queued = fake_discord.push_message(user_id=PERSON, content="and then?", dm=True)
+    stop = fake_discord.push_message(user_id=PERSON, content="/stop", dm=True)
+    for mid in (stop, asked, queued):
+        await answered(gw, "discord", str(mid))
+    assert await fake_model.wait_disconnects(1) == [0]
+    reply = await stopped_turn(gw, f"discord:dm:{PERSON}", "tell me everything")
+    first = discord_markdown(reply)
+    shown = fake_discord.visible(dm)
+    assert shown[:len(first)] == first
+    assert sorted(shown[len(first):]) == sorted([STOP_ANSWERS["stopped"], "echo: and then?"])
