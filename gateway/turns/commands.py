@@ -112,6 +112,7 @@ STOP_ANSWERS = {
     "stopped": "Stopped.",
     "idle": "Nothing to stop: no answer is being written here.",
     "pending": "Stopping: the answer ends as soon as its last update is delivered.",
+    "unreached": "The gateway writing this answer did not take the stop in time; send /stop again.",
 }
 
 

@@ -60,7 +60,7 @@ FINISH_TIMEOUT_S = 300.0
 # How long /stop waits for the stopped turn to end (its reply stored and shown) before it
 # answers; the stop goes on regardless.
 STOP_WAIT_S = 10.0
-StopOutcome = Literal["stopped", "idle", "pending"]
+StopOutcome = Literal["stopped", "idle", "pending", "unreached"]
 
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
 STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
@@ -478,7 +478,8 @@ class SessionManager:
     async def stop_turn(self, key: str, by: str, inbound: Inbound | None = None) -> StopOutcome:
         """/stop (SPEC §6): cancel the agent's run of the session's turn running now and
         wait (a little) for the turn to end: "stopped"; "idle" when no answer is being
-        written; "pending" when it has not ended within STOP_WAIT_S."""
+        written; "pending" when it has not ended within STOP_WAIT_S; "unreached" when the
+        gateway running it (another one) did not take the stop in that time."""
         stop = self._stop_here(key, by)
         if stop is None:
             return await self._stop_elsewhere(key, inbound)
