@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from channels.discord.format import render_markdown as discord_markdown
 from channels.slack.format import clean_text, split_message, to_mrkdwn
@@ -252,16 +253,20 @@ async def stopped_turn(gw: Gateway, key: str, question: str) -> str:
     return reply
 
 
-async def test_telegram_stop_mid_stream(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
-    fake = FakeTelegram(edit_interval_s=FAST_S)
+@pytest.mark.parametrize("streaming", ["edit", "auto"])  # a message edited as it grows; a draft
+async def test_telegram_stop_mid_stream(make_gateway: GatewayFactory, fake_model: FakeModel, streaming: str) -> None:
+    fake = FakeTelegram(edit_interval_s=FAST_S, draft_interval_s=FAST_S)
     await fake.start()
     try:
-        gw = await telegram_gateway(make_gateway, fake, FAST_S)  # a message edited as it grows
+        gw = await telegram_gateway(make_gateway, fake, FAST_S, streaming=streaming)
         assert ("stop", "Stop the answer being written now") in [(c["command"], c["description"])
                                                                   for c in fake.commands]
         endless(fake_model)
         asked = fake.push_message(chat_id=CHAT, user_id=CHAT, text="tell me everything")
-        await fake.wait_shown(CHAT, lambda shown: any("word5" in text for text in shown), timeout=20)
+        if streaming == "edit":
+            await fake.wait_shown(CHAT, lambda shown: any("word5" in text for text in shown), timeout=20)
+        else:
+            await fake.wait_draft(CHAT, lambda draft: "word5" in draft, timeout=20)
         queued = fake.push_message(chat_id=CHAT, user_id=CHAT, text="and then?")
         stop = fake.push_message(chat_id=CHAT, user_id=CHAT, text="/stop",
                                  entities=[{"type": "bot_command", "offset": 0, "length": 5}])
