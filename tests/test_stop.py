@@ -28,7 +28,7 @@ from gateway.turns.streaming import STOPPED_MARK, stopped_reply
 from tests.conftest import GatewayFactory, chat, post_chat
 from tests.fakes import discord_server, slack_server
 from tests.fakes.discord_server import FakeDiscord
-from tests.fakes.openai_server import FakeModel
+from tests.fakes.openai_server import FakeModel, estimate_prompt_tokens, estimate_tokens
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.telegram_server import FakeTelegram
 from tests.test_discord import PERSON, discord_gateway
@@ -113,6 +113,12 @@ async def test_web_stop_mid_stream_keeps_what_was_shown_and_the_next_message_goe
     second = fake_model.requests[1]["messages"]
     assert [m["role"] for m in second[-3:]] == ["user", "assistant", "user"]
     assert second[-2]["content"] == data["reply"]
+    # The provider reported no usage for the call cut short; the budget still counts it.
+    assert gw.services is not None
+    (day,) = await gw.services.store.usage_since("2000-01-01")
+    assert (day.identity, day.turns) == ("web:ann", 2)
+    second_turn = estimate_prompt_tokens(fake_model.requests[1]) + estimate_tokens("echo: and then?")
+    assert day.tokens - second_turn > 100  # the stopped call's prompt (system prompt included) and text
 
 
 async def test_stop_without_a_stream_stores_the_mark_alone(make_gateway: GatewayFactory,

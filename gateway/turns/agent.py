@@ -201,7 +201,13 @@ class Agent:
                     await self.store(live, Message(
                         role="tool", content=f"error: {STOPPED_RESULT}", turn=turn, tool_call_id=call.id,
                         tool_name=call.name))
-        text = stopped_reply(live.feed.shown_text if live.feed is not None else "")
+        shown = live.feed.shown_text if live.feed is not None else ""
+        if live.step_tokens_in:
+            # The provider reports no usage for a call cut short: the person's budget counts
+            # what was sent and what was shown, so stopping is no way around it.
+            live.turn_tokens += live.step_tokens_in + self.s.counter.count_text(shown)
+            live.step_tokens_in = 0
+        text = stopped_reply(shown)
         await self.store(live, Message(role="assistant", content=text, turn=turn))
         log.info("turn stopped", extra={"session": live.key, "by": by})
         return TurnResult(text, "stopped")
@@ -261,6 +267,7 @@ class Agent:
         recovered = False
         step = 0
         live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.step_tokens_in = 0
         live.turn_trims = []
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
@@ -279,6 +286,7 @@ class Agent:
             self._apply(live, prepared)
             if prepared.user_notice:
                 return TurnResult(prepared.user_notice, "notice")
+            live.step_tokens_in = prepared.tokens
             try:
                 reply = await self._call_model(live, plan, prepared, tools, feed)
             except ModelError as err:
@@ -298,6 +306,7 @@ class Agent:
                         "session": live.key, "kind": outcome.kind, "detail": outcome.detail[:300]})
                     return TurnResult(outcome.user_message(), "model_error")
                 reply, prepared = outcome
+            live.step_tokens_in = 0
             live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
             live.turn_tokens_in += reply.prompt_tokens or 0
             live.turn_tokens_out += reply.completion_tokens or 0

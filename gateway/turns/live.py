@@ -37,6 +37,7 @@ class LiveSession:
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now
+    step_tokens_in: int = 0  # the counted prompt of the model call under way (charged if a /stop cuts it)
     inbound: Inbound | None = None  # the message of the turn running now (tools reply where it came from)
     # The rest of the turn's tally, for its log line: tokens in and out, decision steps
     # (model calls), and the context rules that fired.
