@@ -1,9 +1,11 @@
 """`python -m gateway chat`: the prompt loop of a terminal chat on the same engine (SPEC §8).
 
-Every answer follows its own question. The chat runs only the terminal channel: at start
-it resumes only the terminal's pending turns (other channels' events stay pending for
-`gateway run`), and answers a question left unanswered by an earlier Ctrl+C before the
-first prompt, labelled with the question it answers. Lines typed while an answer comes
+Every answer follows its own question. Ctrl+C during an answer is /stop: the answer ends
+with what was shown, marked, and the prompt comes back; at the prompt, or a second time
+while an answer is being stopped, it quits. The chat runs only the terminal channel: at
+start it resumes only the terminal's pending turns (other channels' events stay pending
+for `gateway run`), and answers a question left unanswered by a crash or a quit mid-answer
+before the first prompt, labelled with the question it answers. Lines typed while an answer comes
 in wait in the terminal's input (not echoed over the answer) and are sent in order. Log
 lines never print over the prompt or an answer: the log goes to `chat.log` in the data
 dir, and warnings are shown between answers."""
@@ -75,16 +77,32 @@ class Chat:
             await asyncio.gather(stop, return_exceptions=True)
         return not self.interrupted.is_set()
 
+    async def _answered(self, waited: asyncio.Future[Any], timeout: float) -> bool:
+        """Wait for `waited` (at most `timeout`). A Ctrl+C meanwhile is /stop (SPEC §6): the
+        answer ends with what was shown, and the wait goes on for the rest; a second Ctrl+C
+        before the first one's stop is through is False: the chat quits now."""
+        if await self._until_interrupted(waited, timeout):
+            return True
+        self.interrupted.clear()
+        stop = asyncio.ensure_future(self.gateway.sessions.stop_turn(self.key, "terminal:local"))
+        try:
+            if not await self._until_interrupted(stop, timeout=None):
+                return False
+        finally:
+            stop.cancel()
+            await asyncio.gather(stop, return_exceptions=True)
+        return await self._until_interrupted(waited, timeout)
+
     async def settle(self) -> bool:
         """Until the terminal session has nothing queued or running (its answers printed);
-        False on Ctrl+C."""
+        False on a Ctrl+C that quits."""
         # One turn is bounded by turn_timeout_s, its delivery by FINISH_TIMEOUT_S.
         bound = self.gateway.cfg.limits.turn_timeout_s + 360
         while True:
             worker = self.gateway.sessions.worker_of(self.key)
             if worker is None:
                 break
-            if not await self._until_interrupted(worker, bound):
+            if not await self._answered(worker, bound):
                 return False
         while not self.terminal.replies.empty():  # printed already; the queue is for tests
             self.terminal.replies.get_nowait()
@@ -108,7 +126,7 @@ class Chat:
                               event_id=uuid.uuid4().hex)
             self.handling = asyncio.ensure_future(self.gateway.router.handle(inbound))
             bound = self.gateway.cfg.limits.turn_timeout_s
-            if not await self._until_interrupted(self.handling, timeout=bound) or not await self.settle():
+            if not await self._answered(self.handling, timeout=bound) or not await self.settle():
                 return await self._stop(mid_turn=True)
 
     async def _stop(self, *, mid_turn: bool) -> int:
@@ -116,7 +134,7 @@ class Chat:
             self.handling.cancel()  # recorded or not, the event is resumed or never was
             await asyncio.gather(self.handling, return_exceptions=True)
         if mid_turn:
-            await self.gateway.stop(0)  # Ctrl+C: the turn is cut now and resumed at the next start
+            await self.gateway.stop(0)  # a second Ctrl+C: the turn is cut now and resumed at the next start
             self.terminal.write(f"\n{STOPPED_MID_TURN}\n")
         else:
             await self.gateway.stop()

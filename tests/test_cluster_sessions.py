@@ -18,6 +18,8 @@ import pytest_asyncio
 from gateway.app import Gateway, StartupError
 from gateway.cluster.leases import ClusterLeases
 from gateway.config.load import load_config
+from gateway.turns.commands import STOP_ANSWERS
+from gateway.turns.streaming import STOPPED_MARK
 from gateway.types import Inbound, inbound_to_dict
 from tests.conftest import chat, write_config
 from tests.fakes import telegram_server
@@ -338,3 +340,28 @@ async def test_an_unusable_lease_ttl_stops_the_start_with_its_name(
     gw = Gateway(load_config(path), config_path=path)
     with pytest.raises(StartupError, match="GATEWAY_LEASE_TTL_S must be"):
         await gw.start()
+
+
+async def test_a_stop_sent_to_another_gateway_stops_the_turn(pair: tuple[Gateway, Gateway],
+                                                             fake_model: FakeModel) -> None:
+    a, b = pair
+    assert a.services is not None
+    fake_model.hang(600)
+    waiting = asyncio.ensure_future(chat(a, "ann", "a long one"))  # a web message runs where it came in
+    await fake_model.wait_requests(1)
+    live = a.sessions.live.get("web:ann")
+    assert live is not None and live.running is not None
+    assert await chat(b, "ann", "/stop") == STOP_ANSWERS["stopped"]
+    assert await asyncio.wait_for(waiting, 20) == STOPPED_MARK
+    assert await fake_model.wait_disconnects(1) == [0]
+    rows = await a.services.store.messages("web:ann")
+    assert [(m.role, m.content) for m in rows] == [("user", "a long one"), ("assistant", STOPPED_MARK)]
+    assert await chat(b, "ann", "/stop") == STOP_ANSWERS["idle"]  # nothing runs now, anywhere
+    assert await chat(a, "ann", "and now?") == "echo: and now?"
+    # On the gateway that runs it, under the session's lease, too.
+    fake_model.hang(600)
+    waiting = asyncio.ensure_future(chat(a, "ann", "another long one"))
+    await fake_model.wait_requests(3)
+    assert await chat(a, "ann", "/stop") == STOP_ANSWERS["stopped"]
+    assert await asyncio.wait_for(waiting, 20) == STOPPED_MARK
+    assert len(fake_model.requests) == 3

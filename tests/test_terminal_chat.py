@@ -1,7 +1,8 @@
 """`gateway chat` in a real pseudo-terminal, read the way a person reads it: the window
 (a pyte terminal emulator fed everything the chat printed). Each answer follows its own
-question, also after a Ctrl+C cut a turn and across a restart; lines typed while an
-answer comes in are answered in order; warnings never land inside an answer or the
+question, also after a crash cut a turn and across a restart; Ctrl+C during an answer
+stops it (/stop) and the prompt comes back; lines typed while an answer comes in are
+answered in order; warnings never land inside an answer or the
 prompt; and the chat never touches another channel's pending events."""
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ async def _event_status(data: Path, channel: str, event_id: str) -> str | None:
         await store.close()
 
 
-async def test_each_answer_follows_its_question_across_ctrl_c_and_a_restart(
+async def test_each_answer_follows_its_question_across_a_crash_and_a_restart(
         fake_model: FakeModel, tmp_path: Path) -> None:
     config = write_config(tmp_path, fake_model)
     data = tmp_path / "data"
@@ -169,9 +170,9 @@ async def test_each_answer_follows_its_question_across_ctrl_c_and_a_restart(
         fake_model.hang(60)  # question two never gets its answer in this run
         first.type("question two\r")
         await fake_model.wait_requests(2)
-        first.type("\x03")  # Ctrl+C mid-turn
-        assert await first.exit_code() == 0
-        assert "Stopped mid-answer; your question is answered when the chat starts again." in first.lines
+        assert first.proc is not None
+        first.proc.kill()  # the chat dies mid-turn (a crash, a closed terminal)
+        await first.exit_code()
         assert "Traceback" not in first.raw
     finally:
         await first.close()
@@ -222,8 +223,50 @@ async def test_each_answer_follows_its_question_across_ctrl_c_and_a_restart(
     # The Telegram message waits for `gateway run`: chat neither answered it nor sent it to the model.
     assert await _event_status(data, "telegram", "tg-1") == "accepted"
     log = (data / "chat.log").read_text()
-    assert log.count('"turn ended"') == 6  # one, two (cut), two, three, four, five
+    assert log.count('"turn ended"') == 5  # one, two (resumed), three, four, five
     assert "question" not in log
+
+
+async def test_ctrl_c_mid_answer_stops_it_and_nothing_is_asked_again(fake_model: FakeModel, tmp_path: Path) -> None:
+    config = write_config(tmp_path, fake_model)
+    chunks = [f"word{i} " for i in range(100_000)]  # streams for longer than the test runs
+    fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.02)
+    window = Window()
+    try:
+        await window.start(config, tmp_path)
+        await window.at_prompt()
+        window.type("tell me everything\r")
+        await window.until(r"word5 ")
+        window.type("\x03")  # Ctrl+C mid-answer: /stop
+        await window.until(r"\[stopped\]\nyou>\Z")
+        assert await fake_model.wait_disconnects(1) == [0]
+        window.type("and then?\r")
+        await window.until(r"bot> echo: and then\?\nyou>\Z")
+        assert window.proc is not None and window.proc.returncode is None  # the chat goes on
+        _order(window.lines, "you> tell me everything", "     [stopped]", "you> and then?", "bot> echo: and then?")
+        window.type("\x04")
+        assert await window.exit_code() == 0
+        assert "Traceback" not in window.raw
+    finally:
+        await window.close()
+    store = await Store.open(tmp_path / "data" / "gateway.sqlite3")
+    try:
+        rows = await store.messages("terminal:local")
+    finally:
+        await store.close()
+    assert [m.role for m in rows] == ["user", "assistant", "user", "assistant"]
+    assert rows[1].content.startswith("word0 word1 word2 word3 word4") and rows[1].content.endswith("\n\n[stopped]")
+
+    again = Window()  # nothing is asked again at the next start
+    try:
+        await again.start(config, tmp_path)
+        await again.at_prompt()
+        assert "earlier question" not in again.text
+        again.type("\x04")
+        assert await again.exit_code() == 0
+    finally:
+        await again.close()
+    assert [r["messages"][-1]["content"] for r in fake_model.requests] == ["tell me everything", "and then?"]
 
 
 async def test_ctrl_c_at_the_prompt_ends_the_chat_and_restores_the_terminal(

@@ -140,19 +140,53 @@ async def test_history_appears_on_reload(make_gateway: GatewayFactory, fake_mode
     assert errors == []
 
 
-async def test_stop_aborts_the_wait_and_the_reply_arrives_later(make_gateway: GatewayFactory, fake_model: FakeModel,
-                                                                browser: Browser) -> None:
+async def test_stop_stops_the_turn_keeps_what_was_shown_and_the_next_message_goes_on(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:
+    gw = await make_gateway()
+    assert gw.http is not None and gw.services is not None
+    chunks = [f"word{i} " for i in range(100_000)]  # streams for longer than the test runs
+    fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.02)
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.fill("#text", "tell me everything")
+    await page.press("#text", "Enter")
+    live = page.locator(".msg.bot.pending")
+    await live.filter(has_text="word5").wait_for(timeout=10_000)
+    await page.click("#stop")
+    await page.wait_for_selector("#working", state="hidden", timeout=15_000)
+    # What was shown stays, marked; it is what the gateway stored as the reply.
+    stopped = page.locator(".msg.bot.stopped")
+    assert await stopped.count() == 1
+    shown = await stopped.inner_text()
+    rows = await gw.services.store.messages("web:web-user")
+    assert [m.role for m in rows] == ["user", "assistant"]
+    assert rows[1].content.endswith("\n\n[stopped]") and rows[1].content.startswith("word0 word1 word2 word3 word4")
+    assert shown.split() == rows[1].content.split()
+    assert await page.locator(".note").count() == 0  # not the "stopped waiting" fallback
+    assert await fake_model.wait_disconnects(1) == [0]  # the model's stream was closed
+    # The session is free: the next message is answered, after the stopped one.
+    await page.fill("#text", "and then?")
+    await page.press("#text", "Enter")
+    await page.locator(".msg.bot", has_text="echo: and then?").wait_for(timeout=10_000)
+    assert [m["messages"][-1]["content"] for m in fake_model.requests] == ["tell me everything", "and then?"]
+    assert errors == []
+
+
+async def test_a_stop_that_cannot_reach_the_gateway_stops_reading(make_gateway: GatewayFactory,
+                                                                   fake_model: FakeModel, browser: Browser) -> None:
+    """The page's /stop request fails (here the browser drops it): the page stops reading the
+    reply instead, and the turn's reply shows in the history later."""
     gw = await make_gateway()
     assert gw.http is not None
     fake_model.reply("worth the wait", delay=0.6)
     page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    await page.route("**/api/chat", lambda route: route.abort() if "/stop" in (route.request.post_data or "")
+                     else route.continue_())
     await page.fill("#text", "slow question")
     await page.press("#text", "Enter")
     await page.wait_for_selector("#working:not([hidden])", timeout=5000)
     await page.click("#stop")
-    await page.wait_for_selector("#working", state="hidden", timeout=2000)
+    await page.wait_for_selector("#working", state="hidden", timeout=5000)
     assert "Stopped waiting" in (await page.locator(".note").last.text_content() or "")
-    assert await page.locator(".msg.bot").count() == 0
     # The turn went on in the gateway; the history button shows its reply.
     assert gw.services is not None
     async with asyncio.timeout(5):

@@ -55,6 +55,7 @@ STOP_GRACE_S = 6.0  # for a server to close by itself (stdio: stdin closed, then
 STOP_KILL_S = 3.0  # after the task is cancelled (the SDK kills the process)
 HTTP_CONNECT_TIMEOUT_S = 15.0
 CALL_GUARD_S = 5.0  # past a server's timeout_s, a call that its connection never answered is given up
+CANCEL_NOTICE_S = 5.0  # telling a server that a call it runs was cancelled
 STDERR_LOG_MAX_BYTES = 1_000_000  # a server's stderr log is started afresh past this
 REASON_MAX_CHARS = 300
 STDERR_TAIL_BYTES = 4096  # how much of a server's stderr log is read for its last line
@@ -566,6 +567,9 @@ class _Server:
         try:
             with anyio.CancelScope() as scope:
                 call.scope = scope
+                # The id the SDK gives this request (it takes the next one as the call
+                # starts, with nothing run in between): needed to tell the server to stop.
+                request_id = getattr(session, "_request_id", None)
                 try:
                     result = await session.call_tool(call.remote, call.args,
                                                      read_timeout_seconds=timedelta(seconds=self.cfg.timeout_s))
@@ -577,10 +581,25 @@ class _Server:
                 except Exception as err:  # a malformed answer must not end the connection
                     reason = REDACTOR.redact_shown(str(err))[:REASON_MAX_CHARS]
                     call.settle(ToolError(f"{call.shown} failed: {type(err).__name__}: {reason}"))
+            if scope.cancelled_caught and isinstance(request_id, int):
+                await self._tell_cancelled(session, request_id)
         finally:
             self._in_flight -= 1
             # Still unsettled: the connection ended under it (or the caller left).
             call.settle(ToolError(f"the MCP server {self.name} went away during the call"))
+
+    async def _tell_cancelled(self, session: ClientSession, request_id: int) -> None:
+        """The caller left (a /stop, a timeout): the server is told, as MCP defines it
+        (`notifications/cancelled`), so the work stops there too. Best effort, bounded."""
+        from mcp import types
+        notice = types.ClientNotification(types.CancelledNotification(
+            params=types.CancelledNotificationParams(requestId=request_id, reason="the caller stopped the call")))
+        with anyio.move_on_after(CANCEL_NOTICE_S):
+            try:
+                await session.send_notification(notice)
+            except Exception as err:  # the connection may be going away as well
+                log.debug("could not tell an MCP server a call was cancelled",
+                          extra={"server": self.name, "error": str(err)[:200]})
 
     def _refused(self, call: _Call, err: McpError) -> str:
         import httpx

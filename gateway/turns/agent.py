@@ -35,7 +35,7 @@ from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession, SubTurn
-from gateway.turns.streaming import StepFeed, clean_reply
+from gateway.turns.streaming import StepFeed, clean_reply, stopped_reply
 from gateway.turns.summaries import Summarizer
 from gateway.types import Attachment, Message, ToolCall
 from gateway.workspace import PathNotAllowed, resolve_in_workspace
@@ -65,6 +65,8 @@ OVERFLOW_CLEARED = (
 
 
 EMPTY_REPLY = "(The model returned an empty answer. Please try again or rephrase.)"
+# The result of a tool call a /stop cut short, as the model reads it next turn.
+STOPPED_RESULT = "the person stopped the turn (/stop) before this call finished; it may have done part of its work"
 
 
 def step_limit_reply(max_steps: int) -> str:
@@ -85,7 +87,7 @@ def tool_timeout(tool: Tool) -> float:
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
-    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash
+    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash | stopped
     tokens: int = 0  # prompt + completion tokens the provider reported for this turn
 
 
@@ -177,10 +179,50 @@ class Agent:
             tokens = await asyncio.to_thread(counter.count_message, msg)
         else:
             tokens = counter.count_message(msg)
-        stored = await self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event)
+        write = asyncio.ensure_future(
+            self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event))
+        try:
+            stored = await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # A /stop (or a shutdown) cancels the turn: a write under way still lands, and
+            # the live context takes it too, so the two agree when the stop closes the turn.
+            await asyncio.wait({write})
+            if not write.cancelled() and write.exception() is None:
+                self._kept(live, write.result())
+            raise
+        self._kept(live, stored)
+        return stored
+
+    @staticmethod
+    def _kept(live: LiveSession, stored: Message) -> None:
         live.seq += 1
         live.ctx.append(stored)
-        return stored
+
+    async def stopped(self, live: LiveSession, by: str) -> TurnResult:
+        """Close the current turn after a /stop cancelled it (SPEC §6): every tool call gets
+        a result, and what the stream showed of the answer, marked, is the stored reply.
+        A reply stored before the stop landed stands as it is."""
+        turn = live.ctx.current_turn
+        mine = [m for m in live.ctx.messages if m.turn == turn]
+        if mine and mine[-1].role == "assistant" and not mine[-1].tool_calls:
+            return TurnResult(mine[-1].content, "ok")
+        answered = {m.tool_call_id for m in mine if m.role == "tool"}
+        for m in mine:
+            for call in m.tool_calls if m.role == "assistant" else ():
+                if call.id not in answered:
+                    await self.store(live, Message(
+                        role="tool", content=f"error: {STOPPED_RESULT}", turn=turn, tool_call_id=call.id,
+                        tool_name=call.name))
+        shown = live.feed.shown_text if live.feed is not None else ""
+        if live.step_tokens_in:
+            # The provider reports no usage for a call cut short: the person's budget counts
+            # what was sent and what was shown, so stopping is no way around it.
+            live.turn_tokens += live.step_tokens_in + self.s.counter.count_text(shown)
+            live.step_tokens_in = 0
+        text = stopped_reply(shown)
+        await self.store(live, Message(role="assistant", content=text, turn=turn))
+        log.info("turn stopped", extra={"session": live.key, "by": by})
+        return TurnResult(text, "stopped")
 
     def _apply(self, live: LiveSession, prepared: Prepared) -> None:
         for event in prepared.events:
@@ -233,10 +275,11 @@ class Agent:
         """Run the current turn (its user message is already stored) to a final reply.
         With `stream`, the reply is shown as it is produced (append/status only: the
         caller finishes or fails the stream with the result's text)."""
-        feed = StepFeed(stream) if stream is not None else None
+        feed = live.feed = StepFeed(stream) if stream is not None else None
         recovered = False
         step = 0
         live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.step_tokens_in = 0
         live.turn_trims = []
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
@@ -258,6 +301,7 @@ class Agent:
             self._apply(live, prepared)
             if prepared.user_notice:
                 return TurnResult(prepared.user_notice, "notice")
+            live.step_tokens_in = prepared.tokens
             try:
                 reply = await self._call_model(live, plan, prepared, tools, feed)
             except ModelError as err:
@@ -277,6 +321,7 @@ class Agent:
                         "session": live.key, "kind": outcome.kind, "detail": outcome.detail[:300]})
                     return TurnResult(outcome.user_message(), "model_error")
                 reply, prepared = outcome
+            live.step_tokens_in = 0
             live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
             live.turn_tokens_in += reply.prompt_tokens or 0
             live.turn_tokens_out += reply.completion_tokens or 0

@@ -1,7 +1,8 @@
 """In-chat commands (SPEC §6), handled without calling the model.
 
 Commands that change a session (/context clear, /new, /compact) run in that session's
-queue, so they never interleave with a turn."""
+queue, so they never interleave with a turn. /stop is answered at once: it is for the turn
+that queue waits on. An unknown `/word` is answered with the list, never sent to the model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import difflib
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,8 +39,9 @@ from gateway.types import Inbound
 log = logging.getLogger("gateway.commands")
 
 HELP = """Commands:
+/stop: stop the answer being written now; what was shown stays, marked [stopped]
 /context: what the live context holds (messages, tokens vs budget, turns, last trim)
-/context clear (or /new): start a fresh context; everything stays stored and searchable
+/context clear (or /new, /reset): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
 /config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
 /tools: the tools I can use here, and the state of each MCP server
@@ -51,7 +54,12 @@ HELP = """Commands:
 /approve CODE: approve a pairing code (admins)
 /help: this list"""
 
+WELCOME = ("Hi! I'm an assistant: write to me as you would to a person, and send files, pictures or voice "
+           "notes when they help. I remember our conversation; /new starts a fresh one, and /stop stops an "
+           "answer while I write it.\n\n")
+
 BOT_COMMANDS: list[tuple[str, str]] = [
+    ("stop", "Stop the answer being written now"),
     ("context", "Show what the live context holds; /context clear to reset"),
     ("new", "Start a fresh context"),
     ("compact", "Summarize now, keeping the last 2 turns"),
@@ -76,16 +84,36 @@ EFFECT_NOTE = {
 }
 
 
+KNOWN = frozenset({"context", "new", "reset", "compact", "config", "help", "approve", "start", "tools", "tasks",
+                   "model", "agent", "usage", "skills", "allow", "deny", "stop"})
+# A command is `/word` at the start of a message: a word of ASCII letters, digits and _
+# (Telegram's own rule), maybe with Telegram's `@botname`, then whitespace or the end. So
+# "/usr/bin is where…" or "/día" is text for the model, "/tmp is full" an unknown command.
+COMMAND = re.compile(r"/([A-Za-z0-9_]+)(?:@[A-Za-z0-9_]+)?(?=\s|$)")
+SHOWN_NAME_MAX = 64  # an unknown command's name, as the answer repeats it
+
+
 def parse_command(text: str) -> tuple[str, list[str]] | None:
+    """(name, arguments) of a command, known or not; None for ordinary text."""
     stripped = text.strip()
-    if not stripped.startswith("/") or len(stripped) < 2:
+    found = COMMAND.match(stripped)
+    if found is None:
         return None
-    head, *rest = stripped.split(maxsplit=2 if stripped.startswith("/config") else -1)
-    name = head[1:].split("@", 1)[0].lower()
-    if name not in {"context", "new", "compact", "config", "help", "approve", "start", "tools", "tasks", "model",
-                    "agent", "usage", "skills", "allow", "deny"}:
-        return None
-    return name, rest
+    name, rest = found[1].lower(), stripped[found.end():]
+    return name, rest.split(maxsplit=1) if name == "config" else rest.split()
+
+
+def unknown_command(name: str) -> str:
+    shown = name if len(name) <= SHOWN_NAME_MAX else name[:SHOWN_NAME_MAX - 1] + "…"
+    return f"`/{shown}`: unknown command.\n\n{HELP}"
+
+
+STOP_ANSWERS = {
+    "stopped": "Stopped.",
+    "idle": "Nothing to stop: no answer is being written here.",
+    "pending": "Stopping: the answer ends as soon as its last update is delivered.",
+    "unreached": "The gateway writing this answer did not take the stop in time; send /stop again.",
+}
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -175,8 +203,16 @@ class Commands:
         if parsed is None:
             return False
         name, args = parsed
-        if name in ("help", "start"):
+        if name == "stop":
+            # Answered at once, never queued: it is meant for the turn the queue waits on.
+            outcome = await self.sessions.stop_turn(key, inbound.identity, inbound)
+            await self._answer(inbound, STOP_ANSWERS[outcome])
+        elif name not in KNOWN:
+            await self._answer(inbound, unknown_command(name))
+        elif name == "help":
             await self._answer(inbound, HELP)
+        elif name == "start":
+            await self._answer(inbound, WELCOME + HELP)
         elif name == "config":
             await self._answer(inbound, await self.config(inbound, args))
         elif name == "approve":
@@ -187,7 +223,7 @@ class Commands:
             await self._answer(inbound, self.skills(inbound))
         elif name == "tasks":
             await self._answer(inbound, await self.tasks(inbound, scope, args))
-        elif name == "new" or (name == "context" and args[:1] == ["clear"]):
+        elif name in ("new", "reset") or (name == "context" and args[:1] == ["clear"]):
             await self._queue(inbound, key, scope, self._clear)
         elif name == "context":
             identity = inbound.identity

@@ -22,6 +22,7 @@ after a restart (a turn that was running continues from what it stored)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
 import time
@@ -32,16 +33,20 @@ from gateway.access import LOCAL_CHANNELS
 from gateway.store.fence import FENCE, FencedOut
 from gateway.turns.commands import parse_command
 from gateway.turns.sessions import (
+    STOP_WAIT_S,
     CommandJob,
     Job,
     SessionManager,
+    StopOutcome,
     TurnJob,
 )
 from gateway.types import Inbound, inbound_from_dict
 
 if TYPE_CHECKING:
+    from channels.base import ReplyStream
     from gateway.store.postgres import QueuedEvent
-    from gateway.turns.live import LiveSession
+    from gateway.turns.agent import TurnResult
+    from gateway.turns.live import LiveSession, TurnStop
 
 log = logging.getLogger("gateway.cluster")
 
@@ -56,6 +61,13 @@ SETTLE_POLL_S = 0.05
 SLOW_POLL_S = 0.5
 LEASE_RETRY_S = 0.2  # waiting for another gateway to finish a session this one must run
 STOP_POLL_S = 0.5
+# /stop for a turn another gateway runs (SPEC §6): the /stop event is marked STOP_ASKED with
+# the turn it stops; the running gateway looks every TURN_STOP_POLL_S, takes it (STOP_TAKEN),
+# stops the turn and marks it STOP_DONE once the turn has ended; the asking gateway reads
+# that every STOP_ANSWER_POLL_S, for at most STOP_WAIT_S.
+STOP_ASKED, STOP_TAKEN, STOP_DONE = "stop", "stop_taken", "stop_done"
+TURN_STOP_POLL_S = 0.5
+STOP_ANSWER_POLL_S = 0.1
 
 
 Keys = Callable[[Inbound], tuple[str, str]]
@@ -290,6 +302,81 @@ class ClusterSessionManager(SessionManager):
         self.live.pop(key, None)
         self._last_turns.pop(key, None)
         self._left_at.pop(key, None)
+
+    # -- /stop across gateways -----------------------------------------------------------------
+
+    async def _stop_elsewhere(self, key: str, inbound: Inbound | None) -> StopOutcome:
+        """The session's turn runs on another gateway: ask it through the database, and
+        wait (at most STOP_WAIT_S) for it to say the turn has ended."""
+        store = self.s.store
+        running = [ev for ev in await store.session_events(key) if ev.status == "running" and ev.turn is not None]
+        if inbound is None or not running:
+            return "idle"
+        turn = running[0].turn
+        await store.mark_event(inbound.channel, inbound.event_id, STOP_ASKED, turn=turn)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_WAIT_S
+        while loop.time() < deadline:
+            await asyncio.sleep(STOP_ANSWER_POLL_S)
+            status = await store.event_status(inbound.channel, inbound.event_id)
+            if status == STOP_DONE:
+                return "stopped"
+            if status == STOP_ASKED and not any(
+                    ev.status == "running" and ev.turn == turn for ev in await store.session_events(key)):
+                # The turn ended before any gateway took the stop: nothing was stopped.
+                if await self._withdraw_stop(inbound):
+                    return "idle"
+        # Never taken: withdrawn, so that it cannot stop a later turn. Taken: on its way.
+        return "unreached" if await self._withdraw_stop(inbound) else "pending"
+
+    async def _withdraw_stop(self, inbound: Inbound) -> bool:
+        rows = await self.s.store.run("UPDATE events SET status='answered' WHERE channel=? AND event_id=? AND status=? "
+                                      "RETURNING event_id", (inbound.channel, inbound.event_id, STOP_ASKED))
+        return bool(rows)
+
+    async def _stoppable(self, live: LiveSession, stream: ReplyStream | None) -> TurnResult:
+        watch = asyncio.ensure_future(self._watch_stops(live))
+        try:
+            return await super()._stoppable(live, stream)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    async def _watch_stops(self, live: LiveSession) -> None:
+        """While this gateway runs the session's turn: a /stop another gateway took for it."""
+        turn = live.ctx.current_turn
+        while True:
+            await asyncio.sleep(TURN_STOP_POLL_S)
+            try:
+                rows = await self.s.store.run(
+                    "UPDATE events SET status=? WHERE session_key=? AND status=? AND turn=? "
+                    "RETURNING channel, event_id, inbound", (STOP_TAKEN, live.key, STOP_ASKED, turn))
+            except Exception as err:  # the database hiccuped: the turn goes on, the next look may find it
+                log.warning("could not look for a /stop from another gateway",
+                            extra={"session": live.key, "error": str(err)[:200]})
+                continue
+            if not rows:
+                continue
+            try:
+                by = inbound_from_dict(json.loads(rows[0]["inbound"] or "{}")).identity
+            except (KeyError, TypeError, ValueError):
+                by = "another gateway"
+            stop = self._stop_here(live.key, by)
+            events = [(row["channel"], row["event_id"]) for row in rows]
+            if stop is not None:
+                self.s.background.spawn(self._stop_through(stop, events), name=f"stop:{live.key}")
+            return
+
+    async def _stop_through(self, stop: TurnStop, events: list[tuple[str, str]]) -> None:
+        """Tell the gateways that asked: the stopped turn has ended."""
+        try:
+            async with asyncio.timeout(STOP_WAIT_S):
+                await stop.ended.wait()
+        except TimeoutError:
+            return  # the asking gateway has answered "pending" by now
+        for channel, event_id in events:
+            await self.s.store.run("UPDATE events SET status=? WHERE channel=? AND event_id=? AND status=?",
+                                   (STOP_DONE, channel, event_id, STOP_TAKEN))
 
     # -- sweeping and stopping ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from context.effects import TrimEvent
     from context.engine import SessionContext
+    from gateway.turns.streaming import StepFeed
     from gateway.types import Inbound
 
 
@@ -26,6 +27,15 @@ class SubTurn:
 
 
 @dataclass
+class TurnStop:
+    """A /stop of the turn running now (SPEC §6): who asked, and set once that turn has
+    ended (its stopped reply stored and delivered)."""
+
+    by: str
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
 class LiveSession:
     key: str
     scope: str
@@ -39,6 +49,7 @@ class LiveSession:
     summarizing: set[int] = field(default_factory=set)  # upto_turn of summaries in flight
     last_event: TrimEvent | None = None
     turn_tokens: int = 0  # provider-reported tokens of the turn running now
+    step_tokens_in: int = 0  # the counted prompt of the model call under way (charged if a /stop cuts it)
     inbound: Inbound | None = None  # the message of the turn running now (tools reply where it came from)
     # The rest of the turn's tally, for its log line: tokens in and out, decision steps
     # (model calls), and the context rules that fired.
@@ -53,3 +64,8 @@ class LiveSession:
     # for a session's own turns. A sub-turn cannot delegate further.
     sub_limits: tuple[int, int] | None = None
     sub_turns: list[SubTurn] = field(default_factory=list)  # the sub-turns this session ran (for /context)
+    # The agent's run of the turn running now (what /stop cancels), the feed of its
+    # stream (what was shown), and the stop asked for it, if any.
+    running: asyncio.Task[Any] | None = None
+    feed: StepFeed | None = None
+    stop: TurnStop | None = None

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from context.engine import SessionContext
 from context.restore import restore_messages
@@ -31,7 +31,7 @@ from gateway.media import Intake, ReplyFile, plain_intake, reply_files
 from gateway.services import Services
 from gateway.store.fence import FencedOut
 from gateway.turns.agent import Agent, TurnResult
-from gateway.turns.live import LiveSession
+from gateway.turns.live import LiveSession, TurnStop
 from gateway.turns.streaming import TypingUntilShown
 from gateway.turns.usage import today
 from gateway.types import Inbound, Message
@@ -57,6 +57,10 @@ class OpenStream(Protocol):
 
 # finish/fail are bounded by the channel; this only guards the turn against one that is not.
 FINISH_TIMEOUT_S = 300.0
+# How long /stop waits for the stopped turn to end (its reply stored and shown) before it
+# answers; the stop goes on regardless.
+STOP_WAIT_S = 10.0
+StopOutcome = Literal["stopped", "idle", "pending", "unreached"]
 
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
 STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
@@ -287,6 +291,9 @@ class SessionManager:
         finally:
             if isinstance(job, TurnJob):
                 _log_turn(live, started, outcome)
+                stop, live.stop = live.stop, None
+                if stop is not None:
+                    stop.ended.set()
 
     async def _command(self, live: LiveSession, job: CommandJob) -> None:
         inbound = job.inbound
@@ -361,7 +368,8 @@ class SessionManager:
         if stream is None:
             delivered = await self._send(inbound, result.text)
         else:
-            delivered = await self._end_stream(inbound, stream, result.text, failed=result.outcome != "ok")
+            delivered = await self._end_stream(inbound, stream, result.text,
+                                               failed=result.outcome not in ("ok", "stopped"))
         if delivered and result.outcome == "ok":
             await self._send_named_files(live, inbound, result.text)
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
@@ -438,10 +446,10 @@ class SessionManager:
             if stream is None:
                 async with self.typing(inbound):
                     async with asyncio.timeout(timeout):
-                        return await self.agent.run_turn(live)
+                        return await self._stoppable(live, None)
             async with TypingUntilShown(stream, self.typing(inbound)) as shown:
                 async with asyncio.timeout(timeout):
-                    return await self.agent.run_turn(live, shown)
+                    return await self._stoppable(live, shown)
         except TimeoutError:
             log.warning("turn timed out", extra={"session": live.key})
             return TurnResult(TIMEOUT_REPLY, "timeout")
@@ -450,6 +458,55 @@ class SessionManager:
         except Exception:
             log.exception("turn failed", extra={"session": live.key})
             return TurnResult(CRASH_REPLY, "crash")
+
+    async def _stoppable(self, live: LiveSession, stream: ReplyStream | None) -> TurnResult:
+        """The agent's run of the turn in a task of its own, which a /stop cancels alone
+        (SPEC §6): the model call and the tools end, and the turn is closed with what was
+        shown. A cancellation of this job itself (a shutdown, the timeout) goes on up."""
+        run = asyncio.ensure_future(self.agent.run_turn(live, stream))
+        live.running = run
+        try:
+            return await run
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if live.stop is None or (me is not None and me.cancelling()):
+                raise
+            return await self.agent.stopped(live, live.stop.by)
+        finally:
+            live.running = None
+
+    async def stop_turn(self, key: str, by: str, inbound: Inbound | None = None) -> StopOutcome:
+        """/stop (SPEC §6): cancel the agent's run of the session's turn running now and
+        wait (a little) for the turn to end: "stopped"; "idle" when no answer is being
+        written; "pending" when it has not ended within STOP_WAIT_S; "unreached" when the
+        gateway running it (another one) did not take the stop in that time."""
+        stop = self._stop_here(key, by)
+        if stop is None:
+            return await self._stop_elsewhere(key, inbound)
+        return await self._stopped(stop)
+
+    def _stop_here(self, key: str, by: str) -> TurnStop | None:
+        live = self.live.get(key)
+        run = live.running if live is not None else None
+        if live is None or run is None or run.done():
+            return None
+        if live.stop is None:
+            live.stop = TurnStop(by)
+            run.cancel()
+        return live.stop
+
+    async def _stop_elsewhere(self, key: str, inbound: Inbound | None) -> StopOutcome:
+        """A turn of `key` running on another gateway (gateway/turns/leased_sessions.py); here: none."""
+        return "idle"
+
+    @staticmethod
+    async def _stopped(stop: TurnStop) -> StopOutcome:
+        try:
+            async with asyncio.timeout(STOP_WAIT_S):
+                await stop.ended.wait()
+        except TimeoutError:
+            return "pending"
+        return "stopped"
 
     # -- restart and shutdown -------------------------------------------------------------
 

@@ -10,6 +10,8 @@
   line) when a retry will stream the step again.
 - `TypingUntilShown` keeps a channel's typing indicator up until the stream shows
   something.
+- `stopped_reply` is what a turn stopped with /stop leaves (SPEC §6): the answer text the
+  stream was given, as it stood, and a short mark.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CLOSE_TAG = "</think>"
 # Shown in place of text that turned out not to be the answer.
 RETRYING_STATUS = "the connection to the model dropped; retrying…"
 THINKING_STATUS = "thinking…"
+STOPPED_MARK = "[stopped]"
+FENCE = "```"
 
 
 def _held_prefix(text: str, tags: tuple[str, ...]) -> int:
@@ -108,6 +112,17 @@ def clean_reply(content: str | None) -> str:
     return (think.feed(content or "") + think.flush()).strip()
 
 
+def stopped_reply(shown: str) -> str:
+    """The reply of a stopped turn: what was shown of the answer, then the mark. A code
+    block left open mid-stream is closed first, so the mark is not shown as code."""
+    text = shown.rstrip()
+    if not text:
+        return STOPPED_MARK
+    if sum(1 for line in text.splitlines() if line.lstrip().startswith(FENCE)) % 2:
+        text += "\n" + FENCE
+    return f"{text}\n\n{STOPPED_MARK}"
+
+
 class _Trim:
     """Leading and trailing whitespace held back from a growing text, so the pieces add up
     to `text.strip()` (which is what gets stored)."""
@@ -149,6 +164,12 @@ class StepFeed:
         self._think = ThinkFilter()
         self._trim = _Trim()
         self.shown = False  # this step's text reached the stream
+        self._pieces: list[str] = []  # that text: what a /stop keeps (`shown_text`)
+
+    @property
+    def shown_text(self) -> str:
+        """The answer text the stream shows now (nothing while a status line stands)."""
+        return "".join(self._pieces)
 
     def next_step(self) -> None:
         self._start()
@@ -174,6 +195,7 @@ class StepFeed:
         await self._append(self._trim.feed(self._think.flush()))
 
     async def status(self, line: str) -> None:
+        self._pieces = []  # the status replaces what was shown
         if self.broken:
             return
         try:
@@ -185,6 +207,7 @@ class StepFeed:
         if not visible or self.broken:
             return
         self.shown = True
+        self._pieces.append(visible)
         try:
             await self.stream.append(visible)
         except Exception:

@@ -15,7 +15,9 @@ None) the `default` does: an echo of the last user text ("echo: <text>").
 
 Every reply works for `stream=True` too: text is streamed in several deltas (or the exact
 `chunks` given, `chunk_delay` apart), tool call arguments in pieces, and a usage chunk is
-sent when `stream_options.include_usage` is set.
+sent when `stream_options.include_usage` is set. An answer the client leaves before its end
+(a stream it closes, a hang it gives up on) is recorded in `disconnects`
+(`wait_disconnects(n)`), as a provider sees it: the connection is gone.
 Usage that a test does not give is estimated (about 4 characters per token), so code
 that calibrates token counts always sees numbers.
 
@@ -165,6 +167,9 @@ class FakeModel:
         self.requests: list[dict[str, Any]] = []  # every request body received, in order
         self.request_headers: list[dict[str, str]] = []
         self.violations: list[str] = []  # strict-mode complaints sent back as 400s
+        # Answers the client left before their end (a stream it closed, a hang it gave up
+        # on): the index of each one's request in `requests` (a stopped turn closes its call).
+        self.disconnects: list[int] = []
         self.strict = True
         self.context_window: int | None = None  # estimated prompt tokens above it → overflow
         # Used when the script is empty and respond_with() gives nothing: a str is a fixed
@@ -325,6 +330,7 @@ class FakeModel:
         if not isinstance(body, dict):
             return _error_response(400, "The request body must be a JSON object.")
         async with self._arrived:
+            request[REQUEST_INDEX] = len(self.requests)
             self.requests.append(body)
             self.request_headers.append(dict(request.headers))
             self._arrived.notify_all()
@@ -340,9 +346,26 @@ class FakeModel:
 
         answer = await self._next(body)
         while isinstance(answer, Hang):
-            await self._pause(answer.seconds)
+            if not await self._hang(request, answer.seconds):
+                await self._client_left(request)
+                return web.Response()  # never sent: the client has gone
             answer = answer.then or await self._fallback(body)
         return await self._send(request, body, answer)
+
+    async def _hang(self, request: web.Request, seconds: float) -> bool:
+        """Wait `seconds` (or until the server stops); False when the client left first."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while loop.time() < end and not self._stopping.is_set():
+            if request.transport is None or request.transport.is_closing():
+                return False
+            await self._pause(min(0.02, end - loop.time()))
+        return True
+
+    async def _client_left(self, request: web.Request) -> None:
+        async with self._arrived:
+            self.disconnects.append(request[REQUEST_INDEX])
+            self._arrived.notify_all()
 
     async def _next(self, body: dict[str, Any]) -> Scripted | dict[str, Any]:
         if self._script:
@@ -459,8 +482,26 @@ class FakeModel:
             "usage": self._usage(body, reply),
         }
 
+    async def wait_disconnects(self, n: int, timeout: float = 10) -> list[int]:
+        """The first n answers the client left early, once it has left them."""
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(lambda: len(self.disconnects) >= n), timeout)
+            except TimeoutError:
+                raise TimeoutError(f"{len(self.disconnects)} stream(s) closed by the client, expected {n} "
+                                   f"within {timeout}s") from None
+        return self.disconnects[:n]
+
     async def _stream(self, request: web.Request, body: dict[str, Any], reply: Reply,
                       error: dict[str, Any] | None = None) -> web.StreamResponse:
+        try:
+            return await self._stream_events(request, body, reply, error)
+        except ConnectionResetError:  # aiohttp's "cannot write to closing transport"
+            await self._client_left(request)
+            return web.Response()  # never sent: the client has gone
+
+    async def _stream_events(self, request: web.Request, body: dict[str, Any], reply: Reply,
+                             error: dict[str, Any] | None = None) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -594,6 +635,7 @@ def _overflow_body(limit: int, requested: int) -> dict[str, Any]:
     }}
 
 
+REQUEST_INDEX = web.RequestKey("index", int)  # a request's place in `FakeModel.requests`
 TRANSCRIPTION_MAX_BYTES = 25 * 1024 * 1024  # OpenAI's limit for one audio file
 TRANSCRIPTION_FORMATS = frozenset({"flac", "m4a", "mp3", "mp4", "mpeg", "mpga", "oga", "ogg", "wav", "webm"})
 _IMAGE_PART_KEYS = frozenset({"type", "image_url"})

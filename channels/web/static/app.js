@@ -5,6 +5,9 @@
 
   const HISTORY_LIMIT = 50;
   const RENDER_EVERY_MS = 80; // re-render a growing reply at most this often
+  // After Stop, how long the reply may take to end (stopped, what was shown kept) before
+  // the page stops reading it instead (nothing was running to stop, or the gateway is away).
+  const STOP_GRACE_MS = 5000;
   const SESSION_NAME = /^[A-Za-z0-9_.@-]{1,64}$/;
 
   const $ = (id) => document.getElementById(id);
@@ -171,11 +174,14 @@
   let busy = false;
   let controller = null;
   let ticker = null;
+  let stopping = false; // Stop was pressed for the reply coming in now
+  let stopTimer = null;
 
   function setWorking(on) {
     busy = on;
     send.disabled = on;
     working.hidden = !on;
+    stop.disabled = false;
     clearInterval(ticker);
     if (on) {
       const started = Date.now();
@@ -219,7 +225,7 @@
       status(line) { answer = ""; status = line; schedule(); },
       done(reply) {
         clearTimeout(timer);
-        div.className = "msg bot";
+        div.className = stopping ? "msg bot stopped" : "msg bot";
         div.hidden = false;
         renderMarkdown(div, reply);
         div.title = new Date().toLocaleString();
@@ -377,6 +383,8 @@
       }
     } finally {
       controller = null;
+      stopping = false;
+      clearTimeout(stopTimer);
       setWorking(false);
       shownHistory = ""; // the log has changed since the last history load
       text.focus();
@@ -404,7 +412,28 @@
     loadHistory(true);
   }
 
-  stop.addEventListener("click", () => { if (controller) controller.abort(); });
+  // Stop is `/stop` (SPEC §6): the gateway stops the turn, and the reply ends with what was
+  // shown, marked [stopped]; the next message is answered at once. Should the reply not end
+  // (nothing was running yet), the page stops reading it after STOP_GRACE_MS.
+  async function stopReply() {
+    if (!controller || stopping) return;
+    stopping = true;
+    stop.disabled = true;
+    const reading = controller;
+    stopTimer = setTimeout(() => reading.abort(), STOP_GRACE_MS);
+    try {
+      const res = await fetch("api/chat", {
+        method: "POST",
+        headers: authHeaders({ "Content-Type": "application/json" }),
+        body: JSON.stringify({ session: session.value, text: "/stop", id: newId() }),
+      });
+      if (!res.ok) reading.abort();
+    } catch (err) {
+      reading.abort();
+    }
+  }
+
+  stop.addEventListener("click", stopReply);
   form.addEventListener("submit", (e) => { e.preventDefault(); submit(); });
   text.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); submit(); }
