@@ -572,7 +572,10 @@ class Gateway:
             await self.exec_tools.prepare()
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
-        for name in PLATFORMS:
+        # A gateway started without the messaging channels (`gateway chat`) never starts one
+        # on a reload: `gateway run` beside it on the same config owns them (a second
+        # Telegram poller would fight it for the bot with 409s).
+        for name in PLATFORMS if self.enable_channels else ():
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)
             if current is not None and getattr(current, "cfg", None) == section:
