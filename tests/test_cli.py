@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -128,3 +129,21 @@ def test_every_command_and_option_says_what_it_does() -> None:
                     assert choice.help, f"{name} {choice.dest}: no help"
                 continue
             assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.option_strings or action.dest}"
+
+
+async def test_the_readmes_local_model_configs_pass_check_config_without_a_key(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Try it without a key", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```json\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    for n, block in enumerate(blocks):
+        path = tmp_path / f"local-{n}.json"
+        path.write_text(block)
+        assert json.loads(block)["model"]["base_url"] in ("http://localhost:11434/v1", "http://localhost:8081/v1")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "check-config", "--config", str(path), cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+        assert proc.returncode == 0 and out.decode().strip() == f"{path}: OK", err.decode()
+        assert err.decode() == ""  # not even a warning: the placeholder key counts as a key
