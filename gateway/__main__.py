@@ -125,7 +125,6 @@ async def _run(path: Path | None) -> int:
     from gateway.http.server import raise_open_files_limit
 
     cfg, cfg_path = _load(path)
-    say(start_banner(cfg_path, cfg.data_path(_base(cfg_path)).resolve()))
     setup_logging(cfg.log_level)
     raise_open_files_limit()  # the server's connection cap is derived from it (gateway/http/server.py)
     gateway = Gateway(cfg, config_path=cfg_path, watch_config=True)
@@ -152,6 +151,8 @@ async def _run(path: Path | None) -> int:
     gc.freeze()
     host, port = cfg.http.host, gateway.http.port if gateway.http else cfg.http.port
     say(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", sys.stdout)
+    # Which file and folder: a refused start names them in its one line already.
+    say(start_banner(cfg_path, gateway.holder.data_dir.resolve()), sys.stdout)
     await shutdown.requested.wait()
     await gateway.stop(SHUTDOWN_TIMEOUT_S, now=shutdown.now)
     say("stopped")

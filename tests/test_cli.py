@@ -79,6 +79,8 @@ async def test_run_says_which_config_and_data_dir_and_the_missing_key_once(
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         assert line.startswith(b"gateway running")
+        banner = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+        assert banner.decode().rstrip("\n") == f"config {path.resolve()}; data in {tmp_path.resolve() / 'data'}"
         proc.send_signal(signal.SIGINT)
         _out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
     finally:
@@ -86,7 +88,6 @@ async def test_run_says_which_config_and_data_dir_and_the_missing_key_once(
             proc.kill()
             await proc.wait()
     lines = err.decode().splitlines()
-    assert lines[0] == f"config {path.resolve()}; data in {tmp_path.resolve() / 'data'}"
     assert sum("model.api_key" in line or "API key" in line for line in lines) == 1, lines
 
 

@@ -79,7 +79,7 @@ def dockerfile_problems(text: str) -> list[str]:
         where = f"line {step.line}"
         if step.keyword == "FROM":
             image = step.args.split()[0]
-            name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+            tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
             if "@sha256:" not in image and (not tag or tag == "latest" or not re.search(r"\d", tag)):
                 problems.append(f"{where}: the base image {image} is not pinned to a version tag")
         elif step.keyword == "ADD":

@@ -163,7 +163,8 @@
       const failed = Object.values(m.failures).reduce((a, b) => a + b, 0);
       const erring = m.last_error && (!m.last_ok_at || m.last_error.at > m.last_ok_at);
       const chip = el("li", null, !m.has_key || erring ? "chip bad" : "chip ok");
-      chip.append(el("strong", m.name), el("span", m.role, "why"));
+      chip.append(el("strong", m.name));
+      if (m.role !== "model") chip.append(el("span", m.role, "why")); // an alias (models.NAME) or summary_model
       if (!m.has_key) chip.append(el("span", "no API key: every chat answers with what to set"));
       else if (!m.calls) chip.append(el("span", "no calls yet"));
       else chip.append(el("span", m.calls + " calls · " + failed + " failed" +
