@@ -41,7 +41,7 @@ HELP = """Commands:
 /context: what the live context holds (messages, tokens vs budget, turns, last trim)
 /context clear (or /new): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
-/config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
+/config: budgets, limits, time zone, the model here (admins: all); /config KEY shows one, KEY VALUE sets it (admins)
 /tools: the tools I can use here, and the state of each MCP server
 /skills: the skills I can use here
 /tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
