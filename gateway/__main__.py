@@ -1,5 +1,5 @@
-"""CLI: `python -m gateway run | chat | check-config | pairing list|approve | sessions |
-usage | memory | config-reset`."""
+"""CLI: `python -m gateway run | chat | check-config | pairing list|approve|revoke |
+sessions | usage | memory | config-reset`."""
 
 from __future__ import annotations
 
@@ -17,22 +17,30 @@ from typing import TextIO
 from gateway.config.checks import config_warnings, startup_problems
 from gateway.config.load import ConfigError, load_config, parse_config
 from gateway.config.schema import Config
-from gateway.ops.logs import setup_logging
+from gateway.ops.logs import setup_logging, start_banner
 
 DEFAULT_CONFIG = Path("config.json")
 
 
+def _config_file(path: Path | None) -> Path | None:
+    """The file a command reads: the one given, else ./config.json when it exists, else
+    None (the embedded defaults)."""
+    if path is not None:
+        return path
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
 def _load(path: Path | None) -> tuple[Config, Path | None]:
     """The config file, or the embedded defaults when none exists at the default path."""
+    path = _config_file(path)
     if path is None:
-        if not DEFAULT_CONFIG.exists():
-            return parse_config({}), None  # the defaults, their `${ENV}` secrets expanded
-        path = DEFAULT_CONFIG
+        return parse_config({}), None  # the defaults, their `${ENV}` secrets expanded
     return load_config(path), path.resolve()
 
 
 def _print_problems(path: Path | None, err: ConfigError) -> None:
-    print(f"config {path or '(defaults)'} has {len(err.problems)} problem(s):", file=sys.stderr)
+    shown = path.resolve() if path is not None else "(the defaults: no config.json here)"
+    print(f"config {shown} has {len(err.problems)} problem(s):", file=sys.stderr)
     for problem in err.problems:
         print(f"  - {problem}", file=sys.stderr)
 
@@ -143,6 +151,8 @@ async def _run(path: Path | None) -> int:
     gc.freeze()
     host, port = cfg.http.host, gateway.http.port if gateway.http else cfg.http.port
     say(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", sys.stdout)
+    # Which file and folder: a refused start names them in its one line already.
+    say(start_banner(cfg_path, gateway.holder.data_dir.resolve()), sys.stdout)
     await shutdown.requested.wait()
     await gateway.stop(SHUTDOWN_TIMEOUT_S, now=shutdown.now)
     say("stopped")
@@ -156,6 +166,7 @@ async def _chat(path: Path | None) -> int:
     if not cfg.channels.terminal.enabled:
         print("the terminal chat is disabled (channels.terminal.enabled is false)", file=sys.stderr)
         return 2
+    print(start_banner(cfg_path, cfg.data_path(_base(cfg_path)).resolve()))
     return await run_terminal(cfg, cfg_path)  # it logs to a file in the data dir (chat.log)
 
 
@@ -171,8 +182,9 @@ async def _operator(args: argparse.Namespace) -> int:
     setup_logging("WARNING")
     base = _base(cfg_path)
     try:
-        if args.command == "pairing" and args.action == "approve":
-            result = await cli_ops.pairing_approve(cfg, base, args.code)
+        if args.command == "pairing" and args.action in ("approve", "revoke"):
+            result = await (cli_ops.pairing_approve(cfg, base, args.code) if args.action == "approve"
+                            else cli_ops.pairing_revoke(cfg, base, args.who))
             say(result.text, sys.stdout if result.ok else sys.stderr)
             return 0 if result.ok else 1
         if args.command == "pairing":
@@ -228,42 +240,62 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_broken_streams()
 
 
-def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="gateway", description="A chatbot gateway with a real context engine.")
-    parser.add_argument("--version", action="version", version=f"gateway {_version()}")
-    sub = parser.add_subparsers(dest="command")
+CONFIG_HELP = "the config file (default: ./config.json, else the built-in defaults)"
 
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        found = sub.add_parser(name, help=help_text, description=help_text)
-        found.add_argument("--config", type=Path, default=None, help="config file (default: ./config.json)")
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, each with the words `--help` shows."""
+    parser = argparse.ArgumentParser(prog="gateway", description="A chatbot gateway with a real context engine.")
+    parser.add_argument("--version", action="version", version=f"gateway {_version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    def command(name: str, help_text: str, where: argparse._SubParsersAction = sub) -> argparse.ArgumentParser:
+        found: argparse.ArgumentParser = where.add_parser(name, help=help_text, description=help_text)
+        found.add_argument("--config", type=Path, default=None, metavar="PATH", help=CONFIG_HELP)
         return found
 
-    command("run", "run every enabled channel and the web chat")
-    command("chat", "chat in this terminal on the same engine (session terminal:local, an admin)")
-    check = sub.add_parser("check-config", help="validate a config file and list every problem")
-    check.add_argument("path", type=Path, nargs="?", default=DEFAULT_CONFIG)
-    pairing = sub.add_parser("pairing", help="pairing codes: list the waiting ones, approve one")
-    pairing_sub = pairing.add_subparsers(dest="action", required=True)
-    pairing_list = pairing_sub.add_parser("list", help="codes waiting for approval: channel, user, code, age")
-    pairing_list.add_argument("--config", type=Path, default=None)
-    approve = pairing_sub.add_parser("approve", help="approve a code (the person can chat from their next message)")
-    approve.add_argument("code")
-    approve.add_argument("--config", type=Path, default=None)
-    sessions = command("sessions", "recent sessions: key, last activity, turns, tokens today")
+    command("run", "run every enabled channel, the web chat, the admin page and the scheduled jobs")
+    command("chat", "chat in this terminal on the same engine (session terminal:local, an admin); "
+                    "runs the terminal only")
+    check = command("check-config", "validate a config file as `run` would and list every problem with its key")
+    check.add_argument("path", type=Path, nargs="?", default=None, metavar="PATH",
+                       help="the config file (the same as --config; default: ./config.json)")
+    pairing = sub.add_parser("pairing", help="pairing: codes waiting for approval, approve one, revoke a person",
+                             description="People who wrote to the bot and got a pairing code (access.dm_policy "
+                                         "pairing), and the people approved so far.")
+    actions = pairing.add_subparsers(dest="action", required=True, title="actions", metavar="ACTION")
+    command("list", "codes waiting for approval (who, code, age) and the people approved", actions)
+    approve = command("approve", "approve a code: the person can chat from their next message", actions)
+    approve.add_argument("code", help="the 8-character code the person was given, e.g. ABCD2345")
+    revoke = command("revoke", "take a person's approval back: their next message gets a new pairing code",
+                     actions)
+    revoke.add_argument("who", metavar="ID", help="the person as pairing list names them, e.g. telegram:7")
+    sessions = command("sessions", "recent sessions: key, whose, last activity, turns, tokens today")
     sessions.add_argument("--limit", type=_positive, default=20, help="how many (default 20)")
-    usage = command("usage", "tokens per day and identity")
+    usage = command("usage", "tokens the model counted, per day and person")
     usage.add_argument("--days", type=_positive, default=7, help="how many days back (default 7)")
     memory = command("memory", "where a scope's memory files are (MEMORY.md, memory/, dialog/), with sizes")
-    memory.add_argument("scope", nargs="?", default=None, help="e.g. telegram:user:123 (none: list the scopes)")
+    memory.add_argument("scope", nargs="?", default=None,
+                        help="a person (telegram:7), a scope (telegram:user:7) or a session key; "
+                             "none: list the scopes")
     reset = command("config-reset", "give a setting changed with /config back to the gateways' config files "
                                     "(several gateways on PostgreSQL); without KEY, list the chat changes in effect")
-    reset.add_argument("key", nargs="?", default=None, help="e.g. agent_max_context_tokens")
+    reset.add_argument("key", nargs="?", default=None, help="the setting, e.g. agent_max_context_tokens")
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     command_name = args.command or "run"
     try:
         if command_name == "check-config":
-            return _check(args.path)
+            if args.path is not None and args.config is not None and args.path != args.config:
+                parser.error("check-config: give the file once (PATH or --config PATH)")
+            args.config = args.path or args.config or DEFAULT_CONFIG
+            return _check(args.config)
         if command_name == "run":
             return asyncio.run(_run(getattr(args, "config", None)))
         if command_name == "chat":
@@ -271,7 +303,7 @@ def _main(argv: list[str] | None) -> int:
         if command_name in ("pairing", "sessions", "usage", "memory", "config-reset"):
             return asyncio.run(_operator(args))
     except ConfigError as err:
-        _print_problems(getattr(args, "config", None) or getattr(args, "path", None), err)
+        _print_problems(_config_file(getattr(args, "config", None)), err)
         return 2
     except KeyboardInterrupt:
         return 130

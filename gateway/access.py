@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,6 +38,28 @@ class PairingCode:
     @property
     def user_id(self) -> str:
         return self.identity.partition(":")[2]
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovedPerson:
+    identity: str
+    approved_by: str
+    approved_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PairingOutcome:
+    """What approving a code or revoking a person did, in words for the admin who asked."""
+
+    ok: bool
+    text: str
+    identity: str | None = None
+    told: bool = False  # the person got the "You're approved" notice in their chat
+
+
+# Tells one person something in their DM through their channel (identity, text) → whether
+# it was delivered. The wiring passes the running channels' send; the CLI has none.
+Notify = Callable[[str, str], Awaitable[bool]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +109,23 @@ def new_code() -> str:
     return "".join(secrets.choice(_CODE_ALPHABET) for _ in range(8))
 
 
+def allowed_without_pairing(cfg: Config, identity: str) -> str | None:
+    """Why `identity` may chat whatever pairing says (an admin, on the allowlist), or None."""
+    if is_admin(cfg, identity):
+        return "they are an admin (admins)"
+    if identity in cfg.access.allow_from or "*" in cfg.access.allow_from:
+        return "access.allow_from lets them in"
+    if cfg.access.dm_policy == "open":
+        return "access.dm_policy is open"
+    return None
+
+
 class Pairing:
-    def __init__(self, store: StoreBackend, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: StoreBackend, clock: Callable[[], float] = time.time, *,
+                 notify: Notify | None = None) -> None:
         self.store = store
         self.clock = clock  # wall-clock seconds; tests move it
+        self.notify = notify  # None: nobody is told (the CLI runs no channel)
 
     async def is_approved(self, identity: str) -> bool:
         return bool(await self.store.run("SELECT 1 FROM approved_users WHERE identity=?", (identity,)))
@@ -137,6 +172,50 @@ class Pairing:
             (identity, approved_by, now),
         )
         return identity
+
+    async def approve_code(self, code: str, *, by: str) -> PairingOutcome:
+        """The one way a code gets approved: `/approve` in chat, the admin page and
+        `gateway pairing approve`. The person is told in their chat when this process runs
+        their channel; approval stands either way."""
+        identity = await self.approve(code, approved_by=by)
+        if identity is None:
+            reason = await self.explain_failure(code)
+            return PairingOutcome(False, reason)
+        log.info("pairing approved", extra={"identity": identity, "by": by})
+        told = False
+        if self.notify is not None:
+            try:
+                told = await self.notify(identity, APPROVED_NOTICE)
+            except Exception as err:  # best effort: the approval is stored
+                log.warning("could not tell an approved person", extra={"identity": identity,
+                                                                        "error": str(err)[:200]})
+        text = f"Approved {identity}." + ("" if told else " They can chat from their next message.")
+        return PairingOutcome(True, text, identity, told)
+
+    async def revoke(self, identity: str, *, by: str, cfg: Config | None = None) -> PairingOutcome:
+        """Take a person's pairing approval back: from their next message they are a
+        stranger and get a new code. Their old codes go too, so the one-code-a-minute
+        limit does not leave them without an answer."""
+        identity = identity.strip()
+        rows = await self.store.run("DELETE FROM approved_users WHERE identity=? RETURNING identity", (identity,))
+        if not rows:
+            approved = [p.identity for p in await self.approved(limit=10)]
+            known = ", ".join(approved) if approved else "nobody yet"
+            return PairingOutcome(False, f"{identity} is not approved by pairing (approved: {known}).")
+        await self.store.run("DELETE FROM pairing_codes WHERE identity=?", (identity,))
+        log.info("pairing revoked", extra={"identity": identity, "by": by})
+        text = f"Revoked {identity}: from their next message they are asked to pair again."
+        still = allowed_without_pairing(cfg, identity) if cfg is not None else None
+        if still is not None:
+            text += f" They can still chat: {still}."
+        return PairingOutcome(True, text, identity)
+
+    async def approved(self, limit: int = 500) -> list[ApprovedPerson]:
+        """The people approved by pairing, the latest first."""
+        rows = await self.store.run(
+            "SELECT identity, approved_by, approved_at FROM approved_users ORDER BY approved_at DESC, identity "
+            "LIMIT ?", (limit,))
+        return [ApprovedPerson(str(r[0]), str(r[1]), float(r[2])) for r in rows]
 
     async def find(self, code: str) -> PairingCode | None:
         """A code as stored (pending, approved or expired), for telling why approving failed."""

@@ -18,6 +18,7 @@ from zoneinfo import ZoneInfo
 import asyncpg
 
 from channels.base import ApprovalCard, ApprovalChannel, ChannelHooks
+from context.engine import context_stats
 from context.tokens import TokenCounter
 from gateway.access import Pairing
 from gateway.approvals import Approvals
@@ -162,6 +163,7 @@ class Gateway:
     def _models(self, cfg: Config, metrics: Metrics) -> dict[str, ModelClient]:
         def on_call(record: Any) -> None:
             metrics.model_calls.labels(getattr(record, "outcome", "ok")).inc()
+            metrics.model_health.record(record.model, record.outcome, record.status, record.detail)
             seconds = getattr(record, "seconds", None)
             if seconds is not None:
                 metrics.model_latency.observe(seconds)
@@ -246,7 +248,7 @@ class Gateway:
                                            stream=self.stream, send_files=self.send_files)
         services.approvals = Approvals(store, config=lambda: self.holder.current, show=self.show_approval,
                                        settle=self.settle_approval)
-        self.pairing = Pairing(store)
+        self.pairing = Pairing(store, notify=self.tell_person)  # approvals are told in the person's chat
         self.commands = Commands(services, self.sessions, self.pairing, reply=self.deliver,
                                  on_config_change=self._apply_config_later, check=self.startup_problems,
                                  settings=self.chat_settings)
@@ -301,9 +303,6 @@ class Gateway:
             log.info(line)
         for warning in config_warnings(cfg):
             log.warning(warning)
-        if not services.model.configured:
-            log.warning("no model API key: every chat will answer with setup instructions "
-                        "(set OPENAI_API_KEY or model.api_key in config.json)")
         await self.skill_watcher.start()
         if self.watch_config:
             self.watcher = self.config_watcher()
@@ -359,7 +358,45 @@ class Gateway:
                         next_runs=lambda: self.scheduler.next_runs() if self.scheduler is not None else {},
                         tool_sources=self.tool_sources_state, errors=self.recent_errors,
                         http_host=self.cfg.http.host, receiving=self.leader_roles, cluster=self.cluster_state,
-                        throttle=self._auth_throttle("admin"))
+                        throttle=self._auth_throttle("admin"), models=self.model_state,
+                        session_context=self.session_context)
+
+    def model_state(self) -> dict[str, Any]:
+        """The admin page's model state: each configured model's calls, last success and
+        last error since the start, and the fallbacks used (gateway_model_fallbacks_total)."""
+        if self.services is None:
+            return {"models": [], "fallbacks": []}
+        cfg, metrics = self.cfg, self.services.metrics
+        roles: list[tuple[str, Any]] = [("model", cfg.model), *((f"models.{a}", cfg.model_for(a)) for a in cfg.models)]
+        if cfg.summary_model is not None:
+            roles.append(("summary_model", cfg.summary_model))
+        models = []
+        for role, settings in roles:
+            calls = metrics.model_health.get(settings.name)
+            models.append({"role": role, "name": settings.name, "has_key": settings.key_value() is not None,
+                           "calls": calls.calls, "failures": dict(calls.failures), "last_ok_at": calls.last_ok_at,
+                           "last_error": calls.last_error})
+        fallbacks = [{"from": a, "to": b, "times": n} for a, b, n in metrics.fallbacks_used()]
+        return {"models": models, "fallbacks": fallbacks}
+
+    async def session_context(self, key: str) -> dict[str, Any] | None:
+        """A session's /context numbers while it is live on this gateway (else None)."""
+        live = self.sessions.live.get(key) if self.services is not None else None
+        if live is None or self.services is None:
+            return None
+        cfg = self.cfg
+        plan = self.agent.step(live, cfg)
+        stats = context_stats(live.ctx, system_prompt=await self.agent.system_prompt(live, cfg),
+                              tools=self.agent.tool_schemas(plan.view), budget=cfg.context_budget(plan.model),
+                              counter=self.services.counter_for(plan.model.name))
+        last = stats.last_event
+        return {"messages": stats.messages, "user": stats.user_messages, "assistant": stats.assistant_messages,
+                "tool": stats.tool_messages, "tokens": stats.estimated_tokens, "budget": stats.budget_tokens,
+                "turns": stats.turns, "max_turns": stats.max_turns, "summary": stats.summary_present,
+                "model": plan.model.name, "last_model": live.last_model,
+                "last_trim": None if last is None else {
+                    "strategy": str(last.strategy), "tokens_before": last.tokens_before,
+                    "tokens_after": last.tokens_after}}
 
     def _auth_throttle(self, api: str) -> AuthThrottle:
         """Failed token checks of one API, per address, counted in gateway_auth_failures_total."""
@@ -572,7 +609,10 @@ class Gateway:
             await self.exec_tools.prepare()
         if self.mcp is not None:
             await self.mcp.apply(cfg.mcp)  # only the servers whose entries changed restart
-        for name in PLATFORMS:
+        # A gateway started without the messaging channels (`gateway chat`) never starts one
+        # on a reload: `gateway run` beside it on the same config owns them (a second
+        # Telegram poller would fight it for the bot with 409s).
+        for name in PLATFORMS if self.enable_channels else ():
             section = getattr(cfg.channels, name)
             current = self.channels.get(name)
             if current is not None and getattr(current, "cfg", None) == section:
@@ -591,16 +631,24 @@ class Gateway:
     async def tell_admins(self, text: str) -> None:
         """Best effort: a DM to each admin whose channel is up (Telegram/Slack user ids)."""
         for admin in self.cfg.admins:
-            channel_name, _, user_id = admin.partition(":")
-            channel = self.channels.get(channel_name)
-            if channel is None or channel_name not in PLATFORMS or not user_id:
-                continue
-            inbound = Inbound(channel=channel_name, chat_id=user_id, user_id=user_id, text="",
-                              event_id=f"config-refused-{time.time()}")
-            try:
-                await asyncio.wait_for(channel.send(inbound, text), timeout=10)
-            except Exception as err:
-                log.warning("could not tell an admin", extra={"admin": admin, "error": str(err)[:200]})
+            await self.tell_person(admin, text)
+
+    async def tell_person(self, identity: str, text: str) -> bool:
+        """A DM to one person (`telegram:7`) through their channel when it runs here (the
+        chat id of a DM is the user id in Telegram and Discord; Slack opens the app's DM
+        for a user id). False when it could not be sent."""
+        channel_name, _, user_id = identity.partition(":")
+        channel = self.channels.get(channel_name)
+        if channel is None or channel_name not in PLATFORMS or not user_id:
+            return False
+        person = Inbound(channel=channel_name, chat_id=user_id, user_id=user_id, text="",
+                         event_id=f"notice-{time.time()}")
+        try:
+            await asyncio.wait_for(channel.send(person, text), timeout=15)
+        except Exception as err:
+            log.warning("could not tell a person", extra={"identity": identity, "error": str(err)[:200]})
+            return False
+        return True
 
     # -- replies ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """A screenshot of the admin page for the README: a real gateway on the fake model and the
-fake Telegram Bot API, a few chats, a stranger waiting for approval, a model error, then
-the page in headless Chromium at 1280 px wide.
+fake Telegram Bot API, a few chats, a stranger waiting for approval and one approved, a
+model error, then the page in headless Chromium at 1280 px wide, one session opened.
 
     .venv/bin/python -m tests.admin_screenshot [OUT_DIR]     (default docs/img)
 
@@ -63,6 +63,8 @@ async def _stage(gw: Gateway, model: FakeModel, telegram: FakeTelegram) -> None:
     telegram.push_message(chat_id=1, user_id=1, text="hi from Telegram")
     telegram.push_message(chat_id=48213, user_id=48213, text="hello?")  # a stranger: gets a pairing code
     await telegram.wait_sent(2, timeout=10)
+    code, _ = await gw.pairing.code_for("telegram:50017")  # approved earlier: listed with Revoke
+    await gw.pairing.approve_code(code, by="telegram:1")
     model.error(503, {"error": {"message": "overloaded", "type": "server_error"}})
     await chat(gw, "bob", "And the tasks?")  # answered with the model's error: a warning in the log
     # Earlier days of usage, written the way a finished turn writes it.
@@ -89,6 +91,10 @@ async def _shoot(url: str, path: Path, chromium: str) -> Path:
             await page.locator("#sessions tbody tr").nth(3).wait_for(timeout=10_000)
             await page.locator("#pairings button.approve").wait_for(timeout=10_000)
             await page.locator("#errors li.warning").first.wait_for(timeout=10_000)
+            await page.locator("#approved button.revoke").wait_for(timeout=10_000)
+            await page.locator("#sessions tbody tr", has_text="web:alice").click()  # its messages and context
+            await page.locator("#session-messages li").nth(5).wait_for(timeout=10_000)
+            await page.evaluate("window.scrollTo(0, 0)")  # the sticky header back on top
             await page.screenshot(path=str(path), full_page=True)
         finally:
             await browser.close()

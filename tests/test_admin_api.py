@@ -136,7 +136,9 @@ async def test_a_pending_pairing_is_approved_like_the_command(make_gateway: Gate
     assert await gw.router.admits(stranger)
     assert (await call(gw, "/admin/api/pairings"))[1]["pending"] == []
     status, body = await call(gw, "/admin/api/pairings/approve", json={"code": code})  # a code approves once
-    assert status == 404 and "unknown or expired" in body["error"]
+    assert status == 409 and body["error"] == "That code was already approved: telegram:77 can chat."
+    status, body = await call(gw, "/admin/api/pairings/approve", json={"code": "NOPE2345"})
+    assert status == 404 and body["error"] == "That code is unknown or expired."
     for bad in ({"code": ""}, {"code": 5}, {"nope": 1}, ["ABCD2345"]):
         assert (await call(gw, "/admin/api/pairings/approve", json=bad))[0] == 400, bad
     approved_by = await gw.services.store.run(  # type: ignore[union-attr]
@@ -166,8 +168,9 @@ async def test_usage_jobs_and_status(make_gateway: GatewayFactory, fake_model: F
     assert {"name": "web", "ok": True, "detail": None} in state["channels"]
     assert {"name": "database", "ok": True, "detail": None} in state["checks"]
     # web_fetch is on by default (the web tools' source), exec is off; no other source is configured.
-    web = {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None}
-    exec_off = {"name": "exec", "state": "off", "tools": [], "detail": "not offered: tools.exec.enabled is false"}
+    web = {"name": "web", "label": "Web tools", "state": "ready", "tools": ["web_fetch"], "detail": None}
+    exec_off = {"name": "exec", "label": "Running commands (exec)", "state": "off", "tools": [],
+                "detail": "not offered: tools.exec.enabled is false"}
     assert state["tool_sources"] == [web, exec_off] == gw.tool_sources_state()
 
 
@@ -189,10 +192,11 @@ async def test_tool_sources_show_their_state(make_gateway: GatewayFactory) -> No
     gw.services.tools.add_source(_Source("slow", [], state="connecting", detail="starting npx"))
     status, state = await call(gw, "/admin/api/status")
     assert status == 200 and state["tool_sources"] == [
-        {"name": "web", "state": "ready", "tools": ["web_fetch"], "detail": None},
-        {"name": "exec", "state": "off", "tools": [], "detail": "not offered: tools.exec.enabled is false"},
-        {"name": "clock", "state": "connected", "tools": ["current_time"], "detail": None},
-        {"name": "slow", "state": "connecting", "tools": [], "detail": "starting npx"},
+        {"name": "web", "label": "Web tools", "state": "ready", "tools": ["web_fetch"], "detail": None},
+        {"name": "exec", "label": "Running commands (exec)", "state": "off", "tools": [],
+         "detail": "not offered: tools.exec.enabled is false"},
+        {"name": "clock", "label": "clock", "state": "connected", "tools": ["current_time"], "detail": None},
+        {"name": "slow", "label": "slow", "state": "connecting", "tools": [], "detail": "starting npx"},
     ]
     (broken,) = describe_tool_sources([_Source("broken", [])])
     assert broken["state"] == "failed" and "server went away" in (broken["detail"] or "")
@@ -279,6 +283,33 @@ def test_a_source_of_several_servers_gets_a_row_per_server() -> None:
     tool.name = "docs__search"
     rows = describe_tool_sources([Servers("mcp", [tool])])
     assert rows == [
-        {"name": "mcp:docs", "state": "ready", "tools": ["docs__search"], "detail": None},
-        {"name": "mcp:files", "state": "failed", "tools": [], "detail": "failed: exited with code 1; retry in 8 s"},
+        {"name": "mcp:docs", "label": "MCP server docs", "state": "ready", "tools": ["docs__search"], "detail": None},
+        {"name": "mcp:files", "label": "MCP server files", "state": "failed", "tools": [],
+         "detail": "failed: exited with code 1; retry in 8 s"},
     ]
+
+
+async def test_one_session_its_recent_messages_and_context_numbers(make_gateway: GatewayFactory,
+                                                                  fake_model: FakeModel) -> None:
+    model_key = "sk-model-key-0123456789abcdef"
+    gw = await make_gateway(http={"admin_token": ADMIN}, model={"api_key": model_key})
+    fake_model.reply(f"the key is {model_key}")  # a reply that repeats a secret is shown masked
+    await chat(gw, "ann", "hi")
+    fake_model.reply("x" * 5000)
+    await chat(gw, "ann", "a long answer please")
+    status, body = await call(gw, "/admin/api/session?key=web:ann")
+    assert status == 200 and body["key"] == "web:ann" and body["channel"] == "web" and body["agent"] == "default"
+    assert [(m["role"], m["turn"]) for m in body["messages"]] == [("user", 1), ("assistant", 1), ("user", 2),
+                                                                  ("assistant", 2)]
+    assert body["messages"][1]["text"] == "the key is ***" and model_key not in str(body)
+    assert len(body["messages"][3]["text"]) == 4000 and body["messages"][3]["cut"] is True
+    context = body["context"]
+    assert context["turns"] == 2 and context["max_turns"] == 20 and context["messages"] == 4
+    assert 0 < context["tokens"] < context["budget"] and context["model"] == fake_model.model_name
+    assert (await call(gw, "/admin/api/session?key=web:nobody"))[0] == 404
+    assert (await call(gw, "/admin/api/session"))[0] == 400
+    assert (await call(gw, "/admin/api/session?key=web:ann", token="wrong-token-0123456789"))[0] == 401
+    # Out of memory (evicted, or on another gateway): the messages still, the numbers not.
+    gw.sessions.live.clear()
+    status, body = await call(gw, "/admin/api/session?key=web:ann")
+    assert status == 200 and body["context"] is None and len(body["messages"]) == 4

@@ -103,8 +103,9 @@ async def test_the_token_prompt_then_sessions(make_gateway: GatewayFactory, fake
     assert errors == []
 
 
-async def test_approving_a_stranger_by_click(make_gateway: GatewayFactory, fake_model: FakeModel,
-                                             fake_telegram: FakeTelegram, browser: Browser) -> None:  # noqa: F811
+async def test_approving_a_stranger_by_click_tells_them_and_revoking_makes_them_a_stranger_again(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram,
+        browser: Browser) -> None:  # noqa: F811
     gw = await make_gateway(http={"admin_token": ADMIN}, channels={"telegram": {
         "enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
         "base_file_url": fake_telegram.base_file_url, "poll_timeout_s": 1}})
@@ -120,18 +121,39 @@ async def test_approving_a_stranger_by_click(make_gateway: GatewayFactory, fake_
     row = page.locator("#pairings tbody tr", has_text="telegram:77")
     await row.wait_for(timeout=5000)
     assert await row.locator("td").nth(1).text_content() == code.group(1)
+    await expect(page.locator("#approved tbody")).to_contain_text("Nobody approved by pairing yet")
     await row.locator("button.approve").click()
-    await expect(page.locator("#notice")).to_contain_text("Approved telegram:77", timeout=5000)
+    await expect(page.locator("#notice")).to_have_text("Approved telegram:77. They were told in their chat.",
+                                                       timeout=5000)
     await expect(page.locator("#pairings tbody")).to_contain_text("No one is waiting", timeout=5000)
+    # The person hears it in their chat, as with /approve.
+    told = (await fake_telegram.wait_sent(2, timeout=10))[1]
+    assert told["chat_id"] == 77 and told["text"].startswith("You're approved: you can chat with me now")
 
     fake_model.reply("Welcome aboard!")
     fake_telegram.push_message(chat_id=77, user_id=77, text="hello again")
-    sent = await fake_telegram.wait_sent(2, timeout=10)
-    assert sent[1]["chat_id"] == 77 and "Welcome aboard" in sent[1]["text"]
+    sent = await fake_telegram.wait_sent(3, timeout=10)
+    assert sent[2]["chat_id"] == 77 and "Welcome aboard" in sent[2]["text"]
     assert fake_model.requests[-1]["messages"][-1]["content"] == "hello again"
     await page.click("#refresh")
     await expect(page.locator("#sessions tbody")).to_contain_text("telegram:dm:77", timeout=5000)
     await expect(page.locator("#channels")).to_contain_text("telegram")
+
+    # Revoked on the page: their next message is a stranger's, answered with a new code.
+    approved = page.locator("#approved tbody tr", has_text="telegram:77")
+    assert (await approved.locator("td").all_text_contents())[2] == "admin-page"
+    await approved.locator("button.revoke").click()
+    await expect(page.locator("#notice")).to_contain_text("Revoked telegram:77", timeout=5000)
+    await expect(page.locator("#approved tbody")).to_contain_text("Nobody approved by pairing yet", timeout=5000)
+    asked = len(fake_model.requests)
+    fake_telegram.push_message(chat_id=77, user_id=77, text="still there?")
+    again = (await fake_telegram.wait_sent(4, timeout=10))[3]
+    fresh = re.search(r"pairing code is ([A-Z0-9]{8})", again["text"])
+    assert again["chat_id"] == 77 and fresh is not None and fresh.group(1) != code.group(1)
+    assert len(fake_model.requests) == asked
+    await page.click("#refresh")
+    await expect(page.locator("#pairings tbody tr", has_text="telegram:77")).to_contain_text(fresh.group(1),
+                                                                                         timeout=5000)
     assert errors == []
 
 
@@ -168,3 +190,51 @@ async def test_the_page_is_off_without_a_token(make_gateway: GatewayFactory, bro
 async def test_the_screenshot_script_still_works(chromium_path: str, tmp_path: Path) -> None:  # noqa: F811
     shot = await take(tmp_path, chromium_path)
     assert shot.name == NAME and shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 30_000
+
+
+async def test_a_session_opens_on_click_and_the_model_state_shows_errors_and_fallbacks(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:  # noqa: F811
+    gw = await make_gateway(http={"admin_token": ADMIN}, model={"fallbacks": ["backup"], "max_retries": 0},
+                            models={"backup": {"name": "backup-model"}})
+    assert gw.http is not None
+    fake_model.error(503, {"error": {"message": "the provider is overloaded"}})
+    fake_model.reply("Answered by the backup")
+    assert await chat(gw, "alice", "first question") == "Answered by the backup"
+    fake_model.reply("Second answer")
+    assert await chat(gw, "alice", "second question") == "Second answer"
+    await chat(gw, "bob", "hello")
+
+    context = await browser.new_context()
+    page, errors = await open_page(context, f"http://127.0.0.1:{gw.http.port}/admin")
+    await page.fill("#token", ADMIN)
+    await page.press("#token", "Enter")
+    # The model's state: its calls, its last error in words, the fallback it used.
+    main = page.locator("#models li", has_text=fake_model.model_name)
+    await expect(main).to_contain_text("3 calls · 1 failed", timeout=5000)
+    await expect(main).to_contain_text("server error (HTTP 503): the provider is overloaded")
+    assert await main.get_attribute("class") == "chip ok"  # it answered since
+    await expect(page.locator("#models li", has_text="backup-model")).to_contain_text("1 calls · 0 failed")
+    await expect(page.locator("#fallbacks")).to_have_text(
+        f"Fallbacks used: {fake_model.model_name} → backup-model (1×)")
+    # Tool sources in plain words.
+    chips = await page.locator("#tool-sources li strong").all_text_contents()
+    assert chips == ["Web tools", "Running commands (exec)"]
+
+    await page.locator("#sessions tbody tr", has_text="web:alice").click()
+    view = page.locator("#session-section")
+    await expect(view).to_be_visible(timeout=5000)
+    await expect(page.locator("#session-key")).to_have_text("web:alice")
+    texts = await page.locator("#session-messages li .text").all_text_contents()
+    assert texts == ["first question", "Answered by the backup", "second question", "Second answer"]
+    numbers = await page.locator("#session-context div").all_text_contents()
+    assert "turns2 of 20" in numbers and "summarynone" in numbers, numbers
+    assert any(n.startswith("tokens") and "of 50,000" in n for n in numbers), numbers
+    await expect(page.locator("#session-meta")).to_contain_text(f"model {fake_model.model_name}")
+    # Another session replaces it; Close hides it.
+    await page.locator("#sessions tbody tr button.open-session", has_text="web:bob").click()
+    await expect(page.locator("#session-key")).to_have_text("web:bob", timeout=5000)
+    assert (await page.locator("#session-messages li .text").all_text_contents())[0] == "hello"
+    await page.click("#session-close")
+    await expect(view).to_be_hidden()
+    assert errors == []
+    await context.close()

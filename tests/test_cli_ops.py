@@ -235,16 +235,16 @@ async def test_operator_commands_read_the_database_while_the_gateway_runs(
         assert rc == 0 and "Traceback" not in err, err
 
     header, row = pending[1].splitlines()
-    assert header.split() == ["CHANNEL", "USER", "CODE", "AGE", "EXPIRES", "IN"]
-    assert row.split()[:3] == ["telegram", "4242", code]
+    assert header.split() == ["WHO", "CODE", "AGE", "EXPIRES", "IN"]
+    assert row.split()[:2] == ["telegram:4242", code]
     assert header.index("CODE") == row.index(code)  # aligned under its header
 
     header, row = sessions[1].splitlines()[:2]
-    assert header.split()[:2] == ["SESSION", "LAST"] and row.startswith("web:alice ")
+    assert header.split()[:3] == ["SESSION", "WHO", "LAST"] and row.split()[:2] == ["web:alice", "web:alice"]
     assert re.search(r"\(\d+ s ago\)\s+1\s+\d+$", row), row  # turns 1, tokens of today's messages
 
     lines = usage[1].splitlines()
-    assert lines[1].split() == ["DAY", "IDENTITY", "TURNS", "TOKENS"]
+    assert lines[1].split() == ["DAY", "WHO", "TURNS", "TOKENS"]
     assert lines[2].split()[1:] == ["web:alice", "1", "1,234"]  # what the provider counted
 
     workspace = gw.services.memory.workspace("web:alice")
@@ -263,7 +263,10 @@ async def test_operator_commands_read_the_database_while_the_gateway_runs(
     rc, _out, err = await _cli(["pairing", "approve", "NOPE2345", *conf], tmp_path, env)
     assert rc == 1 and "unknown or expired" in err
     rc, out, _err = await _cli(["pairing", "list", *conf], tmp_path, env)
-    assert out.strip() == "No pairing codes are waiting."
+    waiting, _, approved = out.strip().partition("\n\n")
+    assert waiting == "No pairing codes are waiting."
+    assert approved.splitlines()[1].split() == ["WHO", "APPROVED", "BY"]
+    assert approved.splitlines()[2].split()[0] == "telegram:4242" and approved.endswith(" cli")
 
 
 async def test_operator_commands_without_a_database_say_so(tmp_path: Path, fake_model: FakeModel) -> None:

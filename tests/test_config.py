@@ -359,3 +359,20 @@ def test_media_settings_and_the_transcription_key() -> None:
         parse_config({"transcription": {"base_url": "ftp://x"}}, environ={})
     with pytest.raises(ConfigError, match=r"limits\.max_inbound_file_mb"):
         parse_config({"limits": {"max_inbound_file_mb": 0}}, environ={})
+
+
+def test_a_store_url_from_the_environment_is_checked_once_expanded() -> None:
+    """docker/config.cluster.json's `"url": "${GATEWAY_STORE_URL}"`: the reference passes
+    the schema, its value must be a database URL, and an unset one stops `run`."""
+    url = "postgresql://gateway:pw-0123@db:5432/gateway"
+    cfg = parse_config({"store": {"url": "${STORE_URL_FOR_TEST}"}}, environ={"STORE_URL_FOR_TEST": url})
+    assert cfg.store.url is not None and cfg.store.url.get_secret_value() == url
+    with pytest.raises(ConfigError) as err:
+        parse_config({"store": {"url": "${STORE_URL_FOR_TEST}"}}, environ={"STORE_URL_FOR_TEST": "mysql://u:pw@db"})
+    assert err.value.problems == ["store.url: the environment variable it names must hold a sqlite:/// or "
+                                  "postgresql:// URL"]
+    unset = parse_config({"store": {"url": "${STORE_URL_FOR_TEST}"}}, environ={})
+    assert startup_problems(unset, channels=False, http=False) == [
+        "store.url: the environment variable STORE_URL_FOR_TEST is not set (needed to open the database)"]
+    with pytest.raises(ConfigError):
+        parse_config({"store": {"url": "mysql://u@db"}}, environ={})

@@ -109,3 +109,23 @@ def test_the_checker_catches_bad_links(tmp_path: Path) -> None:
         "docs/also-missing.png: no such file in the repository",
         "`../SPEC.md`: names a file outside the repository",
     ]
+
+
+# Documents that live outside the repository (the product's spec, its design notes, the
+# seed documents, the workspace it was written in): a reader of the repository has none.
+_OUTSIDE = re.compile(r"\bSPEC(?:\.md|\s*§)|\bDESIGN\.md\b|\bseeds/|\.\./shared\b|(?<![\w.])/work/|\bshared/SPEC")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_cites_a_document_outside_the_repository(page: Path) -> None:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    cited = [f"line {n}: {line.strip()[:100]}" for n, line in enumerate(lines, 1) if _OUTSIDE.search(line)]
+    assert cited == []
+
+
+def test_the_outside_pattern_finds_what_it_is_for() -> None:
+    for text in ("the engine of SPEC §4", "see SPEC.md", "the seeds/ folder", "../shared/DESIGN.md",
+                 "in /work/main", "shared/SPEC.md §2"):
+        assert _OUTSIDE.search(text), text
+    for text in ("mounted at `/workspace`", "a spectrum", "specification of the API"):
+        assert not _OUTSIDE.search(text), text

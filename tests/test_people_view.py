@@ -43,6 +43,33 @@ async def test_people_see_budgets_and_limits_admins_everything(make_gateway: Gat
     assert "Secret sauce" in full and 'admins = ["web:boss"]' in full and "model.api_key = \"***\"" in full
 
 
+async def test_people_see_the_time_zone_task_limits_and_the_model_answering_them(
+        make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    gw = await make_gateway(timezone="Europe/Berlin", tasks={"max_per_scope": 5},
+                            models={"eyes": {"name": "gpt-4o", "api_key": "sk-eyes-0123456789abcdef"}},
+                            tools={"web_search": {"provider": "brave", "api_key": "search-key-0123456789"}})
+    short = await chat(gw, "pat", "/config")
+    for line in ('timezone = "Europe/Berlin"', "tasks.max_per_scope = 5", "tasks.min_interval_s = 300",
+                 f'model.name = "{fake_model.model_name}"', "model.vision = false"):
+        assert line in short, (line, short)
+    assert short.endswith(f"Here: model {fake_model.model_name} (it sees no images); time zone Europe/Berlin.")
+    # The session's own model, once picked with /model, not the config's `model`.
+    assert "gpt-4o" in await chat(gw, "pat", "/model eyes")
+    short = await chat(gw, "pat", "/config")
+    assert 'model.name = "gpt-4o"' in short and "model.vision = true" in short
+    assert short.endswith("Here: model gpt-4o (images go to it); time zone Europe/Berlin.")
+    assert await chat(gw, "pat", "/config model.name") == 'model.name = "gpt-4o"'
+    assert await chat(gw, "pat", "/config model.vision") == "model.vision = true"
+    assert await chat(gw, "pat", "/config tasks") == "```\ntasks.max_per_scope = 5\ntasks.min_interval_s = 300\n" \
+                                                     "tasks.misfire_grace_s = 3600\n```"
+    # Secrets never: no key, no masked key, no address keys are sent to.
+    for private in ("***", "api_key", "sk-eyes", "search-key", "base_url", "models.eyes"):
+        assert private not in short, private
+    for key in ("model.api_key", "models.eyes.api_key", "tools.web_search.api_key", "model.base_url"):
+        assert await chat(gw, "pat", f"/config {key}") == f"{key} is shown to admins only."
+    assert "sk-eyes" not in await chat(gw, "pat", "/config models")
+
+
 async def test_a_mistyped_config_key_gets_did_you_mean(make_gateway: GatewayFactory) -> None:
     gw = await make_gateway(admins=["web:boss"])
     reply = await chat(gw, "pat", "/config agent_max_context_token")

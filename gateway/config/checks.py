@@ -173,6 +173,9 @@ def config_warnings(cfg: Config) -> list[str]:
     may answer in a channel that is off (its turns run, their replies are not delivered)."""
     warnings = [f"{path}: the environment variable {var} is not set; every chat answers with what to set "
                 "until it is" for path, var in cfg.unset_env if path == "model.api_key"]
+    if not warnings and cfg.model.key_value() is None:  # said once, whichever way the key is missing
+        warnings.append("model.api_key: not set; every chat answers with what to set until it is (a local "
+                        "model's server takes any placeholder key)")
     for name, hook in cfg.hooks.items():
         channel = hook.deliver_to.partition(":")[0]
         section = getattr(cfg.channels, channel, None)

@@ -20,7 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
-from gateway.config.schema import ENV_REF, Config
+from gateway.config.schema import ENV_REF, STORE_SCHEMES, Config, secret_text
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -152,6 +152,10 @@ def parse_config(raw: dict[str, Any], environ: dict[str, str] | None = None) -> 
         raise ConfigError(problems)
     unset: list[tuple[str, str]] = []
     cfg = _resolve_secrets(cfg, "", os.environ if environ is None else environ, unset)
+    url = secret_text(cfg.store.url)
+    if url is not None and not url.strip().startswith(STORE_SCHEMES):  # its value is a secret: not shown
+        raise ConfigError(["store.url: the environment variable it names must hold a sqlite:/// or "
+                           "postgresql:// URL"])
     cfg._unset_env = tuple(unset)
     return cfg
 

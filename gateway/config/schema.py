@@ -396,6 +396,9 @@ class McpConfig(_Strict):
         return value
 
 
+STORE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
+
+
 class StoreConfig(_Strict):
     # null: SQLite in data_dir; postgresql://user:${PGPASSWORD}@host/db: one database that
     # several gateways can share (a secret: the whole URL, password included).
@@ -409,7 +412,8 @@ class StoreConfig(_Strict):
         text = value.get_secret_value().strip()
         if not text:
             return None
-        if not text.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        # A `${NAME}` reference is checked once expanded (gateway/config/load.py).
+        if not text.startswith((*STORE_SCHEMES, "${")):
             raise ValueError("must start with sqlite:/// or postgresql://")
         return value
 

@@ -48,6 +48,7 @@ class CallRecord:
     status: int | None = None
     attempt: int = 0  # 0 for the first try, 1.. for retries
     stream: bool = False
+    detail: str | None = None  # a failure's description (the provider's message), for the admin page
 
 
 def retry_delay(attempt: int, retry_after: float | None, jitter: float) -> float | None:
@@ -149,7 +150,8 @@ class ModelClient:
             try:
                 reply = await self._call(messages, tools, on_text, max_tokens, attempt)
             except ModelError as err:
-                self._record(started, err.kind, retries, on_text is not None, status=err.status)
+                self._record(started, err.kind, retries, on_text is not None, status=err.status,
+                             detail=err.detail)
                 repeats = attempt.streamed_text and on_retry is None
                 if not repeats and self._adapt(err, streaming=on_text is not None):
                     if attempt.streamed_text and on_retry is not None:
@@ -274,12 +276,12 @@ class ModelClient:
 
     def _record(self, started: float, outcome: str, attempt: int, stream: bool, *,
                 status: int | None = None, prompt: int | None = None,
-                completion: int | None = None) -> None:
+                completion: int | None = None, detail: str | None = None) -> None:
         if self._on_call is None:
             return
         record = CallRecord(model=self._cfg.name, seconds=time.monotonic() - started, outcome=outcome,
                             prompt_tokens=prompt, completion_tokens=completion, status=status,
-                            attempt=attempt, stream=stream)
+                            attempt=attempt, stream=stream, detail=detail[:300] if detail else None)
         try:
             self._on_call(record)
         except Exception:  # metrics must never break a turn

@@ -1,5 +1,6 @@
-"""The admin page (`/admin`) and its JSON API (`/admin/api/*`): sessions, pending pairings
-(with approval), usage, scheduled jobs, channel and tool-source state, recent errors.
+"""The admin page (`/admin`) and its JSON API (`/admin/api/*`): sessions (and one session's
+recent messages and context numbers), pairings (approve, revoke), usage, scheduled jobs,
+channel, model and tool-source state, recent errors.
 
 The page is served only while `http.admin_token` is set (else 404 with what to set), and
 every API request needs it as `Authorization: Bearer <token>`. The token is read from the
@@ -7,7 +8,7 @@ running config per request, so setting, rotating or removing it applies at once.
 chat API, requests from other sites are refused (403): a foreign `Origin` or
 `Sec-Fetch-Site`, and, while the server listens on loopback only, a `Host` that is not
 this server (DNS rebinding). A POST must be JSON. The views show keys, identities, counts
-and log lines; never what people wrote."""
+and log lines; what people wrote only in the view of one session an admin opens."""
 
 from __future__ import annotations
 
@@ -62,9 +63,16 @@ ReadyCheck = Callable[[], Awaitable[dict[str, str | None]]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+SESSION_MESSAGES = 30  # the recent messages one session's view shows
+SESSION_MESSAGE_CHARS = 4000  # of each, the start
+# Tool sources as an operator knows them; an MCP server is "MCP server <name>".
+PLAIN_SOURCE_NAMES = {"web": "Web tools", "exec": "Running commands (exec)"}
+
+
 class ToolSourceState(TypedDict):
     """One tool source (an MCP server, a config-driven tool) as the admin page shows it."""
     name: str
+    label: str  # the name in plain words: "MCP server github", "Web tools"
     state: str  # e.g. "connected", "connecting", "failed"; "ready" when the source does not say
     tools: list[str]
     detail: str | None
@@ -78,21 +86,27 @@ def describe_tool_sources(sources: Sequence[Any]) -> list[ToolSourceState]:
         try:
             tools = [str(t.name) for t in source.tools()]
         except Exception as err:  # a broken source is shown as such, never breaks the page
-            out.append({"name": str(source.name), "state": "failed", "tools": [],
+            out.append({"name": str(source.name), "label": _plain(str(source.name)), "state": "failed", "tools": [],
                         "detail": f"{type(err).__name__}: {err}"[:300]})
             continue
         statuses = getattr(source, "statuses", None)
         if callable(statuses):  # a source of several servers (MCP): one row per server
             for server in statuses():
                 prefix = f"{server.name}__"
-                out.append({"name": f"{source.name}:{server.name}", "state": str(server.state),
+                out.append({"name": f"{source.name}:{server.name}", "label": f"MCP server {server.name}",
+                            "state": str(server.state),
                             "tools": [t for t in tools if t.startswith(prefix)],
                             "detail": server.describe() if server.state != "ready" else None})
             continue
         detail = getattr(source, "detail", None)
-        out.append({"name": str(source.name), "state": str(getattr(source, "state", "ready")), "tools": tools,
+        out.append({"name": str(source.name), "label": _plain(str(source.name)),
+                    "state": str(getattr(source, "state", "ready")), "tools": tools,
                     "detail": str(detail)[:300] if detail is not None else None})
     return out
+
+
+def _plain(name: str) -> str:
+    return PLAIN_SOURCE_NAMES.get(name, name)
 
 
 # ------------------------------------------------------------------------- recent errors
@@ -170,7 +184,8 @@ class AdminApi:
                  tool_sources: Callable[[], list[ToolSourceState]], errors: RecentErrors, http_host: str,
                  receiving: Callable[[], dict[str, str]] | None = None,
                  cluster: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
-                 throttle: AuthThrottle | None = None) -> None:
+                 throttle: AuthThrottle | None = None, models: Callable[[], dict[str, Any]] | None = None,
+                 session_context: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None) -> None:
         self.config = config
         self.store = store
         self.pairing = pairing
@@ -184,14 +199,17 @@ class AdminApi:
         self.cluster = cluster  # the gateways sharing the database, when it is shared
         self.throttle = throttle if throttle is not None else AuthThrottle("admin")  # failed token checks, per address
         self._files: dict[str, tuple[bytes, str]] = {}  # static file → (bytes, etag)
+        self.models = models  # each model's calls, last error and the fallbacks used
+        self.session_context = session_context  # a live session's /context numbers
 
     def routes(self) -> list[web.RouteDef]:
         api = {"sessions": self.sessions, "pairings": self.pairings, "usage": self.usage, "jobs": self.jobs,
-               "status": self.status, "errors": self.recent_errors, "agents": self.agents}
+               "status": self.status, "errors": self.recent_errors, "agents": self.agents, "session": self.session}
         return [web.get("/admin", self.page), web.get("/admin/", self.slash),
                 web.get("/admin/static/{name}", self.static_file),
                 *(web.get(f"/admin/api/{name}", self._guarded(view)) for name, view in api.items()),
-                web.post("/admin/api/pairings/approve", self._guarded(self.approve))]
+                web.post("/admin/api/pairings/approve", self._guarded(self.approve)),
+                web.post("/admin/api/pairings/revoke", self._guarded(self.revoke))]
 
     def token(self) -> str | None:
         return secret_text(self.config().http.admin_token)
@@ -295,6 +313,28 @@ class AdminApi:
             "total": await self.store.count_sessions(),
         })
 
+    async def session(self, request: web.Request) -> web.Response:
+        """One session: where it is, its model, its recent messages (what the person wrote
+        and the replies, each cut at SESSION_MESSAGE_CHARS, redacted like the log) and,
+        while it is live on this gateway, its /context numbers."""
+        key = request.query.get("key", "")
+        if not 0 < len(key) <= 300:
+            return _error(400, "key must be a session key, e.g. ?key=telegram:dm:7")
+        row = await self.store.get_session(key)
+        if row is None:
+            return _error(404, f"no session {key!r}")
+        page = await self.store.chat_history_page(key, limit=SESSION_MESSAGES)
+        messages = [{"role": m.role, "turn": m.turn, "at": m.created_at,
+                     "text": REDACTOR.redact(m.content[:SESSION_MESSAGE_CHARS]),
+                     "cut": len(m.content) > SESSION_MESSAGE_CHARS} for m in page.messages]
+        context = None
+        if self.session_context is not None:
+            context = await self.session_context(key)
+        return _ok({"key": row.key, "channel": row.channel, "scope": row.scope, "agent": agent_of_scope(row.scope),
+                    "model": self._model_of(row.scope, row.model), "created_at": row.created_at,
+                    "last_activity": row.updated_at, "context_start_turn": row.context_start_turn,
+                    "messages": messages, "older": page.older is not None, "context": context})
+
     def _model_of(self, scope: str, alias: str | None) -> str:
         """The model a session answers with: its /model pick, else its agent's."""
         cfg = self.config()
@@ -323,8 +363,11 @@ class AdminApi:
 
     async def pairings(self, _request: web.Request) -> web.Response:
         pending = await self.store.pending_pairings(self.pairing.clock())
+        approved = await self.pairing.approved()
         return _ok({"pending": [{"code": p.code, "identity": p.identity, "created_at": p.created_at,
-                                 "expires_at": p.expires_at} for p in pending]})
+                                 "expires_at": p.expires_at} for p in pending],
+                    "approved": [{"identity": p.identity, "approved_by": p.approved_by, "approved_at": p.approved_at}
+                                 for p in approved]})
 
     async def approve(self, request: web.Request) -> web.Response:
         try:
@@ -334,12 +377,26 @@ class AdminApi:
         code = body.get("code") if isinstance(body, dict) else None
         if not isinstance(code, str) or not 0 < len(code.strip()) <= 32:
             return _error(400, "code must be the pairing code, e.g. {\"code\": \"ABCD2345\"}")
-        # The same path as `/approve CODE` in chat and `gateway pairing approve CODE`.
-        identity = await self.pairing.approve(code, approved_by=APPROVED_BY)
-        if identity is None:
-            return _error(404, "That code is unknown or expired.")
-        log.info("pairing approved on the admin page", extra={"identity": identity})
-        return _ok({"identity": identity, "message": f"Approved {identity}."})
+        # The same path as `/approve CODE` in chat and `gateway pairing approve CODE`: the
+        # person is told in their chat when their channel runs here.
+        outcome = await self.pairing.approve_code(code, by=APPROVED_BY)
+        if not outcome.ok:
+            return _error(409 if "already approved" in outcome.text else 404, outcome.text)
+        return _ok({"identity": outcome.identity, "message": outcome.text, "told": outcome.told})
+
+    async def revoke(self, request: web.Request) -> web.Response:
+        """The same path as `/revoke ID` in chat and `gateway pairing revoke ID`."""
+        try:
+            body = await parse_json_body(await request.read())
+        except JsonBodyError as err:
+            return _error(400, f"{err}; send {{\"identity\": \"telegram:7\"}}")
+        identity = body.get("identity") if isinstance(body, dict) else None
+        if not isinstance(identity, str) or not 0 < len(identity.strip()) <= 200:
+            return _error(400, "identity must be an approved person, e.g. {\"identity\": \"telegram:7\"}")
+        outcome = await self.pairing.revoke(identity, by=APPROVED_BY, cfg=self.config())
+        if not outcome.ok:
+            return _error(404, outcome.text)
+        return _ok({"identity": outcome.identity, "message": outcome.text})
 
     async def usage(self, _request: web.Request) -> web.Response:
         today = self._today()
@@ -393,8 +450,13 @@ class AdminApi:
                     cluster = await self.cluster()
             except Exception as err:
                 cluster = {"problem": f"{type(err).__name__}: {err}"[:300]}
+        models = self.models() if self.models is not None else {"models": [], "fallbacks": []}
+        for model in models["models"]:  # the provider's words may echo a key: masked like the log
+            if model.get("last_error") and model["last_error"].get("detail"):
+                model["last_error"] = {**model["last_error"],
+                                       "detail": REDACTOR.redact_shown(model["last_error"]["detail"])}
         return _ok({"channels": channels, "checks": others, "tool_sources": self.tool_sources(),
-                    "cluster": cluster, "now": time.time()})
+                    "cluster": cluster, "model": models, "now": time.time()})
 
     async def recent_errors(self, _request: web.Request) -> web.Response:
         return _ok({"errors": self.errors.snapshot(), "capacity": self.errors.records.maxlen})

@@ -19,7 +19,7 @@ import aiosqlite
 from gateway.access import Pairing
 from gateway.config.cron import zone
 from gateway.config.schema import Config, secret_text
-from gateway.keys import workspace_dir
+from gateway.keys import KEY_WORDS, workspace_dir
 from gateway.memory.files import DIALOG_DIR, MEMORY_FILE, NOTES_DIR
 from gateway.store.backends import is_postgres_url, open_store, sqlite_path
 from gateway.store.migrations.postgres import MIGRATIONS as PG_MIGRATIONS
@@ -136,17 +136,48 @@ def _local(cfg: Config, at: float) -> datetime:
     return datetime.fromtimestamp(at, zone(cfg.timezone))
 
 
+def who(scope: str) -> str:
+    """The person (or group) a memory scope belongs to, named as everywhere else for
+    operators (`admins`, `allow_from`, usage, pairing): `telegram:7`, `slack:U1`,
+    `web:alice`, a group `telegram:-100`; a person's own session in a group is
+    `telegram:7 in telegram:-100`. Another agent's scope (`coder/…`) names the same."""
+    scope = scope.partition("/")[2] or scope
+    parts = scope.split(":")
+    if len(parts) == 3 and parts[1] in ("user", "group"):  # telegram:user:7, telegram:group:-100
+        return f"{parts[0]}:{parts[2]}"
+    if len(parts) == 5 and parts[1] == "group" and parts[3] == "user":  # telegram:group:-100:user:7
+        return f"{parts[0]}:{parts[4]} in {parts[0]}:{parts[2]}"
+    return scope  # web:alice, terminal:local
+
+
+def scope_of_person(identity: str) -> str | None:
+    """The memory scope of a person's DM (`telegram:7` → `telegram:user:7`), or None when
+    `identity` is not a person's name."""
+    channel, sep, user = identity.partition(":")
+    if not sep or not user or ":" in user or channel not in KEY_WORDS:
+        return None
+    return f"{channel}:user:{user}"
+
+
 # -- commands -------------------------------------------------------------------------------
 
 
 async def pairing_list(cfg: Config, base: Path) -> str:
     async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
-        codes = await Pairing(store).pending()
-    if not codes:
-        return "No pairing codes are waiting."
+        pairing = Pairing(store)
+        codes = await pairing.pending()
+        people = await pairing.approved()
     now = time.time()
-    rows = [(c.channel, c.user_id, c.code, ago(now - c.created_at), ago(c.expires_at - now)) for c in codes]
-    return table(("CHANNEL", "USER", "CODE", "AGE", "EXPIRES IN"), rows)
+    if codes:
+        rows = [(c.identity, c.code, ago(now - c.created_at), ago(c.expires_at - now)) for c in codes]
+        waiting = table(("WHO", "CODE", "AGE", "EXPIRES IN"), rows)
+    else:
+        waiting = "No pairing codes are waiting."
+    if not people:
+        return waiting
+    approved = table(("WHO", "APPROVED", "BY"),
+                     [(p.identity, f"{ago(now - p.approved_at)} ago", p.approved_by) for p in people])
+    return f"{waiting}\n\nApproved by pairing (`gateway pairing revoke WHO` takes one back):\n{approved}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,26 +186,39 @@ class Approval:
     text: str
 
 
-async def pairing_approve(cfg: Config, base: Path, code: str) -> Approval:
+@asynccontextmanager
+async def write_store(cfg: Config, base: Path) -> AsyncIterator[Any]:
+    """The store proper (migrated, busy timeout), without a checkpoint connection: for the
+    commands that write."""
     path, url = database_path(cfg, base), configured_url(cfg)
     if not is_postgres_url(url) and not await asyncio.to_thread(path.exists):
         raise CliError(f"no database at {path}: the gateway has not run with this config yet")
-    # Writes: the store proper (migrated, busy timeout), without a checkpoint connection.
     try:
         store = await open_store(url, path.parent, checkpoint_interval_s=None) if is_postgres_url(url) \
             else await Store.open(path, checkpoint_interval_s=None)
     except StoreError as err:
         raise CliError(str(err)) from None
     try:
-        pairing = Pairing(store)
-        identity = await pairing.approve(code, approved_by="cli")
-        if identity is None:
-            reason = await pairing.explain_failure(code)
-            return Approval("already approved" in reason, reason)
+        yield store
     finally:
         await store.close()
-    return Approval(True, f"Approved {identity}: they can chat now (a running gateway answers their next "
-                          "message; a message telling them is sent only by /approve in chat).")
+
+
+async def pairing_approve(cfg: Config, base: Path, code: str) -> Approval:
+    async with write_store(cfg, base) as store:
+        # The same path as /approve in chat and the admin page; this process runs no
+        # channel, so the person is not told (a gateway answers their next message).
+        outcome = await Pairing(store).approve_code(code, by="cli")
+    if not outcome.ok:
+        return Approval("already approved" in outcome.text, outcome.text)
+    return Approval(True, f"{outcome.text} (A running gateway answers their next message; the \"You're approved\" "
+                          "notice is sent by /approve in chat and the admin page.)")
+
+
+async def pairing_revoke(cfg: Config, base: Path, identity: str) -> Approval:
+    async with write_store(cfg, base) as store:
+        outcome = await Pairing(store).revoke(identity, by="cli", cfg=cfg)
+    return Approval(outcome.ok, outcome.text)
 
 
 async def sessions(cfg: Config, base: Path, limit: int) -> str:
@@ -182,7 +226,7 @@ async def sessions(cfg: Config, base: Path, limit: int) -> str:
     midnight = datetime.now(tz).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
     async with read_store(database_path(cfg, base), configured_url(cfg)) as store:
         rows = await store.run(
-            "SELECT s.key, s.updated_at, "
+            "SELECT s.key, s.scope, s.updated_at, "
             " (SELECT MAX(turn) FROM messages m WHERE m.session_key = s.key) AS turns, "
             " (SELECT COALESCE(SUM(token_count), 0) FROM messages m "
             "   WHERE m.session_key = s.key AND m.created_at >= ?) AS tokens "
@@ -192,8 +236,9 @@ async def sessions(cfg: Config, base: Path, limit: int) -> str:
     if not rows:
         return "No sessions yet."
     now = time.time()
-    out = table(("SESSION", "LAST ACTIVITY", "TURNS", "TOKENS TODAY"),
-                [(r["key"], f"{_local(cfg, r['updated_at']):%Y-%m-%d %H:%M} ({ago(now - r['updated_at'])} ago)",
+    out = table(("SESSION", "WHO", "LAST ACTIVITY", "TURNS", "TOKENS TODAY"),
+                [(r["key"], who(r["scope"]),
+                  f"{_local(cfg, r['updated_at']):%Y-%m-%d %H:%M} ({ago(now - r['updated_at'])} ago)",
                   int(r["turns"] or 0), int(r["tokens"])) for r in rows])
     more = f"\n({len(rows)} of {total} sessions; --limit N shows more)" if total > len(rows) else ""
     return out + more + "\n(tokens today: of the messages stored today; what the model counted: gateway usage)"
@@ -213,7 +258,7 @@ async def usage(cfg: Config, base: Path, days: int) -> str:
     body = [(r["day"], r["identity"], int(r["turns"]), int(r["tokens"])) for r in rows]
     body.append(("total", "", sum(r[2] for r in body), sum(r[3] for r in body)))
     return f"Tokens the model counted, per day and person ({span}):\n" + table(
-        ("DAY", "IDENTITY", "TURNS", "TOKENS"), body)
+        ("DAY", "WHO", "TURNS", "TOKENS"), body)
 
 
 async def memory(cfg: Config, base: Path, scope: str | None) -> str:
@@ -222,17 +267,21 @@ async def memory(cfg: Config, base: Path, scope: str | None) -> str:
     if scope is None:
         if not known:
             return f"No memory scopes yet (they live under {data_dir / 'scopes'})."
-        rows = await asyncio.to_thread(lambda: [(s, str(d), size_text(_tree_size(d))) for s, d in known.items()])
-        return table(("SCOPE", "WORKSPACE", "SIZE"), rows, right=(2,))
+        rows = await asyncio.to_thread(
+            lambda: [(s, who(s), str(d), size_text(_tree_size(d))) for s, d in known.items()])
+        return table(("SCOPE", "WHO", "WORKSPACE", "SIZE"), rows, right=(3,))
     if scope not in known:
-        mapped = await _scope_of_session(cfg, base, scope)
+        # A session key, or a person as usage and sessions name them (`telegram:7`).
+        mapped = await _scope_of_session(cfg, base, scope) or scope_of_person(scope)
         scope = mapped or scope
     root = workspace_dir(data_dir, scope)
     if not await asyncio.to_thread(root.is_dir):
         names = ", ".join(sorted(known)[:10]) or "none yet"
         raise CliError(f"no memory for scope {scope!r} (it would live in {root}); known scopes: {names}")
     rows = await asyncio.to_thread(_memory_rows, root)
-    return f"scope {scope}\n" + table(("WHAT", "PATH", "SIZE", "FILES"), rows, right=(2,))
+    named = who(scope)
+    title = f"scope {scope}" + (f" ({named})" if named != scope else "")
+    return f"{title}\n" + table(("WHAT", "PATH", "SIZE", "FILES"), rows, right=(2,))
 
 
 def _memory_rows(root: Path) -> list[tuple[str, str, str, str]]:

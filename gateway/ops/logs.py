@@ -178,3 +178,10 @@ def set_log_level(level: str) -> None:
                        "slack_bolt", "discord", "apscheduler", "aiosqlite", "watchfiles")
     for noisy in noisy_libraries:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def start_banner(config_path: Path | None, data_dir: Path) -> str:
+    """The first line `run` and `chat` print: which config file and data dir they use, so
+    a newcomer who started in another folder sees it at once."""
+    source = f"config {config_path}" if config_path is not None else "no config.json here: defaults"
+    return f"{source}; data in {data_dir}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -10,6 +13,37 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gateway.store.rows import StoreStats
+
+
+@dataclass(slots=True)
+class ModelCalls:
+    """What one model's calls did since the start: the admin page's model state."""
+
+    calls: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # by error kind (rate_limit, timeout, …)
+    last_ok_at: float | None = None
+    last_error: dict[str, Any] | None = None  # at, kind, status, detail
+
+
+class ModelHealth:
+    """Each model's calls (HTTP attempts) by outcome, its last success and its last error,
+    by model name. Names come from the config, so the table stays small."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.models: dict[str, ModelCalls] = {}
+
+    def record(self, model: str, outcome: str, status: int | None = None, detail: str | None = None) -> None:
+        state = self.models.setdefault(model, ModelCalls())
+        state.calls += 1
+        if outcome == "ok":
+            state.last_ok_at = self.clock()
+            return
+        state.failures[outcome] = state.failures.get(outcome, 0) + 1
+        state.last_error = {"at": self.clock(), "kind": outcome, "status": status, "detail": detail}
+
+    def get(self, model: str) -> ModelCalls:
+        return self.models.get(model) or ModelCalls()
 
 
 class Metrics:
@@ -65,6 +99,14 @@ class Metrics:
                                      "by outcome", ["outcome"], registry=r)
         self.takeovers = Counter("gateway_turns_taken_over_total", "Turns another gateway accepted or began "
                                  "and this one ran after that gateway died or stalled", registry=r)
+        self.model_health = ModelHealth()  # the admin page's model state (not exported)
+
+    def fallbacks_used(self) -> list[tuple[str, str, int]]:
+        """(model, fallback, times) of gateway_model_fallbacks_total, the most used first."""
+        used = [(sample.labels["from"], sample.labels["to"], int(sample.value))
+                for metric in self.model_fallbacks.collect() for sample in metric.samples
+                if sample.name.endswith("_total") and sample.value > 0]
+        return sorted(used, key=lambda row: (-row[2], row[0], row[1]))
 
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""

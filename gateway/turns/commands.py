@@ -16,8 +16,8 @@ from typing import Any
 
 from context.engine import compact, context_stats
 from context.stats import format_context_stats
-from gateway.access import APPROVED_NOTICE, Pairing, is_admin
-from gateway.agents import agent_view, bound_agent, model_chain
+from gateway.access import Pairing, is_admin
+from gateway.agents import agent_of_scope, agent_view, bound_agent, model_chain
 from gateway.config.changes import (
     change_effect,
     is_credential_destination,
@@ -26,8 +26,9 @@ from gateway.config.changes import (
     is_secret_key,
 )
 from gateway.config.chat import ChatSettings, set_dotted
+from gateway.config.cron import zone
 from gateway.config.load import ConfigError, atomic_write_text, parse_config
-from gateway.config.schema import Config
+from gateway.config.schema import Config, ModelConfig
 from gateway.keys import is_shared
 from gateway.services import Services
 from gateway.store.rows import slot_words
@@ -43,7 +44,7 @@ HELP = """Commands:
 /context: what the live context holds (messages, tokens vs budget, turns, last trim)
 /context clear (or /new, /reset): start a fresh context; everything stays stored and searchable
 /compact: summarize the conversation now, keeping the last 2 turns
-/config: the budgets and limits (admins: every setting); /config KEY shows one; /config KEY VALUE changes one (admins)
+/config: budgets, limits, time zone, the model here (admins: all); /config KEY shows one, KEY VALUE sets it (admins)
 /tools: the tools I can use here, and the state of each MCP server
 /skills: the skills I can use here
 /tasks: this chat's scheduled tasks; /tasks cancel ID cancels one
@@ -52,6 +53,7 @@ HELP = """Commands:
 /usage: your tokens and messages today and this month, and what your daily budget leaves
 /allow ID, /deny ID: answer an approval the assistant asked for (approvers)
 /approve CODE: approve a pairing code (admins)
+/revoke ID: take a person's approval back, e.g. /revoke telegram:7 (admins)
 /help: this list"""
 
 WELCOME = ("Hi! I'm an assistant: write to me as you would to a person, and send files, pictures or voice "
@@ -85,7 +87,7 @@ EFFECT_NOTE = {
 
 
 KNOWN = frozenset({"context", "new", "reset", "compact", "config", "help", "approve", "start", "tools", "tasks",
-                   "model", "agent", "usage", "skills", "allow", "deny", "stop"})
+                   "model", "agent", "usage", "skills", "allow", "deny", "stop", "revoke"})
 # A command is `/word` at the start of a message: a word of ASCII letters, digits and _
 # (Telegram's own rule), maybe with Telegram's `@botname`, then whitespace or the end. So
 # "/usr/bin is where…" or "/día" is text for the model, "/tmp is full" an unknown command.
@@ -130,15 +132,19 @@ def masked_settings(services: Services) -> dict[str, Any]:
     return {k: ("***" if is_secret_key(k) and v else v) for k, v in flat.items()}
 
 
-# What everyone may read with /config: the budgets and limits that shape their answers.
+# What everyone may read with /config: the budgets and limits that shape their answers, the
+# time zone their tasks and daily notes follow, and the model answering them (SESSION_KEYS).
 # The rest (admins, addresses, the system prompt, channels) is for admins.
 EVERYONE_KEYS = frozenset({"agent_max_context_tokens", "agent_max_context_turns", "agent_max_steps",
                            "tool_result_max_chars", "history_tool_result_max_chars", "session_retention_days",
-                           "memory_max_tokens"})
+                           "memory_max_tokens", "timezone"})
+EVERYONE_SECTIONS = ("limits.", "tasks.")
+# Shown to people as the session's own model (its /model pick or its agent's), not `model`.
+SESSION_KEYS = ("model.name", "model.vision")
 
 
 def shown_to_everyone(key: str) -> bool:
-    return key in EVERYONE_KEYS or key.startswith("limits.")
+    return key in EVERYONE_KEYS or key in SESSION_KEYS or key.startswith(EVERYONE_SECTIONS)
 
 
 def suggest_key(key: str, known: list[str]) -> str | None:
@@ -214,9 +220,11 @@ class Commands:
         elif name == "start":
             await self._answer(inbound, WELCOME + HELP)
         elif name == "config":
-            await self._answer(inbound, await self.config(inbound, args))
+            await self._answer(inbound, await self.config(inbound, args, session=key, scope=scope))
         elif name == "approve":
             await self._answer(inbound, await self.approve(inbound, args))
+        elif name == "revoke":
+            await self._answer(inbound, await self.revoke(inbound, args))
         elif name == "tools":
             await self._answer(inbound, self.tools(details=is_admin(self.s.cfg, inbound.identity)))
         elif name == "skills":
@@ -365,13 +373,31 @@ class Commands:
 
     # -- /config and /approve ---------------------------------------------------------------
 
-    async def config(self, inbound: Inbound, args: list[str]) -> str:
+    async def _model_here(self, key: str, scope: str) -> ModelConfig:
+        """The model answering in this session: its /model pick, else its agent's."""
+        cfg = self.s.cfg
+        live = self.sessions.live.get(key)
+        if live is not None:
+            agent, alias = live.agent, live.model_alias
+        else:
+            row = await self.s.store.get_session(key)
+            agent, alias = agent_of_scope(scope), row.model if row is not None else None
+        return model_chain(cfg, agent_view(cfg, agent), alias)[0][1]
+
+    async def config(self, inbound: Inbound, args: list[str], *, session: str = "", scope: str = "") -> str:
         settings = masked_settings(self.s)
         admin = is_admin(self.s.cfg, inbound.identity)
         visible = settings if admin else {k: v for k, v in settings.items() if shown_to_everyone(k)}
+        model = await self._model_here(session, scope) if session else self.s.cfg.model
+        here = {"model.name": model.name, "model.vision": model.sees_images()}
+        if not admin:
+            visible.update(here)
         if not args:
             title = "Settings (secrets shown as ***)" if admin else "Budgets and limits (admins see every setting)"
-            return f"{title}:\n" + _settings_block(visible)
+            zone_name = self.s.cfg.timezone or f"{zone(None)}, the machine's"
+            vision = "images go to it" if here["model.vision"] else "it sees no images"
+            return (f"{title}:\n" + _settings_block(visible)
+                    + f"\nHere: model {model.name} ({vision}); time zone {zone_name}.")
         key = args[0]
         if len(args) > 1 and is_operator_only(key):  # also for servers that do not exist yet
             return chat_refusal(key, parse_value(args[1])) or ""
@@ -385,7 +411,7 @@ class Commands:
         if key not in visible:
             return f"{key} is shown to admins only."
         if len(args) == 1:
-            return f"{key} = {json.dumps(settings[key], ensure_ascii=False)}"
+            return f"{key} = {json.dumps(visible[key], ensure_ascii=False)}"
         if not admin:
             return f"Only admins can change settings (you are {inbound.identity}; see the `admins` setting)."
         value = parse_value(args[1])
@@ -515,28 +541,22 @@ class Commands:
                           "Cancel one with /tasks cancel ID."])
 
     async def approve(self, inbound: Inbound, args: list[str]) -> str:
+        """/approve CODE: the same path as the admin page's Approve and the CLI's."""
         if not is_admin(self.s.cfg, inbound.identity):
             return "Only admins can approve pairing codes."
         if not args:
             return "Usage: /approve CODE"
-        identity = await self.pairing.approve(args[0], approved_by=inbound.identity)
-        if identity is None:
-            return await self.pairing.explain_failure(args[0])
-        log.info("pairing approved", extra={"identity": identity, "by": inbound.identity})
-        told = await self._tell_approved(identity)
-        return f"Approved {identity}." + ("" if told else " They can chat from their next message.")
+        return (await self.pairing.approve_code(args[0], by=inbound.identity)).text
 
-    async def _tell_approved(self, identity: str) -> bool:
-        """Tell the person in their DM (the chat id of a DM is the user id in Telegram; Slack
-        opens the app's DM for a user id). Best effort: approval stands either way."""
-        channel, _, user_id = identity.partition(":")
-        person = Inbound(channel=channel, chat_id=user_id, user_id=user_id, text="", event_id=f"approved:{user_id}")
-        try:
-            await asyncio.wait_for(self.reply(person, APPROVED_NOTICE), timeout=15)
-        except Exception as err:
-            log.warning("could not tell an approved person", extra={"identity": identity, "error": str(err)[:200]})
-            return False
-        return True
+    async def revoke(self, inbound: Inbound, args: list[str]) -> str:
+        """/revoke ID (e.g. telegram:7): the person is a stranger again from their next message."""
+        if not is_admin(self.s.cfg, inbound.identity):
+            return "Only admins can revoke an approval."
+        if not args:
+            approved = [p.identity for p in await self.pairing.approved(limit=20)]
+            listed = ", ".join(approved) if approved else "nobody yet"
+            return f"Usage: /revoke ID, e.g. /revoke telegram:7. Approved by pairing: {listed}."
+        return (await self.pairing.revoke(args[0], by=inbound.identity, cfg=self.s.cfg)).text
 
 
 def _settings_block(settings: dict[str, Any]) -> str:

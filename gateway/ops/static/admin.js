@@ -128,21 +128,61 @@
       if (c.gateways) chip.title = c.gateways.join("\n");
       list.append(chip);
     }
+    showModels(data.model);
     const tools = $("tool-sources");
     tools.replaceChildren();
-    if (!data.tool_sources.length) tools.append(el("li", "No MCP servers or other tool sources configured.", "muted"));
+    if (!data.tool_sources.length) tools.append(el("li", "Only the built-in tools (no MCP servers configured).", "muted"));
     for (const source of data.tool_sources) {
       const good = ["ready", "connected"].includes(source.state);
-      const chip = el("li", null, good ? "chip ok" : "chip bad");
-      chip.append(el("strong", source.name), el("span", source.state + " · " + source.tools.length + " tools"));
+      const off = source.state === "off";
+      const chip = el("li", null, good ? "chip ok" : off ? "chip off" : "chip bad");
+      const count = source.tools.length === 1 ? "1 tool" : source.tools.length + " tools";
+      chip.append(el("strong", source.label || source.name), el("span", source.state + " · " + count));
       if (source.detail) chip.append(el("span", source.detail, "why"));
-      chip.title = source.tools.join(", ");
+      chip.title = source.tools.length ? "Tools: " + source.tools.join(", ") : "No tools offered";
       tools.append(chip);
     }
   }
 
+  // A model error's kind (gateway/model/errors.py) in words.
+  const ERROR_WORDS = { overflow: "context too long", rate_limit: "rate limited", timeout: "timed out",
+                        server: "server error", connection: "could not connect", auth: "key refused",
+                        bad_request: "request refused", invalid_response: "unreadable answer",
+                        not_configured: "no API key" };
+
+  function errorText(e) {
+    return (ERROR_WORDS[e.kind] || e.kind) + (e.status ? " (HTTP " + e.status + ")" : "") +
+           (e.detail ? ": " + e.detail : "");
+  }
+
+  // Each configured model: its calls since the start, and whether the last one failed.
+  function showModels(state) {
+    const list = $("models");
+    list.replaceChildren();
+    for (const m of state.models) {
+      const failed = Object.values(m.failures).reduce((a, b) => a + b, 0);
+      const erring = m.last_error && (!m.last_ok_at || m.last_error.at > m.last_ok_at);
+      const chip = el("li", null, !m.has_key || erring ? "chip bad" : "chip ok");
+      chip.append(el("strong", m.name));
+      if (m.role !== "model") chip.append(el("span", m.role, "why")); // an alias (models.NAME) or summary_model
+      if (!m.has_key) chip.append(el("span", "no API key: every chat answers with what to set"));
+      else if (!m.calls) chip.append(el("span", "no calls yet"));
+      else chip.append(el("span", m.calls + " calls · " + failed + " failed" +
+                                   (m.last_ok_at ? " · last answer " + ago(m.last_ok_at) : "")));
+      if (m.last_error) {
+        const last = el("span", "last error " + ago(m.last_error.at) + ": " + errorText(m.last_error), "why");
+        last.title = dateTime.format(new Date(m.last_error.at * 1000));
+        chip.append(last);
+      }
+      list.append(chip);
+    }
+    const used = state.fallbacks.map((f) => f.from + " → " + f.to + " (" + f.times + "×)");
+    $("fallbacks").textContent = used.length ? "Fallbacks used: " + used.join(", ") : "No fallback used.";
+  }
+
   async function loadPairings() {
     const data = await api("pairings");
+    showApproved(data.approved);
     const tbody = $("pairings").tBodies[0];
     if (!data.pending.length) return emptyRow(tbody, 5, "No one is waiting for approval.");
     tbody.replaceChildren();
@@ -160,11 +200,29 @@
     }
   }
 
+  function showApproved(people) {
+    const tbody = $("approved").tBodies[0];
+    if (!people.length) return emptyRow(tbody, 4, "Nobody approved by pairing yet.");
+    tbody.replaceChildren();
+    for (const p of people) {
+      const row = el("tr");
+      row.dataset.identity = p.identity;
+      const action = el("td");
+      const button = el("button", "Revoke", "revoke");
+      button.type = "button";
+      button.title = "Their next message gets a new pairing code";
+      button.addEventListener("click", () => revoke(p.identity, button));
+      action.append(button);
+      row.append(el("td", p.identity, "mono"), when(p.approved_at), wide(el("td", p.approved_by, "mono")), action);
+      tbody.append(row);
+    }
+  }
+
   async function approve(code, identity, button) {
     button.disabled = true;
     try {
       const data = await api("pairings/approve", { code: code });
-      showNotice(data.message + " They can chat now.", false);
+      showNotice(data.message + (data.told ? " They were told in their chat." : ""), false);
     } catch (err) {
       if (handleAuth(err)) return;
       showNotice("Could not approve " + identity + ": " + err.message, true);
@@ -172,9 +230,28 @@
     await guarded(loadPairings, "pairings");
   }
 
+  async function revoke(identity, button) {
+    button.disabled = true;
+    try {
+      const data = await api("pairings/revoke", { identity: identity });
+      showNotice(data.message, false);
+    } catch (err) {
+      if (handleAuth(err)) return;
+      showNotice("Could not revoke " + identity + ": " + err.message, true);
+    }
+    await guarded(loadPairings, "pairings");
+  }
+
   function sessionRow(s) {
-    const row = el("tr");
-    row.append(el("td", s.key, "mono"), wide(el("td", s.channel)), el("td", s.agent),
+    const row = el("tr", null, "clickable");
+    row.dataset.key = s.key;
+    const key = el("td");
+    const open = el("button", s.key, "open-session mono");
+    open.type = "button";
+    open.title = "Open this session: its recent messages and context";
+    key.append(open);
+    row.addEventListener("click", () => guarded(() => openSession(s.key), "session"));
+    row.append(key, wide(el("td", s.channel)), el("td", s.agent),
                wide(el("td", s.model, "mono")), when(s.last_activity),
                el("td", number.format(s.turns), "num"), el("td", number.format(s.tokens_today), "num"));
     return row;
@@ -199,6 +276,63 @@
     nextSessions = data.next;
     moreButton.hidden = !data.next;
     $("sessions-total").textContent = "(" + number.format(data.total) + ")";
+  }
+
+  // -- one session -------------------------------------------------------------------
+
+  let openKey = null;
+
+  function numbers(list, pairs) {
+    list.replaceChildren();
+    for (const [label, value] of pairs) {
+      const item = el("div");
+      item.append(el("dt", label), el("dd", value));
+      list.append(item);
+    }
+  }
+
+  async function openSession(key) {
+    const data = await api("session?key=" + encodeURIComponent(key));
+    openKey = key;
+    for (const row of $("sessions").tBodies[0].rows) row.classList.toggle("selected", row.dataset.key === key);
+    $("session-key").textContent = data.key;
+    $("session-meta").textContent = "channel " + data.channel + " · agent " + data.agent + " · model " + data.model +
+      " · last activity " + ago(data.last_activity) + " · scope " + data.scope;
+    const c = data.context;
+    if (c) {
+      const share = c.budget > 0 ? " (" + Math.round(100 * c.tokens / c.budget) + "%)" : "";
+      const pairs = [["tokens", number.format(c.tokens) + " of " + number.format(c.budget) + share],
+                     ["turns", c.turns + " of " + c.max_turns],
+                     ["messages", c.messages + " (" + c.user + " user, " + c.assistant + " assistant, " + c.tool + " tool)"],
+                     ["summary", c.summary ? "yes" : "none"], ["model", c.model]];
+      if (c.last_model && c.last_model !== c.model) pairs.push(["last answered by", c.last_model]);
+      if (c.last_trim) pairs.push(["last trim", c.last_trim.strategy + ", " + number.format(c.last_trim.tokens_before) +
+                                               " → " + number.format(c.last_trim.tokens_after) + " tokens"]);
+      numbers($("session-context"), pairs);
+    } else {
+      numbers($("session-context"), [["context", "not in memory on this gateway now (loaded at its next message)"]]);
+    }
+    const list = $("session-messages");
+    list.replaceChildren();
+    if (!data.messages.length) list.append(el("li", "No messages yet.", "muted"));
+    for (const m of data.messages) {
+      const item = el("li", null, m.role);
+      const head = el("div", null, "head");
+      const time = el("time", ago(m.at));
+      time.title = dateTime.format(new Date(m.at * 1000));
+      head.append(el("span", m.role === "user" ? "person" : "reply"), el("span", "turn " + m.turn), time);
+      item.append(head, el("div", m.text + (m.cut ? " …" : ""), "text"));
+      list.append(item);
+    }
+    const section = $("session-section");
+    section.hidden = false;
+    section.scrollIntoView({ block: "nearest" });
+  }
+
+  function closeSession() {
+    openKey = null;
+    $("session-section").hidden = true;
+    for (const row of $("sessions").tBodies[0].rows) row.classList.remove("selected");
   }
 
   function bindingText(match) {
@@ -329,7 +463,9 @@
   }
 
   async function loadAll() {
-    const results = await Promise.all(Object.entries(views).map(([name, load]) => guarded(load, name)));
+    const loads = Object.entries(views).map(([name, load]) => guarded(load, name));
+    if (openKey) loads.push(guarded(() => openSession(openKey), "session"));
+    const results = await Promise.all(loads);
     if (!token) return;
     if (results.every(Boolean) && notice.classList.contains("error")) notice.hidden = true; // recovered
     updated.textContent = "updated " + new Date().toLocaleTimeString();
@@ -345,6 +481,7 @@
 
   function signOut(message) {
     token = "";
+    closeSession();
     sessionStorage.removeItem(TOKEN_KEY);
     clearInterval(timer);
     dashboard.hidden = true;
@@ -379,6 +516,7 @@
   refreshButton.addEventListener("click", () => { notice.hidden = true; loadAll(); });
   signoutButton.addEventListener("click", () => signOut(""));
   moreButton.addEventListener("click", () => guarded(() => loadSessions(true), "sessions"));
+  $("session-close").addEventListener("click", closeSession);
 
   if (token) {
     showDashboard();
