@@ -154,6 +154,9 @@
     const pending = log.querySelector(".msg.bot.pending");
     const div = addMessage(data.failed ? "error" : "bot", data.text, data.at);
     if (pending) log.insertBefore(div, pending);
+    pushes += 1;
+    lastPushed.push([pushes, data]);
+    if (lastPushed.length > 20) lastPushed.shift();
     shownHistory = ""; // the log has changed since the last history load
     scrollDown(!pending);
   }
@@ -177,9 +180,14 @@
   // -- history ----------------------------------------------------------------------
 
   let shownHistory = ""; // what the last history load showed, to skip redrawing the same
+  // Replies pushed so far, and the last few: a history load that began before one came
+  // may not hold it yet, so it is shown again after what the load draws.
+  let pushes = 0;
+  const lastPushed = [];
 
   async function loadHistory(force) {
     if (busy) return;
+    const pushed = pushes;
     let res, data;
     try {
       const url = "api/history?session=" + encodeURIComponent(session.value) + "&limit=" + HISTORY_LIMIT;
@@ -211,6 +219,11 @@
     for (const m of data.messages) {
       if (m.kind === "divider") addDivider(m.at);
       else addMessage(m.role === "user" ? "user" : "bot", m.text, m.at, m.kind === "command");
+    }
+    for (const [n, p] of lastPushed) {
+      if (n > pushed && !data.messages.some((m) => m.role === "assistant" && m.text === p.text)) {
+        addMessage(p.failed ? "error" : "bot", p.text, p.at);
+      }
     }
     scrollDown(true);
   }
