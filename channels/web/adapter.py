@@ -19,7 +19,7 @@ session page by page and no answer holds all of it. Each entry has a `kind`: `me
 
 `GET /api/events?session=NAME` is the session's Server-Sent Events for an open page:
 `reply` {"text", "at", "failed"} when a reply reaches the session while none of its
-requests waits (a task's, a webhook's, one that came after the page stopped waiting),
+requests waits (a scheduled task's, one that came after the page stopped waiting),
 `resync` when a reconnecting page missed more than is kept (channels/web/events.py).
 
 A tool that waits for a person's yes (SPEC §5.7) shows as an `approval` event {"id", "tool",
@@ -244,7 +244,7 @@ class WebChannel:
     async def send(self, inbound: Inbound, text: str) -> None:
         fut = self._waiters.get(inbound.event_id)
         if fut is None or fut.done():
-            # No request waits (a task's or a webhook's reply, one answered after a restart):
+            # No request waits (a task's reply, one answered after a restart or after the page gave up):
             # the session's open pages get it now; it is stored and in the history anyway.
             pages = self.push_reply(inbound.chat_id, text, failed=False)
             log.info("web reply with no waiting request", extra={"event": inbound.event_id, "pages": pages})

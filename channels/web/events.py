@@ -1,6 +1,7 @@
-"""What reaches a web session while none of its requests waits — a scheduled task's reply,
-a webhook's, a reply that came after its page stopped waiting — pushed to the session's
-open pages as Server-Sent Events (`GET /api/events?session=NAME`, channels/web/adapter.py).
+"""What reaches a web session while none of its requests waits — a scheduled task's
+reply, one that came after its page stopped waiting, one answered after a restart —
+pushed to the session's open pages as Server-Sent Events (`GET /api/events?session=NAME`,
+channels/web/adapter.py).
 
 Each event has an id, `<boot>-<n>`: a page that reconnects (EventSource does so by itself,
 after the `retry` the stream announces) sends the last one it saw as `Last-Event-ID` and

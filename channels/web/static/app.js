@@ -459,7 +459,7 @@
   }
 
   // -- replies no request of this page waits for ------------------------------------
-  // A task's or a webhook's reply, or one that came after Stop: the session's event
+  // A scheduled task's reply, or one that came after Stop: the session's event
   // stream. EventSource reconnects by itself (after the stream's `retry`, sending
   // Last-Event-ID, so nothing is missed); it cannot send a token, so with one the same
   // protocol is read from fetch.
