@@ -48,7 +48,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from channels.base import ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
-from channels.web.events import RETRY_MS, STREAM_MAX_S, SessionEvents, StreamLimit
+from channels.web.events import RETRY_MS, STREAM_MAX_S, Listener, SessionEvents, StreamLimit
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.http.throttle import AuthThrottle
@@ -410,7 +410,8 @@ class WebChannel:
         except StreamLimit:
             return _error(429, "too many open pages from your address; close some", retry_after=RETRY_MS / 1000)
 
-    async def _follow(self, request: web.Request, session: str, listener: Any, token: str | None) -> web.StreamResponse:
+    async def _follow(self, request: web.Request, session: str, listener: Listener,
+                      token: str | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-store, no-transform",

@@ -184,6 +184,7 @@
   // may not hold it yet, so it is shown again after what the load draws.
   let pushes = 0;
   const lastPushed = [];
+  let needsToken = false; // the gateway said 401: nothing is retried until a token is entered
 
   async function loadHistory(force) {
     if (busy) return;
@@ -199,6 +200,7 @@
       return;
     }
     if (busy) return;
+    needsToken = res.status === 401;
     if (!res.ok || !Array.isArray(data.messages)) {
       clearLog();
       shownHistory = "";
@@ -490,8 +492,12 @@
         source.addEventListener(name, (e) => onPushed(name, JSON.parse(e.data)));
       }
       source.addEventListener("error", () => {
-        // Closed for good only when refused (busy, starting): try again a while later.
-        if (source.readyState === EventSource.CLOSED && !stopped) timer = setTimeout(open, 15000);
+        // Closed for good only when refused (starting, too many pages): try again a while
+        // later; never without the token the gateway asked for (each try would count as
+        // a wrong one).
+        if (source.readyState === EventSource.CLOSED && !stopped) {
+          timer = setTimeout(() => { if (!needsToken) open(); }, 15000);
+        }
       });
     }
     open();
