@@ -57,7 +57,7 @@ from gateway.turns.router import Router
 from gateway.turns.sessions import SessionManager
 from gateway.turns.summaries import Summarizer
 from gateway.turns.usage import Usage
-from gateway.types import Inbound
+from gateway.types import Inbound, Message
 from gateway.workspace import restrict_mode
 
 if TYPE_CHECKING:
@@ -468,14 +468,26 @@ class Gateway:
 
     async def web_history(self, session: str, limit: int,
                           before: tuple[int, int] | None) -> tuple[list[HistoryItem], tuple[int, int] | None]:
-        """A page of the web page's view of a session: what was said, oldest first (bounded
-        in size: the store reads no more than the page holds)."""
-        from channels.web.adapter import HistoryItem
+        """A page of the web page's view of a session: what was said and the commands'
+        answers, oldest first, a divider where a fresh context started (bounded in size:
+        the store reads no more than the page holds)."""
+        from channels.web.adapter import HistoryItem, with_dividers
 
         assert self.services is not None
-        probe = Inbound(channel="web", chat_id=session, user_id=session, text="", event_id="")
-        page = await self.services.store.chat_history_page(session_key(probe), limit=limit, before=before)
-        return [HistoryItem(role=m.role, text=m.content, at=m.created_at) for m in page.messages], page.older
+        store = self.services.store
+        key = session_key(Inbound(channel="web", chat_id=session, user_id=session, text="", event_id=""))
+        page = await store.conversation_page(key, limit=limit, before=before)
+        row = await store.get_session(key)
+        items: list[HistoryItem] = []
+        for entry in page.entries:
+            if isinstance(entry, Message):
+                items.append(HistoryItem(entry.role, entry.content, entry.created_at, turn=entry.turn))
+            else:
+                items += [HistoryItem("user", entry.command, entry.created_at, "command", entry.turn),
+                          HistoryItem("assistant", entry.answer, entry.created_at, "command", entry.turn,
+                                      entry.fresh_context)]
+        context_start = row.context_start_turn if row is not None else 1
+        return with_dividers(items, context_start, newest=before is None), page.older
 
     def _make_channel(self, name: str, cfg: Config) -> Any:
         section = getattr(cfg.channels, name)

@@ -206,3 +206,49 @@ async def test_the_chat_history_is_read_in_pages_of_bounded_size(make_store: Sto
     # A message longer than a page still comes, alone, so a reader always gets on.
     lone = await store.chat_history_page("web:big", limit=5, max_chars=1000)
     assert [m.content for m in lone.messages] == texts[-1:] and lone.older is not None
+
+
+async def test_command_answers_take_their_places_in_the_history_pages(make_store: StoreFactory) -> None:
+    """The web page's history with the commands' answers (SQLite's migration 11), on both
+    backends: each after the turn it followed, paged by the same cursor, purged with age."""
+    from gateway.store.rows import CommandAnswer
+
+    store = await make_store()
+    key = "web:cmd"
+    await store.ensure_session(key, key, "web")
+    await store.add_command_answer(key, "/help", "commands…")  # before any turn: turn 0
+    expected: list[str] = ["/help"]
+    for turn in range(1, 4):
+        for seq, role in enumerate(("user", "assistant")):
+            await store.add_message(key, Message(role=role, content=f"{role} {turn}", turn=turn), seq=seq)
+            expected.append(f"{role} {turn}")
+        await store.add_command_answer(key, f"/context {turn}", "stats", fresh_context=turn == 2)
+        expected.append(f"/context {turn}")
+    await store.add_message(key, Message(role="user", content="user 4", turn=4), seq=0)
+    expected.append("user 4")
+
+    def label(entry: Message | CommandAnswer) -> str:
+        return entry.command if isinstance(entry, CommandAnswer) else entry.content
+
+    whole = await store.conversation_page(key, limit=50)
+    assert [label(e) for e in whole.entries] == expected and whole.older is None
+    fresh = [e for e in whole.entries if isinstance(e, CommandAnswer) and e.fresh_context]
+    assert [(e.command, e.turn) for e in fresh] == [("/context 2", 2)]
+    pages: list[list[str]] = []
+    before = None
+    while True:
+        page = await store.conversation_page(key, limit=3, before=before)
+        pages.insert(0, [label(e) for e in page.entries])
+        if page.older is None:
+            break
+        before = page.older
+    assert [text for page in pages for text in page] == expected
+    # Sizes bound a page as they do the messages'.
+    big = await store.conversation_page(key, limit=50, max_chars=20)
+    assert len(big.entries) < len(expected) and big.older is not None
+    # Never among the messages the context and restore read.
+    assert all(m.content != "stats" for m in await store.messages(key))
+    assert await store.delete_command_answers_before(time.time() + 1, limit=2) == 2
+    assert await store.delete_command_answers_before(time.time() + 1, limit=10) == 2
+    assert [label(e) for e in (await store.conversation_page(key, limit=50)).entries] == [
+        e for e in expected if not e.startswith("/")]

@@ -495,13 +495,15 @@ async def test_the_terminal_erases_what_a_status_replaces(monkeypatch: pytest.Mo
     terminal = TerminalChannel(out=out, tty=True)  # type: ignore[arg-type]
     stream = terminal.stream(said("x"))
 
-    await stream.append("Let me look that up in your notes, one moment")  # 5 + 45 chars: 3 rows of 20
+    # Wrapped at words in the 15 columns after "bot> ": "Let me look" / "that up in your" /
+    # "notes, one" / "moment", 4 rows.
+    await stream.append("Let me look that up in your notes, one moment")
     await stream.status("reading notes.md…")
     await stream.append("Found it.")
     await stream.finish("Found it.")
 
     screen = out.text
-    erase = "\r\033[2A\033[J"  # back to the first of the 3 rows, clear to the end of the screen
+    erase = "\r\033[3A\033[J"  # back to the first of the 4 rows, clear to the end of the screen
     assert screen.index(erase) < screen.index("reading notes.md…") < screen.index("Found it.")
     # What the window shows at the end: the answer once (the streamed text was replaced by
     # its rendering in place), nothing of what came before it.

@@ -39,8 +39,9 @@ def _controlling_terminal() -> None:
 class Window:
     """A chat process on a pty, and the screen it draws."""
 
-    def __init__(self) -> None:
-        self.screen = pyte.Screen(COLUMNS, ROWS)
+    def __init__(self, columns: int = COLUMNS, rows: int = ROWS) -> None:
+        self.columns, self.rows = columns, rows
+        self.screen = pyte.Screen(columns, rows)
         self.stream = pyte.Stream(self.screen)
         self.decoder = codecs.getincrementaldecoder("utf-8")()
         self.raw = ""
@@ -51,10 +52,10 @@ class Window:
 
     async def start(self, config: Path, cwd: Path) -> None:
         master, slave = os.openpty()
-        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", self.rows, self.columns, 0, 0))
         self.master = master
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": str(COLUMNS),
-               "LINES": str(ROWS)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": str(self.columns),
+               "LINES": str(self.rows)}
         env.pop("NO_COLOR", None)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "chat", "--config", str(config), cwd=cwd, env=env,
@@ -335,7 +336,7 @@ def _window(text: str, columns: int, rows: int) -> list[str]:
     return [row.rstrip() for row in scrolled + screen.display if row.strip()]
 
 
-async def test_a_reply_taller_than_the_window_stays_plain_and_is_shown_once(monkeypatch: Any) -> None:
+async def test_a_reply_taller_than_the_window_is_rendered_and_shown_once(monkeypatch: Any) -> None:
     monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((40, 10)))
     reply = "\n".join(f"- item **{n}**" for n in range(15))  # 15 rows in a 10-row window
     out = Tty()
@@ -343,9 +344,11 @@ async def test_a_reply_taller_than_the_window_stays_plain_and_is_shown_once(monk
     stream = terminal.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="e"))
     for line in reply.split("\n"):
         await stream.append(line + "\n" if not line.endswith("14**") else line)
+        await asyncio.sleep(0)
     await stream.finish(reply)
     shown = _window(out.text, 40, 10)
-    assert shown == ["bot> - item **0**", *(f"- item **{n}**" for n in range(1, 15))]
+    # Rendered while it grew: what scrolled above the window was written once, for good.
+    assert shown == ["bot>  • item 0", *(f"      • item {n}" for n in range(1, 15))]
 
     short = TerminalChannel(out=Tty())
     stream = short.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q", event_id="f"))
@@ -413,5 +416,125 @@ async def test_an_approval_is_a_y_or_n_question_in_the_terminal(fake_model: Fake
         window.type("\x04")  # Ctrl+D
         assert await window.exit_code() == 0
         assert "Traceback" not in window.raw
+    finally:
+        await window.close()
+
+
+# -- long answers as a newcomer reads them --------------------------------------------------
+
+ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
+
+
+def _stream_in(columns: int, rows: int, monkeypatch: Any) -> tuple[Tty, Any]:
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a, **k: os.terminal_size((columns, rows)))
+    out = Tty()
+    terminal = TerminalChannel(out=out)  # type: ignore[arg-type]
+    return out, terminal.stream(Inbound(channel="terminal", chat_id="local", user_id="local", text="q",
+                                        event_id="e"))
+
+
+async def _until_shown(out: Tty, columns: int, rows: int, wanted: str) -> list[str]:
+    async with asyncio.timeout(10):
+        while True:
+            shown = _window(out.text, columns, rows)
+            if any(wanted in row for row in shown):
+                return shown
+            await asyncio.sleep(0.02)
+
+
+async def test_a_long_answer_is_markdown_while_it_streams(monkeypatch: Any) -> None:
+    out, stream = _stream_in(40, 10, monkeypatch)
+    items = [f"- item **{n}**\n" for n in range(30)]
+    for item in items[:20]:
+        await stream.append(item)
+        await asyncio.sleep(0)
+    # Mid-answer, taller than the window already: rendered, no Markdown as written.
+    shown = await _until_shown(out, 40, 10, "• item 19")
+    assert "**" not in "".join(shown) and not any(row.lstrip().startswith("- item") for row in shown)
+    for item in items[20:]:
+        await stream.append(item)
+    await stream.finish("".join(items))
+    shown = _window(out.text, 40, 10)
+    assert shown == ["bot>  • item 0", *(f"      • item {n}" for n in range(1, 30))]  # each once, in order
+
+
+async def test_words_are_never_cut_at_the_windows_edge(monkeypatch: Any) -> None:
+    words = [f"{'word' if n % 3 else 'longerword'}{n}" for n in range(160)]
+    text = " ".join(words)  # far taller than the window at 30 columns
+    out, stream = _stream_in(30, 8, monkeypatch)
+    for n in range(0, len(words), 7):
+        await stream.append(" ".join(words[n:n + 7]) + " ")
+        await asyncio.sleep(0)
+        shown = _window(out.text, 30, 8)
+        # Whatever moment one looks: every row holds whole words.
+        assert all(word in words for row in shown for word in row.removeprefix("bot>").split()), shown
+    await stream.finish(text)
+    shown = _window(out.text, 30, 8)
+    assert " ".join(shown).removeprefix("bot>").split() == words
+
+
+async def test_a_code_line_stays_one_line_and_links_show_their_address(monkeypatch: Any) -> None:
+    long_line = "total = " + " + ".join(f"value_{n}" for n in range(12))  # 158 characters
+    reply = (f"See [the docs](https://example.org/docs) or <https://example.org/faq>.\n\n"
+             f"```python\n{long_line}\nprint(total)\n```")
+    out, stream = _stream_in(40, 30, monkeypatch)
+    await stream.append(reply[:30])
+    await stream.append(reply[30:])
+    await stream.finish(reply)
+    shown = _window(out.text, 40, 30)
+    prose = " ".join(" ".join(shown[:3]).split())
+    assert "See the docs (https://example.org/docs) or https://example.org/faq." in prose
+    # The code line was written as one line (the terminal soft-wraps it): never broken
+    # by a newline, never re-flowed at its spaces.
+    plain = ESCAPES.sub("", out.text)
+    assert f"     {long_line}\n" in plain.replace("\r", "")
+    first = next(i for i, row in enumerate(shown) if row.startswith("     total = "))
+    assert "".join(shown[first:first + 5]).startswith("     " + long_line)
+    assert "print(total)" in shown[first + 4]
+
+
+class TallWindow(Window):
+    """A chat on a pty in a small window: what scrolls away is kept (pyte's history), and
+    every state of the window is kept too."""
+
+    def __init__(self, columns: int, rows: int) -> None:
+        super().__init__(columns, rows)
+        self.screen = pyte.HistoryScreen(columns, rows, history=2000)
+        self.stream = pyte.Stream(self.screen)
+        self.snapshots: list[str] = []
+
+    def _read(self) -> None:
+        super()._read()
+        self.snapshots.append("\n".join(self.screen.display))
+
+    @property
+    def transcript(self) -> list[str]:
+        scrolled = ["".join(line[x].data for x in range(self.columns)) for line in self.screen.history.top]
+        return [row.rstrip() for row in scrolled + self.screen.display if row.strip()]
+
+
+async def test_the_chat_renders_a_long_answer_as_it_streams(fake_model: FakeModel, tmp_path: Path) -> None:
+    """`gateway chat` in a 60×14 window: a streamed answer far taller than it is Markdown at
+    every moment, its words whole, and once in the scrollback."""
+    items = [f"- point **{n}**: the gateway keeps each session's turns in order\n" for n in range(24)]
+    chunks = ["## Plan\n\n", *items, "\nDone, see [the guide](https://example.org/guide)."]
+    fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.05)
+    window = TallWindow(60, 14)
+    try:
+        await window.start(write_config(tmp_path, fake_model), tmp_path)
+        await window.at_prompt()
+        window.type("make a plan\r")
+        await window.until(r"the guide \(https://example\.org/guide\)\..*you>\Z")
+        assert not any("**" in shot or "- point" in shot for shot in window.snapshots)
+        rows = window.transcript
+        answer = rows[rows.index("you> make a plan") + 1:-1]
+        assert answer[0] == "bot> Plan"
+        assert [row.split(":")[0].strip() for row in answer if "•" in row] == [f"• point {n}" for n in range(24)]
+        expected = "".join(chunks).replace("**", "").replace("## ", "").replace("- ", "").replace(
+            "[the guide](https://example.org/guide)", "the guide (https://example.org/guide)")
+        assert [word for row in answer for word in row.removeprefix("bot>").split() if word != "•"] == \
+            expected.split()  # all of it, once, no word cut at the edge
+        window.type("\x04")
+        assert await window.exit_code() == 0
     finally:
         await window.close()

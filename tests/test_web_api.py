@@ -256,8 +256,8 @@ async def test_history_endpoint(served: Served) -> None:
             assert resp.status == 200
             body = await resp.json()
         assert body == {"session": "alice", "messages": [
-            {"role": "user", "text": "hi from alice", "at": 1.0},
-            {"role": "assistant", "text": "**hello**", "at": 2.0}], "before": None}
+            {"role": "user", "text": "hi from alice", "at": 1.0, "kind": "message"},
+            {"role": "assistant", "text": "**hello**", "at": 2.0, "kind": "message"}], "before": None}
         assert served.history_calls == [("alice", 7)]
         for params in ({"session": "../etc"}, {"session": "alice\n"}, {"session": "a", "limit": "0"},
                        {"session": "a", "limit": "201"}, {"session": "a", "limit": "ten"},

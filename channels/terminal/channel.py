@@ -2,31 +2,31 @@
 with a visible "thinking…" state (SPEC §5.1). The prompt loop that reads the questions is
 gateway/chat.py; reading a line is channels/terminal/keyboard.py.
 
-On a terminal, a reply streams as plain text; when it is complete it is shown again as
-rendered Markdown (rich) in the same place, unless it grew taller than the window (the
-plain text then stays, never shown twice). Into a pipe or file every line stays and
+On a terminal, a reply is shown as rendered Markdown while it streams (rich, wrapped at
+word boundaries; the last screenful is drawn again as it grows, what scrolled above it
+stays: channels/terminal/live.py), links with their address, code lines never
+re-flowed (channels/terminal/markdown.py). Into a pipe or file every line stays and
 Markdown stays as written."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
-import math
-import shutil
 import sys
-import unicodedata
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TextIO
 
 from channels.base import ApprovalCard, Decide, ReplyRefSink, StreamObserver
+from channels.terminal.live import BOT, LiveReply, layout
+from channels.terminal.markdown import render_document
 from gateway.types import Inbound
 
 log = logging.getLogger("channels.terminal")
 
 PROMPT = "you> "
-BOT = "bot> "
+FRAME_S = 0.08  # least time between two frames of a growing reply (more when rendering takes longer)
 EARLIER = "The chat stopped before answering this earlier question:"
 QUOTE_CHARS = 300
 DIM, RESET = "\033[2m", "\033[0m"
@@ -153,40 +153,34 @@ class TerminalChannel:
             log.exception("could not render a reply as Markdown; showing it as written")
             return f"{BOT}{text}\n"
 
-    def _render(self, text: str) -> str:
-        from markdown_it import MarkdownIt
-        from rich.console import Console
-        from rich.markdown import Markdown
-
+    def colors(self) -> str | None:
+        """This terminal's colour system (rich's word for it), found once."""
         if self._colors is None:
+            from rich.console import Console
+
             self._colors = Console(file=self.out).color_system or ""
-        width = max(20, _columns() - len(BOT))
-        buffer = io.StringIO()
-        console = Console(file=buffer, force_terminal=True, color_system=self._colors or None, width=width)
-        markdown = Markdown(text)
-        # Single line breaks are kept, as on the web page (marked's `breaks`) and in
-        # Telegram: replies and command answers put one item per line.
-        markdown.parsed = MarkdownIt("commonmark", {"breaks": True}).enable(["strikethrough", "table"]).parse(text)
-        console.print(markdown)
-        lines = buffer.getvalue().rstrip("\n").split("\n")
-        while len(lines) > 1 and not _visible(lines[0]):  # a leading blank line under "bot> "
-            lines.pop(0)
+        return self._colors or None
+
+    def _render(self, text: str) -> str:
+        lines = render_document(text, layout()[1], self.colors()) or [""]
         pad = " " * len(BOT)
-        # Rich pads lines to the width with spaces: without them a narrowed window does not
-        # wrap the reply into a staircase.
-        return BOT + lines[0].rstrip(" ") + "\n" + "".join(f"{pad}{line}".rstrip(" ") + "\n" for line in lines[1:])
+        return BOT + lines[0] + "\n" + "".join(f"{pad}{line}".rstrip(" ") + "\n" for line in lines[1:])
 
 
 class TerminalStream:
-    """One reply printed as it grows; a ReplyStream (channels/base.py)."""
+    """One reply shown as it grows; a ReplyStream (channels/base.py). On a terminal it is
+    rendered Markdown redrawn in frames (LiveReply); elsewhere the text as it comes."""
 
     def __init__(self, channel: TerminalChannel, inbound: Inbound | None = None) -> None:
         self.channel = channel
         self.inbound = inbound
         self.out = channel.out
-        self.printed = ""  # answer text on screen since the last status
+        self.printed = ""  # answer text on screen since the last status (not a terminal)
         self.status_shown = False
         self.started = False
+        self.live = LiveReply(channel.write, channel.colors()) if channel.tty else None
+        self._frame: asyncio.TimerHandle | None = None
+        self._next_frame = 0.0
 
     def _observe(self, event: str) -> None:
         if self.channel.observe is not None:
@@ -204,22 +198,47 @@ class TerminalStream:
             self._write("\r\033[K")
         self.status_shown = False
 
-    def _fits(self) -> bool:
-        """Whether the printed text is all still on screen (it can be erased in place)."""
-        size = shutil.get_terminal_size()
-        return _rows(BOT + self.printed, size.columns) < size.lines
-
     def _take_back_text(self) -> None:
-        """Remove the printed answer text: erased on a terminal, the line ended elsewhere
-        (and where its top has scrolled out of the window)."""
-        if not self.printed:
-            return
-        if self.channel.tty and self._fits():
-            rows = _rows(BOT + self.printed, shutil.get_terminal_size().columns)
-            self._write("\r" + (f"\033[{rows - 1}A" if rows > 1 else "") + "\033[J")
-        else:
+        """Remove the answer text shown so far: on a terminal its live part is erased (what
+        scrolled above stays); elsewhere the line is ended."""
+        self._cancel_frame()
+        if self.live is not None:
+            self.live.take_back()
+        elif self.printed:
             self._write("\n")
         self.printed = ""
+
+    # -- frames (a terminal) ------------------------------------------------------------
+
+    def _schedule_frame(self) -> None:
+        """A frame now when the last one was long enough ago (the first words show at
+        once), else one when it is due."""
+        if self._frame is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_frame:
+            self._draw()
+        else:
+            self._frame = loop.call_at(self._next_frame, self._draw)
+
+    def _cancel_frame(self) -> None:
+        if self._frame is not None:
+            self._frame.cancel()
+            self._frame = None
+
+    def _draw(self) -> None:
+        self._frame = None
+        assert self.live is not None
+        started = time.monotonic()
+        try:
+            self.live.frame()
+        except Exception:  # the final text is shown all the same (finish)
+            log.exception("could not draw a frame of a reply")
+        # A long last block takes longer to render: frames come less often, never hog the loop.
+        spent = time.monotonic() - started
+        self._next_frame = asyncio.get_running_loop().time() + max(FRAME_S, 3 * spent)
+
+    # -- ReplyStream ----------------------------------------------------------------------
 
     async def append(self, delta: str) -> None:
         if not self.started:
@@ -227,6 +246,11 @@ class TerminalStream:
             self._observe("reply")
         self._introduce()
         self._clear_status()
+        if self.live is not None:
+            if delta:
+                self.live.source += delta
+                self._schedule_frame()
+            return
         if not self.printed:
             self._write(BOT)
         self._write(delta)
@@ -248,10 +272,22 @@ class TerminalStream:
     def _end(self, text: str, *, markdown: bool) -> None:
         self._introduce()
         self._clear_status()
-        if markdown and self.channel.tty and (not self.printed or self._fits()):
-            # The whole reply is on screen: shown again, rendered, in its place.
-            self._take_back_text()
-            self._write(self.channel.render(text) + "\n")
+        self._cancel_frame()
+        live = self.live
+        if live is not None:
+            if markdown and text.startswith(live.source[:live.frozen_at]):
+                # The last frame, whole: what scrolled away is the start of this text.
+                live.source = text
+                try:
+                    live.frame(final=True)
+                except Exception:
+                    log.exception("could not render a reply as Markdown; showing it as written")
+                    live.take_back()
+                    self._write(f"{BOT}{text}")
+                self._write("\n\n")
+            else:
+                live.take_back()
+                self._write((self.channel.render(text) + "\n") if markdown else f"{BOT}{text}\n\n")
         else:
             if self.printed != text:
                 self._take_back_text()
@@ -260,34 +296,6 @@ class TerminalStream:
         self.printed = ""
         if self.inbound is None or self.inbound.origin is None:  # a task's reply answers no question
             self.channel.replies.put_nowait((text, True))
-
-
-def _columns() -> int:
-    return shutil.get_terminal_size().columns
-
-
-def _visible(line: str) -> bool:
-    """Whether a rendered line shows anything (escape sequences and spaces do not)."""
-    plain, skip = [], False
-    for ch in line:
-        if ch == "\033":
-            skip = True
-        elif skip:
-            skip = not ch.isalpha()
-        else:
-            plain.append(ch)
-    return bool("".join(plain).strip())
-
-
-def _rows(text: str, columns: int) -> int:
-    """Terminal rows `text` takes at this width (wide CJK characters count twice)."""
-    columns = max(1, columns)
-    rows = 0
-    for line in text.split("\n"):
-        width = sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
-                    for ch in line)
-        rows += max(1, math.ceil(width / columns))
-    return rows
 
 
 async def _spinner(out: TextIO, quiet: Callable[[], bool]) -> None:

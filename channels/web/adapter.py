@@ -13,7 +13,14 @@ With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent
 `GET /api/history?session=NAME[&limit=N][&before=CURSOR]` returns a page of the session's
 messages, newest page first: at most N and about HISTORY_PAGE_CHARS of text, with `before`,
 the cursor of the page before it (null at the start), so a client reads all of a long
-session page by page and no answer holds all of it.
+session page by page and no answer holds all of it. Each entry has a `kind`: `message`,
+`command` (an in-chat command or its answer, kept apart from the conversation) or
+`divider` (a fresh context started there: /new, /context clear).
+
+`GET /api/events?session=NAME` is the session's Server-Sent Events for an open page:
+`reply` {"text", "at", "failed"} when a reply reaches the session while none of its
+requests waits (a scheduled task's, one that came after the page stopped waiting),
+`resync` when a reconnecting page missed more than is kept (channels/web/events.py).
 
 A tool that waits for a person's yes (SPEC §5.7) shows as an `approval` event {"id", "tool",
 "arguments", "who", "timeout_s"} in the streamed reply, and `approval_done` {"id",
@@ -30,6 +37,7 @@ import json
 import logging
 import math
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +48,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from channels.base import ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.web.events import RETRY_MS, STREAM_MAX_S, Listener, SessionEvents, StreamLimit
 from gateway.http.same_site import foreign_host, foreign_origin, server_names
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.http.throttle import AuthThrottle
@@ -64,16 +73,41 @@ PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 's
 
 @dataclass(frozen=True, slots=True)
 class HistoryItem:
-    role: str  # "user" | "assistant"
+    role: str  # "user" | "assistant" | "divider"
     text: str
     at: float  # unix time it was stored
+    kind: str = "message"  # "message"; "command": a command or its answer; "divider": a fresh context
+    turn: int = 0  # the turn it belongs to (a command: the last turn before it)
+    fresh_context: bool = False  # a command's answer that started a fresh context
+
+
+NEW_CONVERSATION = "new conversation"
+
+
+def with_dividers(items: list[HistoryItem], context_start: int, *, newest: bool) -> list[HistoryItem]:
+    """`items` with a divider after each command that started a fresh context, and one
+    where the session's live context starts (`context_start`, its first turn) when no
+    such command stands there (one from before commands were kept)."""
+    out: list[HistoryItem] = []
+    start_shown = context_start <= 1
+    for item in items:
+        if not start_shown and item.turn >= context_start and out and out[-1].turn < context_start:
+            out.append(HistoryItem("divider", NEW_CONVERSATION, item.at, kind="divider", turn=context_start))
+            start_shown = True
+        out.append(item)
+        if item.fresh_context:
+            out.append(HistoryItem("divider", NEW_CONVERSATION, item.at, kind="divider", turn=item.turn + 1))
+            start_shown = start_shown or item.turn + 1 == context_start
+    if newest and not start_shown and out and out[-1].turn < context_start:
+        out.append(HistoryItem("divider", NEW_CONVERSATION, out[-1].at, kind="divider", turn=context_start))
+    return out
 
 
 # (session name, limit, before: a (turn, seq) cursor or None) → the page's messages, oldest
 # first, and the cursor of the page before it (None: this one is the first).
 HistoryLookup = Callable[[str, int, tuple[int, int] | None],
                          Awaitable[tuple[list[HistoryItem], tuple[int, int] | None]]]
-HISTORY_CURSOR = re.compile(r"(\d{1,18})\.(\d{1,9})")
+HISTORY_CURSOR = re.compile(r"(\d{1,18})\.(\d{1,18})")  # turn.seq (a command's seq is large)
 
 
 class SseOutbox:
@@ -119,9 +153,11 @@ class WebReplyStream:
     writes the events; the stream only queues them, so it never blocks or raises. A
     reply whose request has gone stays stored and shows up in the page's history."""
 
-    def __init__(self, outbox: SseOutbox, reply: asyncio.Future[str]) -> None:
+    def __init__(self, outbox: SseOutbox, reply: asyncio.Future[str],
+                 orphaned: Callable[[str, bool], None] | None = None) -> None:
         self._outbox = outbox
         self._reply = reply
+        self._orphaned = orphaned  # where the reply goes when its request has gone
         self._ended = False
 
     async def append(self, delta: str) -> None:
@@ -143,6 +179,8 @@ class WebReplyStream:
             return
         self._ended = True
         self._outbox.failed = failed
+        if self._outbox.closed and self._orphaned is not None:
+            self._orphaned(text, failed)  # the page stopped waiting: its open pages get it
         if not self._reply.done():
             self._reply.set_result(text)
 
@@ -173,19 +211,24 @@ class WebChannel:
         # Event ids for requests without one: unique across restarts (dedup keys persist).
         self._id_prefix = uuid.uuid4().hex[:16]
         self._ids = itertools.count(1)
+        self.events = SessionEvents()  # what reaches a session while none of its requests waits
+        self._closing = asyncio.Event()  # set by stop(): every event stream ends
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.page), web.post("/api/chat", self.api_chat),
                 web.post("/api/approvals/{id}", self.api_approval),
                 web.get("/api/history", self.api_history),
+                web.get("/api/events", self.api_events),
                 web.get("/static/{name}", self.static_file),
                 web.get("/static/vendor/{name}", self.vendor_file)]
 
     async def start(self) -> None:
         self._running = True
+        self._closing.clear()
 
     async def stop(self) -> None:
         self._running = False
+        self._closing.set()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(ConnectionAbortedError("the gateway is shutting down"))
@@ -201,10 +244,18 @@ class WebChannel:
     async def send(self, inbound: Inbound, text: str) -> None:
         fut = self._waiters.get(inbound.event_id)
         if fut is None or fut.done():
-            # No one is waiting (e.g. answered after a restart): the reply stays stored.
-            log.info("web reply with no waiting request", extra={"event": inbound.event_id})
+            # No request waits (a task's reply, one answered after a restart or after the page gave up):
+            # the session's open pages get it now; it is stored and in the history anyway.
+            pages = self.push_reply(inbound.chat_id, text, failed=False)
+            log.info("web reply with no waiting request", extra={"event": inbound.event_id, "pages": pages})
             return
         fut.set_result(text)
+
+    def push_reply(self, session: str, text: str, *, failed: bool) -> int:
+        """A reply for the session's open pages (`GET /api/events`); how many are open."""
+        if not SESSION_NAME.fullmatch(session):
+            return 0
+        return self.events.publish(session, "reply", {"text": text, "at": time.time(), "failed": failed})
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None:
@@ -217,7 +268,12 @@ class WebChannel:
             return None
         if self.observe is not None:
             self.observe("reply")
-        return WebReplyStream(outbox, fut)
+        session = inbound.chat_id
+        return WebReplyStream(outbox, fut, lambda text, failed: self._orphaned_reply(session, text, failed))
+
+    def _orphaned_reply(self, session: str, text: str, failed: bool) -> None:
+        pages = self.push_reply(session, text, failed=failed)
+        log.info("web reply after its request stopped waiting", extra={"pages": pages})
 
     async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
         """The card in the waiting request's stream; None when that request is not
@@ -329,8 +385,75 @@ class WebChannel:
             log.error("history could not be read", extra={"session": session, "error": str(err)[:300]})
             return _error(503, "the history could not be read right now; please try again later")
         return web.json_response({"session": session, "messages": [
-            {"role": item.role, "text": item.text, "at": item.at} for item in items],
+            {"role": item.role, "text": item.text, "at": item.at, "kind": item.kind} for item in items],
             "before": f"{older[0]}.{older[1]}" if older is not None else None}, headers=API_HEADERS)
+
+    async def api_events(self, request: web.Request) -> web.StreamResponse:
+        """The session's pushed events, for as long as the page stays (at most
+        STREAM_MAX_S; it reconnects with `Last-Event-ID`). Ends when the channel stops or
+        the token changes (a rotated token locks this stream out too)."""
+        refused = self._cross_site(request)
+        if refused is not None:
+            return _error(403, refused)
+        unauthorized = await self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
+        if not self._running:
+            return _error(503, "the gateway is not accepting pages right now")
+        session = request.query.get("session", "default")
+        if not SESSION_NAME.fullmatch(session):
+            return _error(400, "session must be 1-64 characters of letters, digits, _ . @ -")
+        token = self.token
+        try:
+            with self.events.listen(session, request.remote) as listener:
+                return await self._follow(request, session, listener, token)
+        except StreamLimit:
+            return _error(429, "too many open pages from your address; close some", retry_after=RETRY_MS / 1000)
+
+    async def _follow(self, request: web.Request, session: str, listener: Listener,
+                      token: str | None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-store, no-transform",
+            "X-Accel-Buffering": "no",
+        })
+        missed = self.events.missed(session, request.headers.get("Last-Event-ID"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STREAM_MAX_S
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            async with asyncio.timeout(STREAM_MAX_S + self.stuck_write_s):  # a client that stops reading
+                await resp.prepare(request)
+                await resp.write(f"retry: {RETRY_MS}\n\n".encode())
+                if missed is None:  # the page reloads its history; from here on it is current
+                    await resp.write(_sse("resync", {}, self.events.event_id(self.events.last_number)))
+                for event in missed or ():
+                    await resp.write(_sse(event.name, event.data, self.events.event_id(event.number)))
+                while not listener.overflowed and self.token == token and not self._closing.is_set():
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    getting = asyncio.ensure_future(listener.queue.get())
+                    done, _ = await asyncio.wait({getting, closing}, timeout=min(self.heartbeat_s, left),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if getting not in done:
+                        getting.cancel()
+                        await asyncio.gather(getting, return_exceptions=True)
+                        if not done:
+                            await resp.write(b": keep-alive\n\n")
+                        continue
+                    event = getting.result()
+                    await resp.write(_sse(event.name, event.data, self.events.event_id(event.number)))
+                await resp.write_eof()
+        except ConnectionError:
+            pass  # the page went away
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+        finally:
+            closing.cancel()
+            await asyncio.gather(closing, return_exceptions=True)
+        return resp
 
     async def _unauthorized(self, request: web.Request) -> web.Response | None:
         """The answer to a request without the right token (None: it may go on). Failed
@@ -475,9 +598,10 @@ def _wants_stream(request: web.Request, body: dict[str, Any]) -> bool:
     return body.get("stream") is True or "text/event-stream" in request.headers.get("Accept", "")
 
 
-def _sse(event: str, data: dict[str, Any]) -> bytes:
+def _sse(event: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
     # json.dumps escapes newlines, so the data is always one `data:` line.
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 def _error(status: int, message: str, *, retry_after: float | None = None) -> web.Response:

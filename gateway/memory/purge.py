@@ -1,7 +1,8 @@
 """The retention purge (SPEC §7): what is past its time goes, in small batches.
 
 Sessions whose last activity is older than `session_retention_days` go with their
-messages and summaries, and so do the older messages of sessions still in use; files
+messages and summaries, and so do the older messages (and command answers) of sessions
+still in use; files
 people sent (files/, SPEC §5.4) older than that go too, as their messages do; dedup
 records of platform events older than 7 days go; so do scheduled tasks' run records, and
 tasks that ended, past the session retention; saved tool outputs
@@ -46,12 +47,14 @@ class PurgeReport:
     seconds: float = 0.0
     task_records: int = 0  # task runs and ended tasks
     files: int = 0  # files people sent, past retention
+    command_answers: int = 0  # in-chat commands and their answers, kept for the history
 
     def line(self) -> str:
         tasks = f"{self.task_records} task records, " if self.task_records else ""
         files = f", {self.files} sent files" if self.files else ""
+        commands = f"{self.command_answers} command answers, " if self.command_answers else ""
         return (
-            f"{self.sessions} sessions, {self.messages} messages, {self.summaries} summaries, "
+            f"{self.sessions} sessions, {self.messages} messages, {commands}{self.summaries} summaries, "
             f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs{files} "
             f"in {self.seconds:.2f}s"
         )
@@ -65,6 +68,10 @@ async def purge(
     before = now - session_retention_days * DAY
     sessions, messages, summaries = await _purge_sessions(store, before=before, batch=batch)
     messages += await _purge_old_messages(store, before=before, batch=batch)
+    command_answers = 0
+    while (n := await store.delete_command_answers_before(before, limit=batch)) > 0:
+        command_answers += n
+        await asyncio.sleep(0)
     events = 0
     while (n := await store.delete_events_before(now - DEDUP_DAYS * DAY, limit=batch)) > 0:
         events += n
@@ -79,7 +86,7 @@ async def purge(
     sent = await purge_sent_files(data_dir, before=before)
     await _checkpoint(store)
     return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records,
-                       sent)
+                       sent, command_answers)
 
 
 async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:

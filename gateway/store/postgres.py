@@ -210,6 +210,8 @@ class PgStore:
     recent_messages = Store.recent_messages
     turn_messages = Store.turn_messages
     last_turn = Store.last_turn
+    add_command_answer = Store.add_command_answer
+    conversation_page = Store.conversation_page
     record_event = Store.record_event
     retry_busy_event = Store.retry_busy_event
     end_turn = Store.end_turn
@@ -541,6 +543,11 @@ class PgStore:
             return 0
         return await self._delete("DELETE FROM sessions WHERE key = ANY(?::text[]) AND updated_at < ?",
                                   (list(keys), float(before)))
+
+    async def delete_command_answers_before(self, before: float, *, limit: int) -> int:
+        return await self._delete(
+            "DELETE FROM command_answers WHERE id IN (SELECT id FROM command_answers WHERE created_at < ? "
+            "ORDER BY created_at LIMIT ?)", (float(before), limit))
 
     async def delete_events_before(self, before: float, *, limit: int) -> int:
         return await self._delete(

@@ -157,6 +157,36 @@ class HistoryPage:
     older: tuple[int, int] | None  # (turn, seq) to read on from (`before`); None: nothing older
 
 
+# Where a command's answer stands in the history: after every message of its turn (their
+# seq is small), in the order answers were stored. Part of the history's cursor.
+COMMAND_SEQ = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class CommandAnswer:
+    """An in-chat command and its answer, as the chat showed them (never in the context)."""
+
+    command: str
+    answer: str
+    turn: int  # the session's last turn when it was answered
+    fresh_context: bool  # it started a fresh context (/new, /context clear)
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationPage:
+    """Some of a chat's history with its command answers, oldest first, and where the page
+    before it ends (a (turn, seq) cursor; None: nothing older)."""
+
+    entries: list[Message | CommandAnswer]
+    older: tuple[int, int] | None
+
+
+def command_answer(row: Any) -> CommandAnswer:
+    return CommandAnswer(command=row["command"], answer=row["answer"], turn=int(row["turn"]),
+                         fresh_context=bool(row["fresh_context"]), created_at=float(row["created_at"]))
+
+
 def history_cut(sizes: Sequence[int], *, limit: int, max_chars: int) -> int:
     """How many of the newest messages (their sizes, newest first) one page holds: at
     most `limit`, with at most `max_chars` of text together, and always one (a single

@@ -28,9 +28,12 @@ from gateway.store.checkpoints import Checkpointer
 from gateway.store.group_commit import GroupInsert
 from gateway.store.migrations.sqlite import MIGRATIONS
 from gateway.store.rows import (
+    COMMAND_SEQ,
     HISTORY_PAGE_CHARS,
     HISTORY_SHOWN,
     SEARCH_ROLE_SQL,
+    CommandAnswer,
+    ConversationPage,
     HistoryPage,
     JobRun,
     PendingEvent,
@@ -42,6 +45,7 @@ from gateway.store.rows import (
     StoreStats,
     UsageDay,
     attachments_to_json,
+    command_answer,
     count_noun,
     history_cut,
     like_pattern,
@@ -376,6 +380,52 @@ class Store:
         """The latest page of what the person saw in the chat (chat_history_page), oldest first."""
         return (await self.chat_history_page(key, limit=limit, max_chars=max_chars)).messages
 
+    # -- command answers: the chat's history, never the context -------------------------
+
+    async def add_command_answer(self, key: str, command: str, answer: str, *, fresh_context: bool = False) -> None:
+        """Keep an in-chat command and its answer for the chat's history, placed after the
+        session's last turn (one statement: the turn is read where it is written)."""
+        await self._rows(
+            "INSERT INTO command_answers(session_key, turn, command, answer, fresh_context, created_at) "
+            "VALUES (?, (SELECT coalesce(max(turn), 0) FROM messages WHERE session_key=?), ?, ?, ?, ?)",
+            (key, key, command, answer, int(fresh_context), time.time()))
+
+    async def conversation_page(self, key: str, *, limit: int, before: tuple[int, int] | None = None,
+                                max_chars: int = HISTORY_PAGE_CHARS) -> ConversationPage:
+        """chat_history_page with the session's command answers in their places: up to
+        `limit` entries older than `before`, oldest first. Each side reads at most a page
+        (an index walk each), and the sizes come first, so no more is read than returned."""
+        older = " AND (turn, seq) < (?, ?)" if before is not None else ""
+        older_answer = f" AND (turn, {COMMAND_SEQ} + id) < (?, ?)" if before is not None else ""
+        cursor = before or ()
+        sizes = await self._rows(
+            "SELECT turn, seq, size FROM ("
+            f"SELECT * FROM (SELECT turn, seq, length(content) AS size FROM messages WHERE {HISTORY_SHOWN}{older} "
+            "ORDER BY turn DESC, seq DESC LIMIT ?) m UNION ALL "
+            f"SELECT * FROM (SELECT turn, {COMMAND_SEQ} + id AS seq, length(command) + length(answer) AS size "
+            f"FROM command_answers WHERE session_key=?{older_answer} ORDER BY turn DESC, id DESC LIMIT ?) c"
+            ") h ORDER BY turn DESC, seq DESC LIMIT ?",
+            (key, *cursor, limit + 1, key, *cursor, limit + 1, limit + 1))
+        take = history_cut([int(r[2] or 0) for r in sizes], limit=limit, max_chars=max_chars)
+        if take == 0:
+            return ConversationPage([], None)
+        newest = (int(sizes[0][0]), int(sizes[0][1]))
+        oldest = (int(sizes[take - 1][0]), int(sizes[take - 1][1]))
+        kinds = {int(r[1]) >= COMMAND_SEQ for r in sizes[:take]}
+        placed: list[tuple[tuple[int, int], Message | CommandAnswer]] = []
+        if False in kinds:
+            rows = await self._rows(
+                f"SELECT * FROM messages WHERE {HISTORY_SHOWN} AND (turn, seq) >= (?, ?) AND (turn, seq) <= (?, ?) "
+                "ORDER BY turn, seq", (key, *oldest, *newest))
+            placed += [((int(r["turn"]), int(r["seq"])), row_to_message(r)) for r in rows]
+        if True in kinds:
+            rows = await self._rows(
+                f"SELECT * FROM command_answers WHERE session_key=? AND (turn, {COMMAND_SEQ} + id) >= (?, ?) "
+                f"AND (turn, {COMMAND_SEQ} + id) <= (?, ?) ORDER BY turn, id", (key, *oldest, *newest))
+            placed += [((int(r["turn"]), COMMAND_SEQ + int(r["id"])), command_answer(r)) for r in rows]
+        placed.sort(key=lambda item: item[0])
+        return ConversationPage([entry for _, entry in placed], oldest if len(sizes) > take else None)
+
     async def last_turn(self, key: str) -> int:
         rows = await self._rows("SELECT max(turn) FROM messages WHERE session_key=?", (key,))
         return int(rows[0][0]) if rows and rows[0][0] is not None else 0
@@ -643,6 +693,12 @@ class Store:
         return await self._delete(
             f"DELETE FROM sessions WHERE key IN ({marks}) AND updated_at < ?", (*keys, before)
         )
+
+    async def delete_command_answers_before(self, before: float, *, limit: int) -> int:
+        """Command answers past retention go like the messages around them."""
+        return await self._delete(
+            "DELETE FROM command_answers WHERE id IN (SELECT id FROM command_answers WHERE created_at < ? "
+            "ORDER BY created_at LIMIT ?)", (before, limit))
 
     async def delete_events_before(self, before: float, *, limit: int) -> int:
         """Forget dedup records of platform events older than `before`."""

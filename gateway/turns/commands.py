@@ -34,7 +34,7 @@ from gateway.services import Services
 from gateway.store.rows import slot_words
 from gateway.tasks.schedule import TaskError
 from gateway.turns.live import LiveSession
-from gateway.turns.sessions import CommandJob, SessionManager
+from gateway.turns.sessions import CommandJob, SessionManager, keep_command_answer
 from gateway.types import Inbound
 
 log = logging.getLogger("gateway.commands")
@@ -212,27 +212,27 @@ class Commands:
         if name == "stop":
             # Answered at once, never queued: it is meant for the turn the queue waits on.
             outcome = await self.sessions.stop_turn(key, inbound.identity, inbound)
-            await self._answer(inbound, STOP_ANSWERS[outcome])
+            await self._answer(inbound, key, STOP_ANSWERS[outcome])
         elif name not in KNOWN:
-            await self._answer(inbound, unknown_command(name))
+            await self._answer(inbound, key, unknown_command(name))
         elif name == "help":
-            await self._answer(inbound, HELP)
+            await self._answer(inbound, key, HELP)
         elif name == "start":
-            await self._answer(inbound, WELCOME + HELP)
+            await self._answer(inbound, key, WELCOME + HELP)
         elif name == "config":
-            await self._answer(inbound, await self.config(inbound, args, session=key, scope=scope))
+            await self._answer(inbound, key, await self.config(inbound, args, session=key, scope=scope))
         elif name == "approve":
-            await self._answer(inbound, await self.approve(inbound, args))
+            await self._answer(inbound, key, await self.approve(inbound, args))
         elif name == "revoke":
-            await self._answer(inbound, await self.revoke(inbound, args))
+            await self._answer(inbound, key, await self.revoke(inbound, args))
         elif name == "tools":
-            await self._answer(inbound, self.tools(details=is_admin(self.s.cfg, inbound.identity)))
+            await self._answer(inbound, key, self.tools(details=is_admin(self.s.cfg, inbound.identity)))
         elif name == "skills":
-            await self._answer(inbound, self.skills(inbound))
+            await self._answer(inbound, key, self.skills(inbound))
         elif name == "tasks":
-            await self._answer(inbound, await self.tasks(inbound, scope, args))
+            await self._answer(inbound, key, await self.tasks(inbound, scope, args))
         elif name in ("new", "reset") or (name == "context" and args[:1] == ["clear"]):
-            await self._queue(inbound, key, scope, self._clear)
+            await self._queue(inbound, key, scope, self._clear, fresh_context=True)
         elif name == "context":
             identity = inbound.identity
 
@@ -250,19 +250,20 @@ class Commands:
         elif name == "agent":
             await self._queue(inbound, key, scope, self._agent)
         elif name == "usage":
-            await self._answer(inbound, await self.usage(inbound))
+            await self._answer(inbound, key, await self.usage(inbound))
         elif name in ("allow", "deny"):
-            await self._answer(inbound, await self.answer_approval(inbound, args, allow=name == "allow"))
+            await self._answer(inbound, key, await self.answer_approval(inbound, args, allow=name == "allow"))
         return True
 
-    async def _answer(self, inbound: Inbound, text: str) -> None:
+    async def _answer(self, inbound: Inbound, key: str, text: str) -> None:
+        await keep_command_answer(self.s, key, inbound, text)
         await self.reply(inbound, text)
         await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
 
     async def _queue(self, inbound: Inbound, key: str, scope: str,
-                     run: Callable[[LiveSession], Awaitable[str]]) -> None:
-        if not await self.sessions.submit(key, scope, CommandJob(inbound, run)):
-            await self._answer(inbound, "I'm still working on your earlier messages; try again in a moment.")
+                     run: Callable[[LiveSession], Awaitable[str]], *, fresh_context: bool = False) -> None:
+        if not await self.sessions.submit(key, scope, CommandJob(inbound, run, fresh_context=fresh_context)):
+            await self._answer(inbound, key, "I'm still working on your earlier messages; try again in a moment.")
 
     # -- session commands (run inside the session queue) ----------------------------------
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from context.engine import SessionContext
 from context.restore import restore_messages
 from gateway.agents import agent_of_scope
+from gateway.config.changes import is_secret_key
 from gateway.keys import workspace_dir
 from gateway.media import Intake, ReplyFile, plain_intake, reply_files
 from gateway.services import Services
@@ -81,9 +82,32 @@ class CommandJob:
 
     inbound: Inbound
     run: Callable[[LiveSession], Awaitable[str]]
+    fresh_context: bool = False  # it starts a fresh context (/new): the history shows a divider after it
 
 
 Job = TurnJob | CommandJob
+
+
+def shown_command(text: str) -> str:
+    """A command as the history keeps it: a value given to a secret setting is masked
+    (chat refuses to set it, and it stays out of the database too)."""
+    parts = text.strip().split(maxsplit=2)
+    if len(parts) == 3 and parts[0].split("@", 1)[0].lower() == "/config" and is_secret_key(parts[1]):
+        return f"{parts[0]} {parts[1]} ***"
+    return text.strip()
+
+
+async def keep_command_answer(services: Services, key: str, inbound: Inbound, answer: str, *,
+                              fresh_context: bool = False) -> None:
+    """The command and its answer, kept for the chat's history before the answer goes out
+    (a page reloaded at once finds it). Never in `messages`: no context or search sees it.
+    Best effort: the answer is given either way."""
+    try:
+        await services.store.add_command_answer(key, shown_command(inbound.text), answer,
+                                                fresh_context=fresh_context)
+    except Exception as err:
+        log.warning("a command's answer was not kept for the history", extra={"session": key,
+                                                                            "error": str(err)[:300]})
 
 
 def _is_final_reply(msg: Message) -> bool:
@@ -297,11 +321,13 @@ class SessionManager:
 
     async def _command(self, live: LiveSession, job: CommandJob) -> None:
         inbound = job.inbound
+        fresh = job.fresh_context
         try:
             text = await job.run(live)
         except Exception:
             log.exception("command failed", extra={"session": live.key})
-            text = CRASH_REPLY
+            text, fresh = CRASH_REPLY, False
+        await keep_command_answer(self.s, live.key, inbound, text, fresh_context=fresh)
         await self._send(inbound, text)
         await self.s.store.mark_event(inbound.channel, inbound.event_id, "answered")
 

@@ -1,5 +1,6 @@
 // The web chat page: history on load, replies streamed as Server-Sent Events and rendered
-// as sanitized Markdown (marked + DOMPurify, vendored). No build step.
+// as sanitized Markdown (marked + DOMPurify, code highlighted by highlight.js; all vendored),
+// replies no request waits for pushed over the session's event stream. No build step.
 (function () {
   "use strict";
 
@@ -8,6 +9,8 @@
   // After Stop, how long the reply may take to end (stopped, what was shown kept) before
   // the page stops reading it instead (nothing was running to stop, or the gateway is away).
   const STOP_GRACE_MS = 5000;
+  const HIGHLIGHT_MAX_CHARS = 100000; // longer code stays plain: highlighting it would stall the page
+  const ALIGNMENTS = new Set(["left", "center", "right"]);
   const SESSION_NAME = /^[A-Za-z0-9_.@-]{1,64}$/;
 
   const $ = (id) => document.getElementById(id);
@@ -15,6 +18,7 @@
   const working = $("working"), workingText = $("working-text"), stop = $("stop");
   const session = $("session"), token = $("token"), who = $("who"), welcome = $("welcome");
   const settings = $("settings"), settingsToggle = $("settings-toggle"), refresh = $("refresh");
+  const newChat = $("new-chat");
 
   session.value = localStorage.getItem("gw.session") || session.value;
   token.value = localStorage.getItem("gw.token") || "";
@@ -34,9 +38,16 @@
   function renderMarkdown(el, source) {
     const html = marked.parse(source);
     const fragment = DOMPurify.sanitize(html, {
-      RETURN_DOM_FRAGMENT: true, ADD_ATTR: ["target"],
+      RETURN_DOM_FRAGMENT: true, ADD_ATTR: ["target", "align"],
       FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select"],
     });
+    // A table column's alignment (`:-:`, `--:`) comes as `align`, which the stylesheet's
+    // cell rule would override: a class says it instead (inline styles are not allowed).
+    for (const cell of fragment.querySelectorAll("[align]")) {
+      const align = cell.getAttribute("align").toLowerCase();
+      cell.removeAttribute("align");
+      if ((cell.tagName === "TD" || cell.tagName === "TH") && ALIGNMENTS.has(align)) cell.classList.add("align-" + align);
+    }
     for (const pre of fragment.querySelectorAll("pre")) decorateCode(pre);
     for (const table of fragment.querySelectorAll("table")) {
       const wrap = document.createElement("div");
@@ -47,9 +58,21 @@
     el.replaceChildren(fragment);
   }
 
+  // After DOMPurify, on text only: highlight.js escapes what it is given, and its spans are
+  // sanitized again all the same (spans with classes, nothing else).
+  function highlight(code, lang) {
+    if (!window.hljs || !lang || !hljs.getLanguage(lang)) return;
+    const source = code.textContent;
+    if (source.length > HIGHLIGHT_MAX_CHARS) return;
+    const html = hljs.highlight(source, { language: lang, ignoreIllegals: true }).value;
+    code.innerHTML = DOMPurify.sanitize(html, { ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"] });
+    code.classList.add("hljs");
+  }
+
   function decorateCode(pre) {
     const code = pre.querySelector("code");
     const lang = code && /language-([\w+#.-]+)/.exec(code.className || "");
+    if (lang) highlight(code, lang[1].toLowerCase());
     const box = document.createElement("div");
     box.className = "code";
     const bar = document.createElement("div");
@@ -95,10 +118,10 @@
     if (force || nearBottom()) log.scrollTop = log.scrollHeight;
   }
 
-  function addMessage(kind, body, at) {
+  function addMessage(kind, body, at, command) {
     const stick = nearBottom();
     const div = document.createElement("div");
-    div.className = "msg " + kind;
+    div.className = "msg " + kind + (command ? " command" : "");
     if (kind === "bot") renderMarkdown(div, body);
     else div.textContent = body; // the person's own text and errors: never HTML
     if (at) div.title = new Date(at * 1000).toLocaleString();
@@ -113,6 +136,32 @@
     p.textContent = body;
     log.appendChild(p);
     scrollDown(true);
+  }
+
+  // Where a fresh context started (/new, /context clear): what comes after it is a new
+  // conversation for the model.
+  function addDivider(at) {
+    const div = document.createElement("div");
+    div.className = "divider";
+    div.setAttribute("role", "separator");
+    const label = document.createElement("span");
+    label.textContent = "new conversation";
+    div.appendChild(label);
+    if (at) div.title = new Date(at * 1000).toLocaleString();
+    log.appendChild(div);
+    scrollDown(true);
+  }
+
+  // A reply pushed over the event stream: before a reply being written now, if any.
+  function addPushed(data) {
+    const pending = log.querySelector(".msg.bot.pending");
+    const div = addMessage(data.failed ? "error" : "bot", data.text, data.at);
+    if (pending) log.insertBefore(div, pending);
+    pushes += 1;
+    lastPushed.push([pushes, data]);
+    if (lastPushed.length > 20) lastPushed.shift();
+    shownHistory = ""; // the log has changed since the last history load
+    scrollDown(!pending);
   }
 
   function clearLog() {
@@ -134,9 +183,15 @@
   // -- history ----------------------------------------------------------------------
 
   let shownHistory = ""; // what the last history load showed, to skip redrawing the same
+  // Replies pushed so far, and the last few: a history load that began before one came
+  // may not hold it yet, so it is shown again after what the load draws.
+  let pushes = 0;
+  const lastPushed = [];
+  let needsToken = false; // the gateway said 401: nothing is retried until a token is entered
 
   async function loadHistory(force) {
     if (busy) return;
+    const pushed = pushes;
     let res, data;
     try {
       const url = "api/history?session=" + encodeURIComponent(session.value) + "&limit=" + HISTORY_LIMIT;
@@ -148,6 +203,7 @@
       return;
     }
     if (busy) return;
+    needsToken = res.status === 401;
     if (!res.ok || !Array.isArray(data.messages)) {
       clearLog();
       shownHistory = "";
@@ -165,7 +221,15 @@
     clearLog();
     // `before` is set when older messages exist (a page holds at most HISTORY_LIMIT, and less when they are long).
     if (data.before) addNote("Showing the last " + data.messages.length + " messages.");
-    for (const m of data.messages) addMessage(m.role === "user" ? "user" : "bot", m.text, m.at);
+    for (const m of data.messages) {
+      if (m.kind === "divider") addDivider(m.at);
+      else addMessage(m.role === "user" ? "user" : "bot", m.text, m.at, m.kind === "command");
+    }
+    for (const [n, p] of lastPushed) {
+      if (n > pushed && !data.messages.some((m) => m.role === "assistant" && m.text === p.text)) {
+        addMessage(p.failed ? "error" : "bot", p.text, p.at);
+      }
+    }
     scrollDown(true);
   }
 
@@ -180,6 +244,7 @@
   function setWorking(on) {
     busy = on;
     send.disabled = on;
+    newChat.disabled = on;
     working.hidden = !on;
     stop.disabled = false;
     clearInterval(ticker);
@@ -299,8 +364,9 @@
     cards.delete(data.id);
   }
 
-  // Server-Sent Events from a fetch body (EventSource cannot POST).
-  async function readEvents(res, onEvent) {
+  // Server-Sent Events from a fetch body (EventSource cannot POST, nor send a token);
+  // `onField` sees the `id` and `retry` fields.
+  async function readEvents(res, onEvent, onField) {
     const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     for (;;) {
@@ -321,24 +387,32 @@
           if (val.startsWith(" ")) val = val.slice(1);
           if (field === "event") event = val;
           else if (field === "data") data.push(val);
+          else if (onField && (field === "id" || field === "retry")) onField(field, val);
         }
         if (data.length && onEvent(event, JSON.parse(data.join("\n")))) return;
       }
     }
   }
 
-  async function submit() {
+  function submit() {
     const message = text.value.trim();
-    if (!message || busy) return;
-    if (!SESSION_NAME.test(session.value)) {
-      openSettings(true);
-      addMessage("error", "The session name must be 1-64 letters, digits, _ . @ or -.");
-      return;
-    }
-    addMessage("user", message);
-    scrollDown(true);
+    if (!message || busy || !sessionNameOk()) return;
     text.value = "";
     fitText();
+    converse(message);
+  }
+
+  function sessionNameOk() {
+    if (SESSION_NAME.test(session.value)) return true;
+    openSettings(true);
+    addMessage("error", "The session name must be 1-64 letters, digits, _ . @ or -.");
+    return false;
+  }
+
+  // One message and its reply.
+  async function converse(message) {
+    addMessage("user", message);
+    scrollDown(true);
     setWorking(true);
     controller = new AbortController();
     const reply = liveReply();
@@ -389,6 +463,82 @@
       shownHistory = ""; // the log has changed since the last history load
       text.focus();
     }
+    // A command's answer: the history shows it as the gateway kept it, with a divider
+    // where it started a fresh context.
+    if (message.startsWith("/")) loadHistory(true);
+  }
+
+  // -- replies no request of this page waits for ------------------------------------
+  // A scheduled task's reply, or one that came after Stop: the session's event
+  // stream. EventSource reconnects by itself (after the stream's `retry`, sending
+  // Last-Event-ID, so nothing is missed); it cannot send a token, so with one the same
+  // protocol is read from fetch.
+
+  let following = null;
+
+  function followEvents() {
+    if (following) following.stop();
+    following = null;
+    if (!SESSION_NAME.test(session.value)) return;
+    const url = "api/events?session=" + encodeURIComponent(session.value);
+    following = token.value ? followWithFetch(url) : followWithEventSource(url);
+  }
+
+  function onPushed(event, data) {
+    if (event === "reply") addPushed(data);
+    else if (event === "resync") loadHistory(true); // more was missed than the gateway keeps
+  }
+
+  function followWithEventSource(url) {
+    let source = null, timer = null, stopped = false, opened = false;
+    function open() {
+      source = new EventSource(url);
+      source.addEventListener("open", () => {
+        if (!opened) { opened = true; loadHistory(false); } // whatever came before it opened
+      });
+      for (const name of ["reply", "resync"]) {
+        source.addEventListener(name, (e) => onPushed(name, JSON.parse(e.data)));
+      }
+      source.addEventListener("error", () => {
+        // Closed for good only when refused (starting, too many pages): try again a while
+        // later; never without the token the gateway asked for (each try would count as
+        // a wrong one).
+        if (source.readyState === EventSource.CLOSED && !stopped) {
+          timer = setTimeout(() => { if (!needsToken) open(); }, 15000);
+        }
+      });
+    }
+    open();
+    return { stop() { stopped = true; clearTimeout(timer); source.close(); } };
+  }
+
+  function followWithFetch(url) {
+    const controller = new AbortController();
+    let lastId = "", retry = 3000, opened = false;
+    (async () => {
+      while (!controller.signal.aborted) {
+        let wait = retry;
+        try {
+          const headers = authHeaders({ "Accept": "text/event-stream" });
+          if (lastId) headers["Last-Event-ID"] = lastId;
+          const res = await fetch(url, { headers: headers, cache: "no-store", signal: controller.signal });
+          if (res.status === 401) return; // the history says so and opens the settings
+          if (res.ok) {
+            if (!opened) { opened = true; loadHistory(false); }
+            await readEvents(res, (event, data) => { onPushed(event, data); return false; }, (field, value) => {
+              if (field === "id") lastId = value;
+              else if (/^\d+$/.test(value)) retry = Number(value);
+            });
+          } else {
+            wait = Math.max(retry, (Number(res.headers.get("Retry-After")) || 15) * 1000);
+          }
+        } catch (err) {
+          if (controller.signal.aborted) return;
+        }
+        await new Promise((resolve) => setTimeout(resolve, wait));
+      }
+    })();
+    return { stop() { controller.abort(); } };
   }
 
   // -- controls ---------------------------------------------------------------------
@@ -410,6 +560,7 @@
     else localStorage.removeItem("gw.token");
     showWho();
     loadHistory(true);
+    followEvents();
   }
 
   // Stop is `/stop` (SPEC §6): the gateway stops the turn, and the reply ends with what was
@@ -443,6 +594,7 @@
   session.addEventListener("change", applySettings);
   token.addEventListener("change", applySettings);
   refresh.addEventListener("click", () => loadHistory(true));
+  newChat.addEventListener("click", () => { if (!busy && sessionNameOk()) converse("/new"); });
   // Replies that came in while the tab was in the background.
   document.addEventListener("visibilitychange", () => { if (!document.hidden) loadHistory(false); });
 
@@ -450,5 +602,6 @@
 
   showWho();
   loadHistory(true);
+  followEvents();
   text.focus();
 })();

@@ -278,4 +278,21 @@ MIGRATIONS: list[str] = [
     ALTER TABLE tasks ADD COLUMN made_by_task TEXT;
     CREATE INDEX tasks_made_by_task ON tasks(scope, created_at) WHERE made_by_task IS NOT NULL;
     """,
+    # 11: the answers of in-chat commands (SPEC §6), kept for the chat's history (the web
+    # page shows them after a reload). A table of their own: the context engine, restore
+    # and memory search read `messages` only, so a command never reaches the model. `turn`
+    # is the session's last turn when it was answered: the history places it after it.
+    """
+    CREATE TABLE command_answers (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_key TEXT NOT NULL,
+        turn INTEGER NOT NULL,
+        command TEXT NOT NULL,
+        answer TEXT NOT NULL,
+        fresh_context INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX command_answers_session ON command_answers(session_key, turn, id);
+    CREATE INDEX command_answers_created ON command_answers(created_at);
+    """,
 ]
