@@ -210,6 +210,7 @@ class PgStore:
     recent_messages = Store.recent_messages
     turn_messages = Store.turn_messages
     last_turn = Store.last_turn
+    old_message_turns = Store.old_message_turns
     record_event = Store.record_event
     retry_busy_event = Store.retry_busy_event
     end_turn = Store.end_turn

@@ -157,23 +157,21 @@ class Summarizer:
         finally:
             live.summarizing.discard(asked)
 
-    async def remember(self, sessions: Sequence[tuple[str, int]]) -> None:
+    async def remember(self, sessions: Sequence[tuple[str, int]]) -> int:
         """Before the purge deletes turns up to `upto` of each (session key, upto): fold
         those no summary covers yet into long-term memory (SPEC §7), a few sessions at a
-        time. Turns a /context clear left are folded on their own first, so the context
-        after the clear never shows a summary of what came before it. When the model is
-        down the fold archives the raw turns and writes the extractive note. Raises when
-        memory cannot be written: the purge then deletes nothing more."""
+        time; how many sessions needed it. Turns a /context clear left are folded on their
+        own first, so the context after the clear never shows a summary of what came
+        before it. When the model is down a fold archives the raw turns and writes the
+        extractive note. Raises when memory cannot be written: the purge then stops."""
         store = self.s.store
         slots = asyncio.Semaphore(CATCH_UP_CONCURRENCY)
 
-        async def one(key: str, upto: int) -> None:
+        async def one(key: str, upto: int) -> bool:
             row = await store.get_session(key)
-            if row is None:
-                return
             latest = await store.latest_summary(key)
-            if latest is not None and latest.upto_turn >= upto:
-                return  # in memory already: most sessions, nothing to ask
+            if row is None or upto <= 0 or (latest is not None and latest.upto_turn >= upto):
+                return False  # in memory already (most sessions), or nothing to say whose it was
             target = _Folding(key, row.scope, workspace_dir(self.s.data_dir, row.scope))
             start = row.context_start_turn
             async with slots, self._lock(key):
@@ -182,10 +180,11 @@ class Summarizer:
                         pass
                 while await self._fold(target, upto, "purge", start):
                     pass
+            return True
 
         async with asyncio.TaskGroup() as group:
-            for key, upto in sessions:
-                group.create_task(one(key, upto))
+            tasks = [group.create_task(one(key, upto)) for key, upto in sessions]
+        return sum(1 for task in tasks if task.result())
 
     async def _fold(self, target: _Folding, upto: int, reason: SummaryReason, start: int) -> bool:
         """Fold the next piece of turns after the covered ones, up to `upto`; True when
