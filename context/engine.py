@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from gateway.types import HOOK_ORIGIN_PREFIX, Attachment, Message
 
-from .budget import Budget
+from .budget import Budget, framing_margin
 from .effects import Prepared, Strategy, SummarizeTurns, SummaryReason, TrimEvent
 from .images import (
     IMAGE_HISTORY_TURNS,
@@ -365,7 +365,8 @@ class _Request:
         self.budget = budget
         self.counter = counter
         self.final = final
-        self.limit = ctx._effective_tokens(budget)
+        self.budget_tokens = ctx._effective_tokens(budget)
+        self.limit = self.budget_tokens - framing_margin(self.budget_tokens)  # what requests fill
         self.omit_injection = False
         self.omit_current_images = False  # the current turn's images did not fit: placeholders
         self.stage2_saved = 0
@@ -593,7 +594,7 @@ class _Request:
         upto = complete[-1].number
         new = sum(1 for t in complete if t.number > ctx._requested_upto)
         if len(complete) == reach:
-            ready = new > 0
+            ready = new > 0  # the turn budget drops these next: asked however few are new
         else:
             ready = (
                 new >= MIN_SUMMARY_TURNS

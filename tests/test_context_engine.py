@@ -474,6 +474,28 @@ def test_nothing_can_fit_gives_a_user_notice(counter: TokenCounter) -> None:
     assert p.user_notice is not None and "agent_max_context_tokens" in p.user_notice
 
 
+def test_requests_leave_a_small_margin_under_the_budget_for_provider_framing(counter: TokenCounter) -> None:
+    """Exact counts fill a request to the last token of the budget; a provider that frames
+    messages a few tokens differently would then overflow. 1 % (at least 16 tokens) stays
+    free."""
+    from context.budget import framing_margin
+
+    assert (framing_margin(50_000), framing_margin(4000), framing_margin(300), framing_margin(50)) == (500, 40, 16, 5)
+    ctx = session(30, size=1000, tools=1)
+    b = budget(tokens=6000, turns=100)
+    p = run(ctx, b, counter)
+    assert "token_budget_halve" in [e.strategy for e in p.events]
+    assert p.tokens <= 6000 - 60
+    grown = 0
+    for turn in range(31, 60):  # the request grows to the margin, never into it
+        ctx.append(reply(turn - 1))
+        ctx.append(user(turn, "a question of some length about the deployment " * 8))
+        p = run(ctx, b, counter)
+        assert p.tokens <= 5940
+        grown = max(grown, p.tokens)
+    assert grown > 5940 - 400  # and it does use the rest
+
+
 def test_effective_budget_respects_the_model_window(counter: TokenCounter) -> None:
     b = Budget(50_000, 20, 8192, 4096, 50_000, 20_000)
     assert b.effective_tokens == 4096
