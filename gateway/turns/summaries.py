@@ -1,4 +1,4 @@
-"""Background summaries of dropped turns (SPEC §4.2, §4.5): never delays a reply; a
+"""Background summaries of dropped turns (SPEC §4.2, §4.5, §7): never delays a reply; a
 failure or timeout falls back to an extractive note; nothing is lost.
 
 A session's turns go into long-term memory by *folds*, one at a time per session (a
@@ -10,6 +10,10 @@ across restarts. A fold appends to the daily note only what it added to the cumu
 summary (the database keeps the whole), archives the raw messages to dialog/ with tool
 outputs in full, and records its coverage last: a crash in between repeats that fold
 rather than losing it.
+
+A fold's summary goes to the live context the moment it is there (the next decision step
+uses it); asks that queue up behind a running fold are folded together in one call. The
+purge folds the turns it is about to delete that no summary covers yet (`remember`).
 """
 
 from __future__ import annotations
