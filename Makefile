@@ -27,6 +27,7 @@ bench:
 	$(PYTHON) -m bench.startup
 	$(PYTHON) -m bench.tools
 	$(PYTHON) -m bench.streaming
+	$(PYTHON) -m bench.memory_timing
 	@for name in $(SCRIPT_BENCHES); do \
 		if [ -f bench/$$name.py ]; then echo "== bench/$$name.py"; $(PYTHON) bench/$$name.py || exit 1; fi; \
 	done

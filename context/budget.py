@@ -6,11 +6,24 @@ knows nothing of the config itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # When the output reserve eats the whole window (a misconfiguration), keep a usable part
 # of the window instead of a zero budget.
 _MIN_WINDOW_SHARE = 2
+# Requests stay this far under the budget: counts are exact by tiktoken and our framing
+# constants, but a provider frames messages and tool schemas its own way, and until its
+# reported usage has calibrated a session (its first request, or after a restart) a
+# request filled to the last token overflows a window by a few. 1 % of the budget, at
+# least 16 tokens, never more than a tenth of a tiny budget.
+FRAMING_MARGIN_SHARE = 0.01
+FRAMING_MARGIN_MIN = 16
+
+
+def framing_margin(tokens: int) -> int:
+    """The tokens a request leaves unused under a budget of `tokens`."""
+    return min(max(FRAMING_MARGIN_MIN, math.ceil(tokens * FRAMING_MARGIN_SHARE)), tokens // 10)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from gateway.types import Message
 
-SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow", "restore"]
+SummaryReason = Literal["turn_budget", "token_budget", "prefetch", "compact", "overflow", "restore", "purge"]
 Strategy = Literal[
     "turn_budget",
     "token_budget_halve",

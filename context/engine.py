@@ -2,12 +2,13 @@
 
 `SessionContext` is the live context of one session, a cache rebuildable from the store.
 `prepare()` runs before every decision step and applies, in order: stage-2 truncation of
-historical tool results, the turn budget (with the summary prefetch), summary injection,
-the token budget (compress, halve, cut the current turn), and returns the request plus
-the effects the shell performs (summaries to write). Rules change the context only
-forward: dropped turns never come back, compressed turns stay compressed, and every cut
-is a pure function of the message, so between two steps a request changes only at its
-end unless a rule fires (SPEC §5).
+historical tool results, the turn budget, summary injection, the token budget (compress,
+halve, cut the current turn), then asks for the summaries of the turns the next drop
+will take (ahead of it), and returns the request plus the effects the shell performs
+(summaries to write). Rules change the context only forward: dropped turns never come
+back, compressed turns stay compressed, and every cut is a pure function of the message,
+so between two steps a request changes only at its end unless a rule fires, or a summary
+arrives for turns that already left (SPEC §4.2, §5).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from gateway.types import HOOK_ORIGIN_PREFIX, Attachment, Message
 
-from .budget import Budget
+from .budget import Budget, framing_margin
 from .effects import Prepared, Strategy, SummarizeTurns, SummaryReason, TrimEvent
 from .images import (
     IMAGE_HISTORY_TURNS,
@@ -51,7 +52,12 @@ __all__ = [
 ]
 
 HALVING_MIN_TURNS = 5  # below this the token budget compresses instead of halving (§4.3)
-PREFETCH_TOKEN_SHARE = 0.75  # past this share of the budget the next halving's summary is asked
+# Past this share of the budget a token halving is near: the summary of the turns it can
+# drop is asked now, so that it is ready when the halving fires (SPEC §4.2 timing).
+HIGH_WATER_SHARE = 0.75
+# An ask ahead of a drop covers at least this many new turns; a smaller range waits (a
+# later ask covers it too) unless the turn budget is about to drop it or it left already.
+MIN_SUMMARY_TURNS = 3
 OVERFLOW_TOOL_CHARS = 10_000  # §4.4 aggressive trim
 OVERFLOW_USER_CHARS = 10_000
 OVERFLOW_TURNS = 5
@@ -129,12 +135,11 @@ class SessionContext:
         self._max_seen = self._last_number
         self._pending: tuple[str, int] | None = None
         self._requested_upto = self.summary_upto_turn  # highest turn any effect covers
-        self._prefetch_upto = 0
+        self._high_water_drop = -1  # _dropped_upto when the token high-water mark last asked
         self._undelivered: list[_Turn] = []  # dropped turns no delivered summary covers
         self._caps: dict[int, tuple[Message, int]] = {}  # id(msg) -> (msg, kept chars)
         self._caps_version = 0
         self._calibration = 1.0
-        self._prepared_turn = 0
         self._provider_limit: tuple[int, int | None] | None = None
         self._inject_cache: tuple[str, dict[str, Any], dict[str, Any], int] | None = None
         self._dropped_upto = 0  # highest turn number no longer live
@@ -206,9 +211,11 @@ class SessionContext:
     # -- summaries ----------------------------------------------------------------------
 
     def offer_summary(self, text: str, upto_turn: int) -> None:
-        """A background summary of turns <= upto_turn is ready. Once turns it covers have
-        been dropped it is injected from the start of the next turn, or together with a
-        trim (which changes the request's prefix anyway) — never on its own mid-turn.
+        """A background summary of turns <= upto_turn is ready. It is injected by the next
+        prepare() that lacks a summary of some dropped turn — the next decision step, in
+        the middle of a turn too: a request without a dropped turn and its summary is the
+        one thing worse than a changed prefix. While every dropped turn is covered it waits
+        for the trim that drops the turns it covers, and lands in the same request.
         Dropped turns stay dropped. Stale offers (covering no more than what is already
         known) are ignored."""
         known = max(self.summary_upto_turn, self._cleared_upto, self._pending[1] if self._pending else 0)
@@ -225,8 +232,7 @@ class SessionContext:
 
     def _activate_pending(self) -> bool:
         """Put a delivered summary in place when turns were dropped that the current one
-        does not cover. Called at a turn start and right after a trim (which changes the
-        request's prefix anyway), never on its own in the middle of a turn."""
+        does not cover (a request would lack them and their summary otherwise)."""
         if self._pending is None or self._dropped_upto <= self.summary_upto_turn:
             return False
         self.summary, self.summary_upto_turn = self._pending
@@ -268,14 +274,15 @@ class SessionContext:
         turn.cache.clear()
         turn.changed()
 
-    def _effect(
-        self, reason: SummaryReason, upto: int, live: Sequence[_Turn] = (), *, force: bool = False
-    ) -> SummarizeTurns | None:
-        """A SummarizeTurns for everything not yet delivered up to `upto`, plus `live`
-        turns (prefetch, overflow). None when an earlier effect already asked for it."""
+    def _effect(self, reason: SummaryReason, upto: int, *, force: bool = False) -> SummarizeTurns | None:
+        """A SummarizeTurns for everything not yet delivered up to `upto`, dropped turns and
+        live ones (asked ahead of their drop, or an overflow). None when an earlier effect
+        already asked for it."""
         if upto <= self._requested_upto and not force:
             return None
-        turns = [t for t in self._undelivered if t.number <= upto] + list(live)
+        delivered = self._delivered_upto()
+        live = [t for t in self._turns if delivered < t.number <= upto]
+        turns = [t for t in self._undelivered if t.number <= upto] + live
         messages = tuple(m for t in turns for m in t.raw)
         if not messages:
             return None
@@ -304,7 +311,7 @@ class SessionContext:
         self._caps_version += 1
         self._inject_cache = None
         top = max(self._last_number, self._max_seen)
-        self._requested_upto = self._dropped_upto = self._prefetch_upto = top
+        self._requested_upto = self._dropped_upto = top
         self._cleared_upto = top  # a summary still on its way covers cleared turns: ignore it
         self.last_event = None
         self._version += 1
@@ -358,7 +365,8 @@ class _Request:
         self.budget = budget
         self.counter = counter
         self.final = final
-        self.limit = ctx._effective_tokens(budget)
+        self.budget_tokens = ctx._effective_tokens(budget)
+        self.limit = self.budget_tokens - framing_margin(self.budget_tokens)  # what requests fill
         self.omit_injection = False
         self.omit_current_images = False  # the current turn's images did not fit: placeholders
         self.stage2_saved = 0
@@ -560,36 +568,46 @@ class _Request:
         events.append(TrimEvent("turn_budget", before, self.total(), turns_before, len(ctx._turns)))
         return True
 
-    def prefetch(self, effects: list[SummarizeTurns]) -> None:
-        """Ask now for the summary of the turns the next halving drops: when the session
-        reaches the turn limit, or when the request passes PREFETCH_TOKEN_SHARE of the
-        token budget with enough turns for a halving (one such prefetch at a time).
+    def ask_ahead(self, effects: list[SummarizeTurns]) -> None:
+        """Ask for the summary of turns as soon as they are certain to be dropped, so it is
+        there when they go (SPEC §4.2 timing).
 
-        The turns are those a halving at the next turn start drops (the n turns now are
-        complete then: the earliest (n + 1) // 2), which is when the turn budget halves.
-        A token halving later in this turn drops one turn fewer when n is odd; the
-        summary then also covers a turn that stays live (shown twice, never missing)."""
+        No single halving drops more than the earliest K = ceil(max_turns / 2) complete
+        turns (the turn budget drops exactly those when the session passes its limit; a
+        token halving, with at most max_turns − 1 complete turns, never more). Once those
+        K are complete they are asked for at once — the turn budget drops them many turns
+        later, and any token halving before that drops a part of them. Before they are
+        complete (early in a session, or after a token halving left fewer), the request
+        passing HIGH_WATER_SHARE of the budget says a token halving is near: every complete
+        turn among them is asked for then, once per drop (a halving up to twice as many
+        turns later still drops only covered ones). A summary that covers a turn still live
+        costs nothing in the request: the turn is shown twice until it goes.
+
+        Ranges stay worth a call: an ask covers at least MIN_SUMMARY_TURNS new turns,
+        except for the turns the turn budget drops next."""
         ctx = self.ctx
-        n = len(ctx._turns)
-        max_turns = max(1, self.budget.max_turns)
-        if not (
-            n == max_turns
-            or (
-                n >= HALVING_MIN_TURNS
-                and ctx._prefetch_upto <= ctx._dropped_upto
-                and PREFETCH_TOKEN_SHARE * self.limit < self.total() <= self.limit  # over: halving now
+        reach = (max(1, self.budget.max_turns) + 1) // 2
+        cur = ctx._current()
+        complete = [t for t in ctx._turns if t is not cur][:reach]
+        if not complete:
+            return
+        upto = complete[-1].number
+        new = sum(1 for t in complete if t.number > ctx._requested_upto)
+        if len(complete) == reach:
+            ready = new > 0  # the turn budget drops these next: asked however few are new
+        else:
+            ready = (
+                new >= MIN_SUMMARY_TURNS
+                and len(ctx._turns) >= HALVING_MIN_TURNS
+                and ctx._high_water_drop != ctx._dropped_upto  # once per drop
+                and self.total() > HIGH_WATER_SHARE * self.limit
             )
-        ):
-            return
-        count = (n + 1) // 2
-        turns = ctx._turns[:count]
-        if count >= n or any(t is ctx._current() for t in turns):
-            return
-        upto = turns[-1].number
-        effect = ctx._effect("prefetch", upto, turns)
-        if effect is not None:
-            ctx._prefetch_upto = upto
-            effects.append(effect)
+        if ready:
+            effect = ctx._effect("prefetch", upto)
+            if effect is not None:
+                if len(complete) < reach:
+                    ctx._high_water_drop = ctx._dropped_upto
+                effects.append(effect)
 
     def token_budget(self, events: list[TrimEvent]) -> bool:
         """Shrink until the request fits; True when something was dropped."""
@@ -713,10 +731,6 @@ def _run(req: _Request) -> Prepared:
     ctx = req.ctx
     events: list[TrimEvent] = []
     effects: list[SummarizeTurns] = []
-    cur = ctx._current()
-    new_turn = cur is not None and cur.number != ctx._prepared_turn
-    if cur is not None:
-        ctx._prepared_turn = cur.number
     turns_now = len(ctx._turns)
     first_total = req.total()  # renders historical turns: stage 2 applies here
     if req.stage2_saved:
@@ -725,16 +739,17 @@ def _run(req: _Request) -> Prepared:
     reason: SummaryReason | None = None
     if req.turn_budget(events):
         reason = "turn_budget"
-    if new_turn:
-        ctx._activate_pending()
-    req.prefetch(effects)
+    # A summary delivered since the last step fills a gap now, at any step of a turn.
+    ctx._activate_pending()
     if req.token_budget(events) and reason is None:
         reason = "token_budget"
     fits = req.total() <= req.limit or req.cut_current_turn(events)
-    if reason is not None:
-        effect = ctx._effect(reason, ctx._dropped_upto)
+    if ctx._dropped_upto > ctx._requested_upto:
+        # Turns left that no summary was asked for (no ask was in time, or a restore): now.
+        effect = ctx._effect(reason or "restore", ctx._dropped_upto)
         if effect is not None:
             effects.append(effect)
+    req.ask_ahead(effects)
     tokens = req.total()
     notice = None if fits else _too_big_notice(tokens, req.limit, math.ceil(req.fixed * ctx._calibration))
     if events:
@@ -807,9 +822,8 @@ def recover_overflow(
     try:
         req = _Request(ctx, system_prompt, tools, budget, counter, False)
         before, turns_before = req.total(), len(ctx._turns)
-        live = list(ctx._turns)
-        upto = max([t.number for t in live] + [ctx._dropped_upto])
-        effect = ctx._effect("overflow", upto, live, force=True)
+        upto = max([t.number for t in ctx._turns] + [ctx._dropped_upto])
+        effect = ctx._effect("overflow", upto, force=True)
         if provider_limit is not None and provider_limit > 0:
             ctx._provider_limit = (provider_limit, budget.context_window)
         if len(ctx._turns) > OVERFLOW_TURNS:

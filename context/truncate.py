@@ -2,9 +2,11 @@
 
 Stage 1 (`cut_tool_result`) runs when a tool result is produced: a result over the cap
 keeps its head and a notice; the full text is saved once as `tool_results/<id>.txt`, or,
-for `read_file`, the notice points at the file itself. Stage 2 (`shorten`) runs in every
-request for historical turns: the kept excerpt is cut again to head + tail, with a notice
-naming the same file and the offsets of what is omitted.
+for `read_file`, the notice points at the file itself. The real end of the text is kept
+out of band (`Truncation.tail`). Stage 2 (`shorten`) runs in every request for historical
+turns: the kept excerpt is cut again to its head plus the end of the whole text (that
+tail, or the excerpt's own end when stage 1 cut nothing), with a notice naming the same
+file and the offsets of what is omitted.
 
 What was cut lives out of band in `Truncation` (gateway.types); nothing here ever looks
 for a marker in the text. Offsets are character offsets (Python str indexes), so a cut
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.types import Truncation
@@ -181,6 +183,11 @@ def cut_tool_result(
     save = SaveFile(truncation.path, text) if file_ref is None else None
     if cut is None:
         return CutResult(text, truncation, save)
+    # The end a later cut shows: as much as stage 2 keeps of a tail (its limit less its
+    # head share), from a line start when one is close, never overlapping the excerpt.
+    keep = max(1, int((save_over if save_over is not None else cap) * (1 - HEAD_SHARE)))
+    tail = text[_tail_cut(text, keep, cut):]
+    truncation = replace(truncation, tail=tail)
     content = text[:cut] + NOTICE_SEPARATOR + _stage1_notice(text, cut, truncation)
     return CutResult(content, truncation, save)
 
@@ -275,16 +282,21 @@ def _complement(kept: list[tuple[int, int]], total: int) -> list[tuple[int, int]
 def shorten(content: str, truncation: Truncation | None, limit: int, *, kind: Kind = "history") -> str:
     """Cut `content` to head + tail of at most `limit` original chars, with a notice.
 
-    Returns `content` itself (the same object) when nothing needs cutting. A pure
-    function of its arguments, so a message cut once reads the same in every request.
-    `kind` says why: "history" (stage 2), "budget" (the current turn or an overflow
-    recovery must fit), "user" (the user's own message is over the budget).
+    The tail is the end of the whole text: the excerpt's own end, or, when stage 1 cut
+    the end off, the real end it kept out of band. Returns `content` itself (the same
+    object) when nothing needs cutting. A pure function of its arguments, so a message
+    cut once reads the same in every request. `kind` says why: "history" (stage 2),
+    "budget" (the current turn or an overflow recovery must fit), "user" (the user's own
+    message is over the budget).
     """
     truncation = _usable(content, truncation)
     excerpt = content[: excerpt_length(content, truncation)]
     limit = max(1, limit)
     if len(excerpt) <= limit:
         return content
+    end = _real_end(truncation, len(excerpt))
+    if end is not None:
+        return _head_and_real_end(excerpt, truncation, end, limit, kind)
     head_end = _head_cut(excerpt, max(1, int(limit * HEAD_SHARE)))
     tail_start = _tail_cut(excerpt, limit - head_end, head_end)
     if tail_start <= head_end:  # tiny limits: keep the head only
@@ -292,6 +304,38 @@ def shorten(content: str, truncation: Truncation | None, limit: int, *, kind: Ki
     head, tail = excerpt[:head_end], excerpt[tail_start:]
     notice = _middle_notice(excerpt, head_end, tail_start, truncation, kind)
     return head + NOTICE_SEPARATOR + notice + (NOTICE_SEPARATOR + tail if tail else "")
+
+
+def _real_end(t: Truncation | None, excerpt_chars: int) -> str | None:
+    """The text's real end kept by stage 1, when the excerpt (from the start) lacks it."""
+    if t is None or not t.tail or len(t.shown) != 1 or t.shown[0] != (0, excerpt_chars):
+        return None
+    if len(t.tail) > t.total_chars - excerpt_chars:
+        return None  # metadata that cannot describe this cut: the excerpt alone then
+    return t.tail
+
+
+def _head_and_real_end(excerpt: str, t: Truncation, end: str, limit: int, kind: Kind) -> str:
+    """The excerpt's head and the end of the whole text (which stage 1 left out of the
+    content), with the notice of what lies between."""
+    head_end = _head_cut(excerpt, max(1, int(limit * HEAD_SHARE)))
+    tail_start = _tail_cut(end, limit - head_end, 0)  # local to `end`
+    tail = end[tail_start:]
+    from_char = t.total_chars - len(tail)  # in the full text
+    if not tail:
+        from_char = t.total_chars
+    base = t.start_offset
+    omitted_chars = from_char - head_end
+    why = "to keep older turns small" if kind == "history" else "to fit the context budget"
+    shown = _span(base, base + head_end) + (f" and {_span(base + from_char, base + t.total_chars)}" if tail else "")
+    first_line = t.start_line + excerpt.count("\n", 0, head_end)
+    notice = (
+        f"[{omitted_chars} characters omitted here (characters {_span(base + head_end, base + from_char)}, "
+        f"from line {first_line}) {why}. {_source(t)} "
+        f"This message shows characters {shown}, the end of the output included. "
+        f"Read the omitted part with {_continue_call(t, excerpt, head_end)}.]"
+    )
+    return excerpt[:head_end] + NOTICE_SEPARATOR + notice + (NOTICE_SEPARATOR + tail if tail else "")
 
 
 def _middle_notice(

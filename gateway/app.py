@@ -437,6 +437,7 @@ class Gateway:
             s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s),
             live_references=self.live_tool_results,
             metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(), leases=s.leases,
+            remember=self.agent.summarizer.remember,
         )
         await self.scheduler.start()
 

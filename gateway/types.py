@@ -37,6 +37,9 @@ class Truncation:
     protected: bool = False  # Markdown read with read_file: doubled limits
     start_offset: int = 0  # char offset in the file where the full text begins
     start_line: int = 1  # line number in the file where the full text begins
+    # The end of the full text when stage 1 cut it off (not in content): a later cut
+    # (stage 2, the budget) shows the head and this real end, not the excerpt's end.
+    tail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@ what gets cut, and what the engine asks the shell to do."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from context import (
@@ -100,32 +102,58 @@ def test_turn_budget_drops_the_earliest_half_of_the_complete_turns(counter: Toke
     assert live_turns(ctx) == list(range(11, 22))
     assert [e.strategy for e in p.events] == ["turn_budget"]
     assert (p.events[0].turns_before, p.events[0].turns_after) == (21, 11)
-    [effect] = p.effects
-    assert effect.reason == "turn_budget" and effect.upto_turn == 10
-    assert {m.turn for m in effect.messages} == set(range(1, 11))
-    assert any(m.role == "tool" for m in effect.messages)  # raw tool chains included
+    dropped, ahead = p.effects
+    assert dropped.reason == "turn_budget" and dropped.upto_turn == 10
+    assert {m.turn for m in dropped.messages} == set(range(1, 11))
+    assert any(m.role == "tool" for m in dropped.messages)  # raw tool chains included
+    # The next trim drops 11..20: certain now, so asked now, ten turns ahead of it.
+    assert ahead.reason == "prefetch" and ahead.upto_turn == 20 and ahead.new_from_turn == 11
     assert p.messages[1] == {"role": "user", "content": "question 11"}  # no summary yet
 
 
-def test_summary_is_injected_from_the_next_turn_in_the_request_only(counter: TokenCounter) -> None:
+def test_a_summary_fills_the_gap_at_the_next_step_of_the_same_turn(counter: TokenCounter) -> None:
     ctx = session(20)
     b = budget(turns=20)
-    [effect] = run(ctx, b, counter).effects
+    effect = run(ctx, b, counter).effects[0]
+    assert first_user(run(ctx, b, counter)) == "question 11"  # dropped, no summary yet: a gap
     ctx.offer_summary("SUMMARY OF 1-10", effect.upto_turn)
-    # Mid-turn the request does not change.
-    assert first_user(run(ctx, b, counter)) == "question 11"
-    ctx.append(reply(21))
-    ctx.append(user(22))
+    # Used by the very next decision step, in the middle of turn 21.
     p = run(ctx, b, counter)
+    assert p.events == []
     assert first_user(p) == injection_text("SUMMARY OF 1-10") + "\n\nquestion 11"
     assert "memory_search" in first_user(p) and "dialog/" in first_user(p)
     assert ctx.messages[0].content == "question 11"  # stored messages untouched
     assert ctx.summary == "SUMMARY OF 1-10" and ctx.summary_upto_turn == 10
+    ctx.append(reply(21))
+    ctx.append(user(22))
+    assert first_user(run(ctx, b, counter)) == injection_text("SUMMARY OF 1-10") + "\n\nquestion 11"
+
+
+def test_the_next_trims_turns_are_asked_for_as_soon_as_they_are_certain(counter: TokenCounter) -> None:
+    b = budget(turns=20)
+    ctx = SessionContext("test:1")
+    asked: list[tuple[int, int]] = []
+    landed: list[bool] = []
+    pending: list[tuple[int, int]] = []  # (turn it arrives at, upto): summaries take eight turns
+    for turn in range(1, 52):
+        for _due, upto in [d for d in pending if d[0] == turn]:
+            ctx.offer_summary(f"S{upto}", upto)
+        ctx.append(user(turn))
+        p = run(ctx, b, counter)
+        asked += [(turn, e.upto_turn) for e in p.effects]
+        pending += [(turn + 8, e.upto_turn) for e in p.effects]
+        if p.events:  # a trim: its summary lands in the same request
+            landed.append(first_user(p).startswith(injection_text(f"S{ctx._dropped_upto}")))
+        ctx.append(reply(turn))
+    # Turns 1..10 are what the first trim (turn 21) drops: asked once turn 10 is complete,
+    # then each next range at the trim before its own: one ask per trim, ten turns ahead.
+    assert asked == [(11, 10), (21, 20), (31, 30), (41, 40), (51, 50)]
+    assert landed == [True, True, True, True]
 
 
 def test_prefetch_lets_trim_and_injection_land_in_the_same_request(counter: TokenCounter) -> None:
     b = budget(turns=20)
-    ctx = session(19)  # turn 20 starts: the session reaches the limit
+    ctx = session(19)  # turn 20 starts: turns 1..10 are certain to be dropped
     p = run(ctx, b, counter)
     [prefetch] = p.effects
     assert prefetch.reason == "prefetch" and prefetch.upto_turn == 10
@@ -138,23 +166,25 @@ def test_prefetch_lets_trim_and_injection_land_in_the_same_request(counter: Toke
     ctx.append(user(21))
     p = run(ctx, b, counter)
     assert [e.strategy for e in p.events] == ["turn_budget"]
-    assert p.effects == []  # the prefetched summary covers the dropped turns
+    # The prefetched summary covers the dropped turns; only the next range is asked.
+    assert [(e.reason, e.upto_turn) for e in p.effects] == [("prefetch", 20)]
     assert live_turns(ctx) == list(range(11, 22))
     assert first_user(p).startswith(injection_text("PREFETCHED"))
 
 
-def test_late_prefetch_is_not_requested_twice_and_lands_a_turn_later(counter: TokenCounter) -> None:
+def test_late_prefetch_is_not_requested_twice_and_lands_at_the_next_step(counter: TokenCounter) -> None:
     b = budget(turns=20)
     ctx = session(19)
     assert [e.reason for e in run(ctx, b, counter).effects] == ["prefetch"]
     ctx.append(reply(20))
     ctx.append(user(21))
     p = run(ctx, b, counter)
-    assert p.effects == [] and first_user(p) == "question 11"  # trimmed, summary not ready
+    assert [e.upto_turn for e in p.effects] == [20]  # 1..10 were asked already: only the next range
+    assert first_user(p) == "question 11"  # trimmed, summary not ready
     ctx.offer_summary("LATE", 10)
-    ctx.append(reply(21))
-    ctx.append(user(22))
-    assert first_user(run(ctx, b, counter)).startswith(injection_text("LATE"))
+    ctx.append(call(21, "c21"))
+    ctx.append(result(21, "c21", "done"))
+    assert first_user(run(ctx, b, counter)).startswith(injection_text("LATE"))  # the same turn
 
 
 @pytest.mark.parametrize("live", [6, 7])
@@ -163,10 +193,11 @@ def test_token_prefetch_lets_a_mid_turn_halving_land_with_its_summary(counter: T
     msgs = [m for t in range(1, live) for m in full_turn(t, answer=long_answer)] + [user(live)]
     ctx = SessionContext("test:1", msgs)
     full = run(SessionContext("x", msgs), budget(), counter).tokens
-    b = budget(tokens=int(full / 0.8))  # 80 % full: past the prefetch mark, not over
+    b = budget(tokens=int(full / 0.8))  # 80 % full: past the high-water mark, not over
     [prefetch] = run(ctx, b, counter).effects
-    # What a halving at the next turn start would drop: the earliest half of `live` turns.
-    covered = (live + 1) // 2
+    # Every complete turn: a halving drops at most all of them (and a halving a few turns
+    # later, with more of them, drops none that is not covered).
+    covered = live - 1
     assert prefetch.reason == "prefetch" and prefetch.upto_turn == covered
     assert live_turns(ctx) == list(range(1, live + 1))
     ctx.offer_summary("EARLY", covered)
@@ -176,10 +207,107 @@ def test_token_prefetch_lets_a_mid_turn_halving_land_with_its_summary(counter: T
     assert [e.strategy for e in p.events] == ["token_budget_halve"]
     dropped = (live - 1 + 1) // 2  # exactly the earliest half of the live - 1 complete turns
     assert live_turns(ctx) == list(range(dropped + 1, live + 1)) and p.effects == []
-    # Trim and summary land together; with an odd count the summary also covers the first
-    # kept turn (it is in both), never less than what was dropped.
+    # Trim and summary land together; the summary also covers the kept complete turns
+    # (they are in both places), never less than what was dropped.
     assert first_user(p).startswith(injection_text("EARLY"))
     assert ctx.summary_upto_turn == covered >= dropped
+
+
+def test_the_high_water_mark_asks_again_after_each_drop(counter: TokenCounter) -> None:
+    """After a token halving, the request crossing the high-water mark again asks for
+    the complete turns no ask covers yet (not only once per session)."""
+    long_answer = "a long and detailed answer about the deployment " * 12
+    msgs = [m for t in range(1, 8) for m in full_turn(t, answer=long_answer)] + [user(8)]
+    full = run(SessionContext("x", msgs), budget(), counter).tokens
+    b = budget(tokens=int(full / 0.8))
+    ctx = SessionContext("test:1", msgs)
+    [first] = run(ctx, b, counter).effects
+    assert first.upto_turn == 7
+    ctx.append(call(8, "c"))
+    ctx.append(result(8, "c", "new data line\n" * 200))
+    p = run(ctx, b, counter)  # over: the halving drops 1..4; 5..7 are live and asked already
+    assert [e.strategy for e in p.events][-1] == "token_budget_halve" and p.effects == []
+    asked_again = []
+    for turn in range(9, 16):
+        ctx.append(reply(turn - 1, long_answer))
+        ctx.append(user(turn))
+        p = run(ctx, b, counter)
+        if any(e.strategy == "token_budget_halve" for e in p.events):
+            break
+        asked_again += [e.upto_turn for e in p.effects]
+    assert asked_again and asked_again[0] > 7  # the newly complete turns, asked before the next halving
+
+
+def test_no_ask_for_one_or_two_new_turns_ahead(counter: TokenCounter) -> None:
+    """Past the high-water mark with only two complete turns beyond what was asked: no
+    call for them; the ask waits for a range worth a call."""
+    long_answer = "a long and detailed answer about the deployment " * 12
+    msgs = [m for t in range(1, 8) for m in full_turn(t, answer=long_answer)] + [user(8)]
+    full = run(SessionContext("x", msgs), budget(), counter).tokens
+    b = budget(tokens=int(full / 0.8))
+    ctx = SessionContext("test:1", msgs)
+    assert [e.upto_turn for e in run(ctx, b, counter).effects] == [7]
+    ctx.append(call(8, "c"))
+    ctx.append(result(8, "c", "new data line\n" * 60))
+    p = run(ctx, b, counter)
+    assert [e.strategy for e in p.events] == ["token_budget_halve"] and live_turns(ctx) == [5, 6, 7, 8]
+    asks = {}
+    for turn in (9, 10, 11):
+        ctx.append(reply(turn - 1, long_answer))
+        ctx.append(user(turn))
+        p = run(ctx, b, counter)
+        assert p.events == []
+        asks[turn] = [(e.upto_turn, e.new_from_turn) for e in p.effects]
+    # Turn 10 is past the mark with turns 8 and 9 new: not yet; turn 11: 8..10, one call.
+    assert p.tokens > 0.75 * b.max_tokens
+    assert asks == {9: [], 10: [], 11: [(10, 8)]}
+
+
+def _long_session(seed: int, delay: int, counter: TokenCounter) -> tuple[int, int, int]:
+    """200 turns at 50k tokens / 20 turns with tool results of every size (some cut at
+    stage 1, some forcing token halvings), each summary delivered `delay` requests after
+    it was asked: (requests lacking a dropped turn's summary, summaries asked, trims)."""
+    rng = random.Random(seed)
+    b = budget(tokens=50_000, turns=20)
+    ctx = SessionContext("test:long")
+    words = "deploy token budget gateway session error retry summary memory thread".split()
+    due: list[tuple[int, int]] = []
+    requests = holes = asked = trims = 0
+
+    def text(size: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(size // 6 + 1))[:size]
+
+    def step() -> None:
+        nonlocal requests, holes, asked, trims
+        for item in [d for d in due if d[0] <= requests]:
+            ctx.offer_summary(f"S{item[1]}", item[1])
+            due.remove(item)
+        p = run(ctx, b, counter)
+        requests += 1
+        holes += ctx._dropped_upto > ctx.summary_upto_turn
+        trims += any(e.strategy in ("turn_budget", "token_budget_halve") for e in p.events)
+        asked += len(p.effects)
+        due.extend((requests + delay, e.upto_turn) for e in p.effects)
+
+    for turn in range(1, 201):
+        ctx.append(user(turn, text(300)))
+        for k in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            step()
+            ctx.append(call(turn, f"c{turn}_{k}"))
+            ctx.append(result(turn, f"c{turn}_{k}", text(rng.choice([800, 2000, 5000, 20_000, 60_000]))))
+        step()
+        ctx.append(reply(turn, text(900)))
+    return holes, asked, trims
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_a_long_session_never_lacks_a_dropped_turn_and_its_summary(counter: TokenCounter, seed: int) -> None:
+    """SPEC §4.2 timing: with summaries arriving six requests after they are asked, no
+    request lacks a dropped turn and its summary, and about one summary is asked per trim."""
+    holes, asked, trims = _long_session(seed, 6, counter)
+    assert trims >= 15
+    assert holes == 0
+    assert asked <= trims + 3  # one per trim, the next range's, and a rare forecast a trim made moot
 
 
 def test_dropped_turns_never_come_back(counter: TokenCounter) -> None:
@@ -191,19 +319,16 @@ def test_dropped_turns_never_come_back(counter: TokenCounter) -> None:
 
 def test_effect_carries_everything_no_delivered_summary_covers(counter: TokenCounter) -> None:
     b = budget(turns=4)
-    ctx = session(4)  # turn 5 starts: 5 > 4 → drop 1..2
-    [first] = run(ctx, b, counter).effects
+    ctx = session(4)  # turn 5 starts: 5 > 4 → drop 1..2; 3..4 are what the next trim drops
+    first, second = run(ctx, b, counter).effects
     assert first.upto_turn == 2 and first.new_from_turn == 1
-    ctx.append(reply(5))
-    ctx.append(user(6))  # turns 3..6 live: the limit is reached, prefetch 3..4
-    [second] = run(ctx, b, counter).effects
     assert second.reason == "prefetch" and second.upto_turn == 4
     # The first summary was never delivered: the second one covers its turns too.
     assert {m.turn for m in second.messages} == {1, 2, 3, 4} and second.new_from_turn == 3
     ctx.offer_summary("COVERS 1-4", 4)
     ctx.offer_summary("STALE 1-2", 2)  # arrives late: ignored
-    ctx.append(reply(6))
-    ctx.append(user(7))
+    ctx.append(reply(5))
+    ctx.append(user(6))
     p = run(ctx, b, counter)
     assert p.effects == [] and first_user(p).startswith(injection_text("COVERS 1-4"))
 
@@ -223,8 +348,7 @@ def test_stage2_cuts_historical_results_and_leaves_the_current_turn_alone(counte
     assert len(old["content"]) < 21_500
     assert "tool_results/c1.txt" in old["content"] and "keep older turns small" in old["content"]
     assert old["content"].startswith("record 000000\n")
-    stage1_excerpt_end = msgs[2].truncation.shown[0][1]
-    assert old["content"].endswith(big[:stage1_excerpt_end][-500:])  # tail of the excerpt
+    assert old["content"].endswith(big[-500:])  # the end of the whole output, not of the excerpt
     assert [e.strategy for e in p.events] == ["stage2"]
     again = run(ctx, b, counter)
     assert again.messages == p.messages and again.events == []  # same cut every time
@@ -348,6 +472,28 @@ def test_nothing_can_fit_gives_a_user_notice(counter: TokenCounter) -> None:
     ctx = SessionContext("t", [user(1, "hi")])
     p = prepare(ctx, system_prompt="rules " * 5000, tools=[], budget=budget(tokens=1000), counter=counter)
     assert p.user_notice is not None and "agent_max_context_tokens" in p.user_notice
+
+
+def test_requests_leave_a_small_margin_under_the_budget_for_provider_framing(counter: TokenCounter) -> None:
+    """Exact counts fill a request to the last token of the budget; a provider that frames
+    messages a few tokens differently would then overflow. 1 % (at least 16 tokens) stays
+    free."""
+    from context.budget import framing_margin
+
+    assert (framing_margin(50_000), framing_margin(4000), framing_margin(300), framing_margin(50)) == (500, 40, 16, 5)
+    ctx = session(30, size=1000, tools=1)
+    b = budget(tokens=6000, turns=100)
+    p = run(ctx, b, counter)
+    assert "token_budget_halve" in [e.strategy for e in p.events]
+    assert p.tokens <= 6000 - 60
+    grown = 0
+    for turn in range(31, 60):  # the request grows to the margin, never into it
+        ctx.append(reply(turn - 1))
+        ctx.append(user(turn, "a question of some length about the deployment " * 8))
+        p = run(ctx, b, counter)
+        assert p.tokens <= 5940
+        grown = max(grown, p.tokens)
+    assert grown > 5940 - 400  # and it does use the rest
 
 
 def test_effective_budget_respects_the_model_window(counter: TokenCounter) -> None:

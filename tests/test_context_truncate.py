@@ -157,21 +157,72 @@ def test_markdown_read_is_protected_with_doubled_limit() -> None:
 
 
 def test_stage2_keeps_head_and_tail_with_offsets_of_the_omitted_middle() -> None:
-    text = "".join(f"entry {i:05d}\n" for i in range(10_000))  # 120k chars
-    result = cut_tool_result(text, call_id="call_ab12", limit=50_000)
+    text = "".join(f"entry {i:05d}\n" for i in range(1_500))  # 18k chars: whole at stage 1
+    result = cut_tool_result(text, call_id="call_ab12", limit=50_000, save_over=10_000)
+    assert result.content == text and result.truncation is not None  # saved for stage 2
+    cut = shorten(result.content, result.truncation, 10_000)
+    head, rest = cut.split("\n\n[", 1)
+    notice, tail = rest.split("]\n\n", 1)
+    assert len(head) + len(tail) <= 10_000
+    assert text.startswith(head) and text.endswith(tail)
+    a, b = len(head), len(text) - len(tail)
+    assert f"characters {a}-{b - 1}" in notice
+    assert f'read_file(path="tool_results/call_ab12.txt", offset={a})' in notice
+    assert head + text[a:b] + tail == text
+    # Deterministic: the same message always reads the same.
+    assert shorten(result.content, result.truncation, 10_000) == cut
+
+
+def test_stage2_of_a_result_cut_at_stage1_shows_the_real_end_of_the_output() -> None:
+    """Stage 1 showed the first 50,000 characters of 120,000; stage 2 shows the head and
+    the last lines of the whole output (where errors and totals are), not the end of
+    the stage-1 excerpt."""
+    text = "".join(f"entry {i:05d}\n" for i in range(10_000)) + "TOTAL: 10000 entries, 3 errors\n"
+    result = cut_tool_result(text, call_id="call_ab12", limit=50_000, save_over=20_000)
     stage1_excerpt, _ = _excerpt_and_notice(result.content, result.truncation)
+    assert len(stage1_excerpt) < 50_001 and "TOTAL" not in result.content
     cut = shorten(result.content, result.truncation, 20_000)
     head, rest = cut.split("\n\n[", 1)
     notice, tail = rest.split("]\n\n", 1)
     assert len(head) + len(tail) <= 20_000
-    assert stage1_excerpt.startswith(head) and stage1_excerpt.endswith(tail)
-    a, b = len(head), len(stage1_excerpt) - len(tail)
-    assert f"characters {a}-{b - 1}" in notice
-    assert f"omitted: {a}-{b - 1} and {len(stage1_excerpt)}-{len(text) - 1}" in notice
-    assert f'read_file(path="tool_results/call_ab12.txt", offset={a})' in notice
-    assert head + text[a:b] + tail == stage1_excerpt
-    # Deterministic: the same message always reads the same.
-    assert shorten(result.content, result.truncation, 20_000) == cut
+    assert text.startswith(head) and stage1_excerpt.startswith(head)
+    assert tail.endswith("TOTAL: 10000 entries, 3 errors\n") and text.endswith(tail)
+    a, b = len(head), len(text) - len(tail)
+    assert f"characters {a}-{b - 1}" in notice and "the end of the output included" in notice
+    assert f"This message shows characters 0-{a - 1} and {b}-{len(text) - 1}" in notice
+    match = OFFSET_CALL.search(notice)
+    assert match and int(match.group(2)) == a
+    # Following the notice: what it shows plus what read_file returns from there is the output.
+    window, _, _ = read_window(text, offset=a)
+    assert head + window == text and window.endswith(tail)
+    # The tail lives out of band (never in the content) and survives the store's JSON.
+    from gateway.store.rows import truncation_from_json, truncation_to_json
+
+    assert truncation_from_json(truncation_to_json(result.truncation)) == result.truncation
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXTS, limit=st.integers(min_value=1, max_value=120), history=st.integers(min_value=1, max_value=120),
+       offset=st.integers(min_value=0, max_value=50), file_read=st.booleans())
+def test_stage2_after_stage1_shows_a_head_and_a_real_end_that_rebuild_the_text(
+        text: str, limit: int, history: int, offset: int, file_read: bool) -> None:
+    text += "\n⟂END"  # an end no excerpt of the text before it can show
+    ref = FileRef("notes/log.txt", offset, 1) if file_read else None
+    result = cut_tool_result(text, call_id="c1", limit=limit, file_ref=ref, save_over=history)
+    if result.truncation is None:
+        return
+    cut = shorten(result.content, result.truncation, history)
+    if cut is result.content:
+        return
+    head, _, rest = cut.partition("\n\n[")
+    notice, _, tail = rest.partition("]\n\n")
+    assert text.startswith(head) and text.endswith(tail)
+    if tail:
+        assert tail.endswith("END") or "⟂END".endswith(tail)  # the real end
+    match = OFFSET_CALL.search(notice)
+    assert match, notice
+    window, _, _ = read_window(text, offset=int(match.group(2)) - (offset if file_read else 0))
+    assert head + window == text  # what is shown, then what the notice reads, is the output
 
 
 def test_shorten_returns_the_same_object_when_within_limit() -> None:

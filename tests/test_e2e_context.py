@@ -113,6 +113,27 @@ async def test_restart_restores_text_only_recent_turns(make_gateway: GatewayFact
         "reply 3", "reply 4", "reply 5", "reply 6"]
 
 
+async def test_a_restart_restores_a_few_turns_on_either_backend(
+        make_gateway: GatewayFactory, fake_model: FakeModel, store_url: str | None) -> None:
+    """A lone gateway on PostgreSQL that restarts is not a hand-over: like on SQLite, the
+    last max(3, 24 // 6) = 4 turns come back as text (SPEC §4.5), the rest goes to memory."""
+    store = {"url": store_url} if store_url else {}
+    gw = await make_gateway(agent_max_context_turns=24, store=store)
+    for n in range(1, 7):
+        fake_model.tool_call("current_time", {})
+        fake_model.reply(f"reply {n}")
+        await chat(gw, "pg", f"question {n}")
+    await gw.stop()
+    gw2 = await make_gateway(agent_max_context_turns=24, store=store)
+    script_chat(fake_model, "restored")
+    await chat(gw2, "pg", "question 7")
+    last = chat_requests(fake_model)[-1]
+    # (The summary of turns 1-2 may already stand in front of the first kept one.)
+    texts = [t.rpartition("The user's message follows.]\n\n")[2] for t in user_texts(last)]
+    assert texts == ["question 3", "question 4", "question 5", "question 6", "question 7"]
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in last["messages"])
+
+
 async def test_clear_and_context_commands(make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
     gw = await make_gateway()
     await chat(gw, "dee", "remember 77")

@@ -15,7 +15,7 @@ from gateway.store.sqlite import Store
 from gateway.turns.summaries import FOLD_MAX_TURNS, summary_delta
 from gateway.types import Message
 from tests.conftest import GatewayFactory, chat
-from tests.fakes.openai_server import ErrorReply, FakeModel, overflow_error
+from tests.fakes.openai_server import ErrorReply, FakeModel, Reply, ScriptedCall, last_user_text, overflow_error
 from tests.test_e2e_context import chat_requests, is_summary_request, script_chat, user_texts
 
 _PREVIOUS = re.compile(r"Previous summary:\n(.*?)\n\nConversation to fold", re.S)
@@ -60,11 +60,19 @@ async def test_turns_a_restart_left_out_are_summarized_and_archived_once(
     make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path
 ) -> None:
     gw = await make_gateway()  # 20 turns: a restore keeps max(3, 20 // 6) = 3 of them
-    for n in range(1, 16):  # no trim and no summary below the limit
-        if n % 4 == 0:
-            fake_model.tool_call("current_time", {})
-        fake_model.reply(f"reply {n}")
+
+    def answer(body: dict[str, Any]) -> Reply | str:
+        if is_summary_request(body):
+            return cumulative_summary(body)
+        n = int(last_user_text(body).split()[-1])
+        if n % 4 == 0 and body["messages"][-1]["role"] != "tool":
+            return Reply(tool_calls=(ScriptedCall("current_time", "{}", f"call_{n}"),))
+        return f"reply {n}"
+
+    fake_model.respond_with(answer)
+    for n in range(1, 16):  # no trim; turns 1-10 are summarized ahead of theirs (at turn 11)
         await chat(gw, "ana", f"message {n}")
+    await settle(gw)
     await gw.stop()
 
     gw = await make_gateway()

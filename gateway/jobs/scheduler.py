@@ -31,7 +31,7 @@ from gateway.config.cron import cron_trigger, last_fire_time, zone
 from gateway.config.schema import Config
 from gateway.memory.consolidate import CompletionModel, Consolidator
 from gateway.memory.files import Memory
-from gateway.memory.purge import PurgeReport, purge
+from gateway.memory.purge import PurgeReport, Remember, purge
 from gateway.store.api import StoreBackend
 from gateway.store.rows import slot_time, slot_words
 
@@ -57,12 +57,14 @@ class Scheduler:
         self, cfg: Config, *, store: StoreBackend, memory: Memory, model: CompletionModel,
         live_references: Callable[[], set[Path]], clock: Callable[[], datetime] | None = None,
         metrics: Callable[[str, str], None] | None = None, leases: Leases | None = None,
+        remember: Remember | None = None,
     ) -> None:
         self._cfg = cfg
         self._leases: Leases = leases if leases is not None else SoloLeases()
         self._store = store
         self._memory = memory
         self._live_references = live_references
+        self._remember = remember  # the turns no summary covers go to memory before the purge
         self._tz = config_timezone(cfg)
         self._clock = clock or (lambda: datetime.now(self._tz))
         self._metrics = metrics
@@ -255,6 +257,7 @@ class Scheduler:
                     self._store, self._memory.data_dir, now=self._now().timestamp(),
                     session_retention_days=cfg.session_retention_days,
                     tool_result_ttl_days=cfg.tool_result_ttl_days, live_references=self._live_references,
+                    remember=self._remember,
                 )
             except asyncio.CancelledError:
                 await self._store.finish_job_run(JOB_PURGE, slot, "cancelled")

@@ -9,6 +9,11 @@ tasks that ended, past the session retention; saved tool outputs
 (tool_results/*.txt) older than `tool_result_ttl_days` go unless a live context still
 points at them. Long-term memory (MEMORY.md, memory/, dialog/) stays.
 
+Nothing leaves the database before it reached long-term memory: before a session's turns
+go, `remember` (the summarizer's folds, gateway/turns/summaries.py) takes the turns no
+summary covers yet — a quiet chat that never reached a trim — into the daily note and the
+`dialog/` archive, a batch of sessions at a time.
+
 Every statement deletes at most one batch and commits, and the loop yields between
 batches, so a chat's write never waits behind the whole purge.
 """
@@ -19,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +40,11 @@ DEDUP_DAYS = 7
 ROW_BATCH = 250  # rows per statement: keeps a chat's write from waiting long behind one
 SESSION_BATCH = 50
 FILE_BATCH = 200
+READ_BATCH = 2000  # old messages read per statement to find the turns to remember
+
+# (session key, highest turn that goes) → those turns are in long-term memory; how many
+# sessions needed a fold. Raises when memory cannot be written: nothing more is deleted.
+Remember = Callable[[list[tuple[str, int]]], Awaitable[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +58,15 @@ class PurgeReport:
     task_records: int = 0  # task runs and ended tasks
     files: int = 0  # files people sent, past retention
     command_answers: int = 0  # in-chat commands and their answers, kept for the history
+    remembered: int = 0  # sessions whose unsummarized turns were taken into memory first
 
     def line(self) -> str:
         tasks = f"{self.task_records} task records, " if self.task_records else ""
         files = f", {self.files} sent files" if self.files else ""
         commands = f"{self.command_answers} command answers, " if self.command_answers else ""
+        remembered = f" ({self.remembered} summarized into memory first)" if self.remembered else ""
         return (
-            f"{self.sessions} sessions, {self.messages} messages, {commands}{self.summaries} summaries, "
+            f"{self.sessions} sessions, {self.messages} messages{remembered}, {commands}{self.summaries} summaries, "
             f"{self.events} dedup records, {tasks}{self.tool_results} tool outputs{files} "
             f"in {self.seconds:.2f}s"
         )
@@ -62,12 +74,15 @@ class PurgeReport:
 
 async def purge(
     store: StoreBackend, data_dir: Path, *, now: float, session_retention_days: int, tool_result_ttl_days: int,
-    live_references: Callable[[], set[Path]], batch: int = ROW_BATCH,
+    live_references: Callable[[], set[Path]], batch: int = ROW_BATCH, remember: Remember | None = None,
 ) -> PurgeReport:
     started = time.monotonic()
     before = now - session_retention_days * DAY
-    sessions, messages, summaries = await _purge_sessions(store, before=before, batch=batch)
-    messages += await _purge_old_messages(store, before=before, batch=batch)
+    sessions, messages, summaries, remembered = await _purge_sessions(store, before=before, batch=batch,
+                                                                      remember=remember)
+    old, more = await _purge_old_messages(store, before=before, batch=batch, remember=remember)
+    messages += old
+    remembered += more
     command_answers = 0
     while (n := await store.delete_command_answers_before(before, limit=batch)) > 0:
         command_answers += n
@@ -86,7 +101,7 @@ async def purge(
     sent = await purge_sent_files(data_dir, before=before)
     await _checkpoint(store)
     return PurgeReport(sessions, messages, summaries, events, files, time.monotonic() - started, task_records,
-                       sent, command_answers)
+                       sent, command_answers, remembered)
 
 
 async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
@@ -103,9 +118,12 @@ async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
             await asyncio.sleep(0.01 * attempt)
 
 
-async def _purge_sessions(store: StoreBackend, *, before: float, batch: int) -> tuple[int, int, int]:
-    sessions = messages = summaries = 0
+async def _purge_sessions(store: StoreBackend, *, before: float, batch: int,
+                          remember: Remember | None) -> tuple[int, int, int, int]:
+    sessions = messages = summaries = remembered = 0
     while keys := await store.expired_session_keys(before, limit=SESSION_BATCH):
+        if remember is not None:
+            remembered += await remember([(key, await store.last_turn(key)) for key in keys])
         while (n := await store.delete_session_messages(keys, before=before, limit=batch)) > 0:
             messages += n
             await asyncio.sleep(0)  # let queued chat writes in between batches
@@ -116,20 +134,44 @@ async def _purge_sessions(store: StoreBackend, *, before: float, batch: int) -> 
         if gone == 0:
             break  # every one of them became active again meanwhile: nothing more is expired
         await asyncio.sleep(0)
-    return sessions, messages, summaries
+    return sessions, messages, summaries, remembered
 
 
-async def _purge_old_messages(store: StoreBackend, *, before: float, batch: int) -> int:
+async def _purge_old_messages(store: StoreBackend, *, before: float, batch: int,
+                              remember: Remember | None) -> tuple[int, int]:
     """Messages past retention in sessions that are still active (SPEC §4.5 purges both).
     Only the old front of the table is walked: ids below the first newer message."""
     newest_kept = await store.first_message_id_since(before)
     if newest_kept is None:
-        return 0  # nothing newer: every old message belonged to an expired session
+        return 0, 0  # nothing newer: every old message belonged to an expired session
+    remembered = 0
+    if remember is not None:
+        remembered = await _remember_old_turns(store, remember, before=before, below_id=newest_kept)
     deleted = 0
     while (n := await store.delete_messages_before(before, below_id=newest_kept, limit=batch)) > 0:
         deleted += n
         await asyncio.sleep(0)  # let queued chat writes in between batches
-    return deleted
+    return deleted, remembered
+
+
+async def _remember_old_turns(store: StoreBackend, remember: Remember, *, before: float, below_id: int) -> int:
+    """The old turns of sessions still in use (a quiet chat that never trimmed keeps its
+    first turns live for weeks) go into memory before their messages go."""
+    upto: dict[str, int] = {}
+    after = 0
+    while True:
+        turns, last = await store.old_message_turns(before, after_id=after, below_id=below_id, limit=READ_BATCH)
+        if last is None:
+            break
+        for key, turn in turns.items():
+            upto[key] = max(upto.get(key, 0), turn)
+        after = last
+        await asyncio.sleep(0)
+    sessions = sorted(upto.items())
+    remembered = 0
+    for i in range(0, len(sessions), SESSION_BATCH):
+        remembered += await remember(sessions[i : i + SESSION_BATCH])
+    return remembered
 
 
 def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:

@@ -212,6 +212,7 @@ class PgStore:
     last_turn = Store.last_turn
     add_command_answer = Store.add_command_answer
     conversation_page = Store.conversation_page
+    old_message_turns = Store.old_message_turns
     record_event = Store.record_event
     retry_busy_event = Store.retry_busy_event
     end_turn = Store.end_turn

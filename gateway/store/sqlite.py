@@ -667,6 +667,19 @@ class Store:
                                 (at,))
         return int(rows[0][0]) if rows else None
 
+    async def old_message_turns(self, before: float, *, after_id: int, below_id: int,
+                                limit: int) -> tuple[dict[str, int], int | None]:
+        """The next `limit` messages (by id, after `after_id`, below `below_id`) created
+        before `before`: each session's highest turn among them, and the last id read
+        (None when there were none). The purge walks the old front of the table with it."""
+        rows = await self._rows(
+            "SELECT session_key, turn, id FROM messages WHERE id > ? AND id < ? AND created_at < ? "
+            "ORDER BY id LIMIT ?", (after_id, below_id, float(before), limit))
+        turns: dict[str, int] = {}
+        for key, turn, _id in rows:
+            turns[key] = max(turns.get(key, 0), int(turn))
+        return turns, (int(rows[-1][2]) if rows else None)
+
     async def delete_messages_before(self, before: float, *, below_id: int, limit: int) -> int:
         """Delete up to `limit` messages created before `before` among ids below `below_id`."""
         return await self._delete(

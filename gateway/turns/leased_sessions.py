@@ -92,7 +92,13 @@ class ClusterSessionManager(SessionManager):
         # What the session looked like in the store when this gateway last let it go: the
         # cached session is still good when nobody wrote to it since.
         self._left_at: dict[str, tuple[int, int]] = {}
-        self.restore_whole = True
+
+    async def _handed_over(self, key: str) -> bool:
+        # With another gateway alive, the session may have run there since this one last
+        # had it: its context comes back whole, as that gateway had it. Alone on the
+        # database, a session not cached here comes back from a restart (or from a gateway
+        # that died: resumed like after a restart) — a few turns, as on SQLite (SPEC §4.5).
+        return bool(await self._alive_instances(fresh=True) - {self.leases.instance})
 
     # -- intake -------------------------------------------------------------------------
 

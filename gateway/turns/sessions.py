@@ -157,9 +157,6 @@ class SessionManager:
         self._loading: dict[str, asyncio.Lock] = {}
         self._last_turns: dict[str, int] = {}
         self._stopping = False
-        # A restart brings back a few turns (SPEC §4.5); gateways handing a session to each
-        # other bring back all of it (gateway/turns/leased_sessions.py).
-        self.restore_whole = False
         # Jobs queue from the start (turns resumed after a restart first, so they keep their
         # place before newer messages) but run only once the channels can deliver replies.
         self.open = asyncio.Event()
@@ -188,7 +185,8 @@ class SessionManager:
         row = await store.ensure_session(key, scope, channel)
         start = row.context_start_turn
         summary = await store.latest_summary(key)
-        if self.restore_whole:
+        whole = await self._handed_over(key)
+        if whole:
             # Handed over by another gateway: the context as it was there, tool chains and
             # all — every turn its summary does not cover, up to the turn limit.
             if summary is not None and summary.upto_turn >= start:
@@ -207,7 +205,7 @@ class SessionManager:
             if not _is_final_reply(tail[-1]):
                 open_turn = _close_open_turn(tail)
                 stored = [m for m in stored if m.turn != last]
-        if self.restore_whole:
+        if whole:
             restored = _last_turns(stored, cfg.agent_max_context_turns) + open_turn
         else:
             restored = restore_messages(stored, cfg.agent_max_context_turns) + open_turn
@@ -233,6 +231,12 @@ class SessionManager:
             self.agent.summarizer.catch_up(live, first_live - 1)
         log.debug("session restored", extra={"session": key, "messages": len(restored)})
         return live
+
+    async def _handed_over(self, key: str) -> bool:
+        """Whether a session that is not cached here comes from another gateway that ran it
+        (then its context comes back whole) rather than from a restart or an eviction (a
+        few turns as text, SPEC §4.5). One gateway alone: never."""
+        return False
 
     def _evict(self) -> None:
         limit = self.s.cfg.limits.max_live_sessions

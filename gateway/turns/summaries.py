@@ -1,4 +1,4 @@
-"""Background summaries of dropped turns (SPEC §4.2, §4.5): never delays a reply; a
+"""Background summaries of dropped turns (SPEC §4.2, §4.5, §7): never delays a reply; a
 failure or timeout falls back to an extractive note; nothing is lost.
 
 A session's turns go into long-term memory by *folds*, one at a time per session (a
@@ -10,6 +10,10 @@ across restarts. A fold appends to the daily note only what it added to the cumu
 summary (the database keeps the whole), archives the raw messages to dialog/ with tool
 outputs in full, and records its coverage last: a crash in between repeats that fold
 rather than losing it.
+
+A fold's summary goes to the live context the moment it is there (the next decision step
+uses it); asks that queue up behind a running fold are folded together in one call. The
+purge folds the turns it is about to delete that no summary covers yet (`remember`).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from context.effects import SummarizeTurns, SummaryReason
 from context.summary import extractive_summary, summary_request
+from gateway.keys import workspace_dir
 from gateway.model.errors import ModelError
 from gateway.services import Services
 from gateway.turns.live import LiveSession
@@ -93,6 +101,16 @@ def summary_delta(previous: str | None, current: str) -> str:
     return "\n".join(out).strip()
 
 
+@dataclass(frozen=True, slots=True)
+class _Folding:
+    """Whose turns a fold takes into memory, and who is told when it is done."""
+
+    key: str
+    scope: str
+    workspace: Path
+    offer: Callable[[str, int], None] | None = None  # the live context's offer_summary
+
+
 class Summarizer:
     def __init__(self, services: Services) -> None:
         self.s = services
@@ -124,7 +142,8 @@ class Summarizer:
             self._locks[key] = lock
         return lock
 
-    async def _run(self, live: LiveSession, upto: int, reason: SummaryReason, start: int) -> None:
+    async def _run(self, live: LiveSession, asked: int, reason: SummaryReason, start: int) -> None:
+        upto = asked
         try:
             # The session lock first (folds run in the order they were asked), then a slot:
             # after a restart many sessions catch up at once, and replies must not starve.
@@ -132,28 +151,66 @@ class Summarizer:
                 self._catch_up_slots if reason == "restore" else nullcontext()
             )
             async with self._lock(live.key), slots:
-                while await self._fold(live, upto, reason, start):
+                if start == live.context_start:
+                    # Asks that queued up behind a running fold go in the same call: one
+                    # summary of the whole range, as soon as this one would have come.
+                    upto = max(upto, *live.summarizing)
+                target = _Folding(live.key, live.scope, live.workspace, live.ctx.offer_summary)
+                while await self._fold(target, upto, reason, start):
                     pass
         finally:
-            live.summarizing.discard(upto)
+            live.summarizing.discard(asked)
 
-    async def _fold(self, live: LiveSession, upto: int, reason: SummaryReason, start: int) -> bool:
+    async def remember(self, sessions: Sequence[tuple[str, int]]) -> int:
+        """Before the purge deletes turns up to `upto` of each (session key, upto): fold
+        those no summary covers yet into long-term memory (SPEC §7), a few sessions at a
+        time; how many sessions needed it. Turns a /context clear left are folded on their
+        own first, so the context after the clear never shows a summary of what came
+        before it. When the model is down a fold archives the raw turns and writes the
+        extractive note. Raises when memory cannot be written: the purge then stops."""
+        store = self.s.store
+        slots = asyncio.Semaphore(CATCH_UP_CONCURRENCY)
+
+        async def one(key: str, upto: int) -> bool:
+            row = await store.get_session(key)
+            latest = await store.latest_summary(key)
+            if row is None or upto <= 0 or (latest is not None and latest.upto_turn >= upto):
+                return False  # in memory already (most sessions), or nothing to say whose it was
+            target = _Folding(key, row.scope, workspace_dir(self.s.data_dir, row.scope))
+            start = row.context_start_turn
+            async with slots, self._lock(key):
+                if start > 1:
+                    while await self._fold(target, min(upto, start - 1), "purge", 1):
+                        pass
+                while await self._fold(target, upto, "purge", start):
+                    pass
+            return True
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(key, upto)) for key, upto in sessions]
+        return sum(1 for task in tasks if task.result())
+
+    async def _fold(self, target: _Folding, upto: int, reason: SummaryReason, start: int) -> bool:
         """Fold the next piece of turns after the covered ones, up to `upto`; True when
         more remains."""
         store = self.s.store
-        latest = await store.latest_summary(live.key)
+        latest = await store.latest_summary(target.key)
         covered = latest.upto_turn if latest is not None else 0
         first = max(covered, start - 1) + 1  # turns before the context start were cleared
         if first > upto:
-            return False  # a later fold covered these turns already
-        messages = await store.turn_messages(live.key, from_turn=first, to_turn=upto, max_turns=FOLD_MAX_TURNS)
+            # A fold asked elsewhere (a restore's catch-up, the purge, another ask) covers
+            # these turns already: the live context gets that summary.
+            if latest is not None and latest.upto_turn >= start and target.offer is not None:
+                target.offer(latest.text, latest.upto_turn)
+            return False
+        messages = await store.turn_messages(target.key, from_turn=first, to_turn=upto, max_turns=FOLD_MAX_TURNS)
         if not messages:
             return False
         turns = sorted({m.turn for m in messages})
         last = upto if len(turns) < FOLD_MAX_TURNS else turns[-1]
         # A summary from before the context start belongs to cleared turns: start afresh.
         previous = latest.text if latest is not None and latest.upto_turn >= start else None
-        effect = SummarizeTurns(session_key=live.key, messages=tuple(messages), previous_summary=previous,
+        effect = SummarizeTurns(session_key=target.key, messages=tuple(messages), previous_summary=previous,
                                 upto_turn=last, reason=reason, new_from_turn=first)
         text = await self._model_summary(effect)
         if text is None:
@@ -163,16 +220,17 @@ class Summarizer:
         if memory is not None:
             note = summary_delta(previous, text)
             if not note:  # the model found nothing new: still note what these turns were
-                note = extractive_summary(SummarizeTurns(live.key, effect.messages, None, last, reason))
+                note = extractive_summary(SummarizeTurns(target.key, effect.messages, None, last, reason))
             span = f"turn {turns[0]}" if turns[0] == turns[-1] else f"turns {turns[0]}–{turns[-1]}"
-            await memory.append_daily(live.scope, note, heading=f"{live.key}, {span} ({reason})")
-            rows = await self._dialog_rows(live, messages)
+            await memory.append_daily(target.scope, note, heading=f"{target.key}, {span} ({reason})")
+            rows = await self._dialog_rows(target, messages)
             if rows:
-                await memory.archive_dialog(live.scope, rows)
+                await memory.archive_dialog(target.scope, rows)
         # Recorded last: it is what tells later folds (and restarts) these turns are done.
-        await store.add_summary(live.key, live.scope, upto_turn=last, reason=reason, text=text)
+        await store.add_summary(target.key, target.scope, upto_turn=last, reason=reason, text=text)
         self.s.metrics.compactions.labels(reason).inc()
-        live.ctx.offer_summary(text, last)
+        if target.offer is not None:
+            target.offer(text, last)
         return last < upto
 
     async def _model_summary(self, effect: SummarizeTurns) -> str | None:
@@ -187,7 +245,7 @@ class Summarizer:
         text = (reply.content or "").strip()
         return text or None
 
-    async def _dialog_rows(self, live: LiveSession, messages: list[Message]) -> list[dict[str, Any]]:
+    async def _dialog_rows(self, target: _Folding, messages: list[Message]) -> list[dict[str, Any]]:
         """The raw messages as archived: a tool output cut at stage 1 is archived whole,
         from the file it was saved to; a read_file window names the file it came from."""
         rows: list[dict[str, Any]] = []
@@ -197,18 +255,18 @@ class Summarizer:
             content, excerpt_of = msg.content, None
             cut = msg.truncation if msg.role == "tool" else None
             if cut is not None:
-                full = await self._saved_output(live, cut.path, cut.total_chars) if cut.saved else None
+                full = await self._saved_output(target, cut.path, cut.total_chars) if cut.saved else None
                 if full is not None:
                     content = full
                 else:
                     excerpt_of = cut.path
-            rows.append(dialog_row(live.key, msg, content, excerpt_of))
+            rows.append(dialog_row(target.key, msg, content, excerpt_of))
         return rows
 
-    async def _saved_output(self, live: LiveSession, path: str, total_chars: int) -> str | None:
+    async def _saved_output(self, target: _Folding, path: str, total_chars: int) -> str | None:
         def read() -> str:
             # Bytes, not text mode: universal newlines would turn CRLF into LF.
-            return resolve_in_workspace(live.workspace, path).read_bytes().decode("utf-8", errors="replace")
+            return resolve_in_workspace(target.workspace, path).read_bytes().decode("utf-8", errors="replace")
 
         try:
             text = await asyncio.to_thread(read)
@@ -216,6 +274,6 @@ class Summarizer:
             return None  # purged (tool_result_ttl_days): the excerpt with its notice is what is left
         except (OSError, PathNotAllowed) as err:
             log.warning("saved tool output unreadable; archiving the excerpt",
-                        extra={"session": live.key, "path": path, "error": str(err)[:200]})
+                        extra={"session": target.key, "path": path, "error": str(err)[:200]})
             return None
         return text if len(text) == total_chars else None  # replaced meanwhile: not this output
