@@ -238,7 +238,7 @@ async def start_profiler(pid: int, seconds: float, target: Path) -> asyncio.subp
     """py-spy sampling `pid` (GIL-holding stacks only: what costs the event loop) for
     `seconds`, as collapsed stacks in `target` (`python -m bench.profile_top` reads them)."""
     return await asyncio.create_subprocess_exec(
-        str(Path(PYTHON).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "400", "--gil",
+        str(Path(PYTHON).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "200", "--gil",
         "--format", "raw", "--duration", str(max(1, round(seconds))), "--output", str(target),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )
