@@ -46,10 +46,25 @@ GATEWAY_ANNOUNCE = re.compile(r"gateway running: web chat on (http://\S+?)/?\s")
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time the process has used so far (from /proc/<pid>/stat)."""
-    raw = Path(f"/proc/{pid}/stat").read_text()
+    return cpu_seconds_of(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU time of each thread of the process so far, by thread id (the main
+    thread's id is the pid): the event loop against the database's and other workers."""
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = cpu_seconds_of(task / "stat")
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out
+
+
+def cpu_seconds_of(stat_path: Path) -> float:
+    raw = stat_path.read_text()
     fields = raw[raw.rindex(")") + 2:].split()  # the command name may hold spaces
-    utime, stime = int(fields[11]), int(fields[12])
-    return (utime + stime) / CLOCK_TICKS
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def rss_bytes(pid: int) -> int:
@@ -61,9 +76,10 @@ def rss_bytes(pid: int) -> int:
 # ---------------------------------------------------------------------------- children
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None, *, root: Path = ROOT) -> dict[str, str]:
+    """The environment of a child process: `root`'s packages first on the path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("OPENAI_API_KEY", None)  # the config names its own key
     env.update(extra or {})
@@ -131,12 +147,13 @@ class Child:
 
 
 async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Path,
-                timeout: float = 60, env: dict[str, str] | None = None) -> Child:
-    """Start `argv` and wait (bounded) for the stdout line that gives its URL (group 1)."""
+                timeout: float = 60, env: dict[str, str] | None = None, root: Path = ROOT) -> Child:
+    """Start `argv` in `root` (a checkout) and wait (bounded) for the stdout line that
+    gives its URL (group 1)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=str(ROOT), env=env or child_env(), stdin=asyncio.subprocess.DEVNULL,
+            *argv, cwd=str(root), env=env or child_env(root=root), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
         )
     lines: list[str] = []
@@ -164,10 +181,11 @@ async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Pat
     return child
 
 
-async def start_gateway(config_path: Path, log_path: Path, timeout: float = 60) -> Child:
-    """`python -m gateway run --config PATH`, ready once it prints its URL."""
+async def start_gateway(config_path: Path, log_path: Path, timeout: float = 60, *, root: Path = ROOT) -> Child:
+    """`python -m gateway run --config PATH`, ready once it prints its URL. `root` is the
+    checkout whose code runs (another one: a baseline in the same benchmark run)."""
     return await spawn([PYTHON, "-m", "gateway", "run", "--config", str(config_path)],
-                       announce=GATEWAY_ANNOUNCE, log_path=log_path, timeout=timeout)
+                       announce=GATEWAY_ANNOUNCE, log_path=log_path, timeout=timeout, root=root)
 
 
 async def start_fake_model(log_path: Path, *, delay_ms: float = 0) -> tuple[Child, str]:

@@ -44,14 +44,17 @@ import aiohttp
 from aiohttp import web
 
 from bench._procs import (
+    PYTHON,
     ROOT,
     Child,
+    cpu_seconds,
     gateway_config,
     model_times,
     start_echo,
     start_fake_model,
     start_gateway,
     telegram_section,
+    thread_cpu_seconds,
 )
 from tests.fakes.telegram_server import FakeTelegram
 
@@ -130,6 +133,8 @@ class RunResult:
     errors: int
     turns_per_s: float
     cpu_ms_per_turn: float
+    model_cpu_ms_per_turn: float  # the fake model's process: the requests the target sends cost there too
+    loop_cpu_ms_per_turn: float  # of cpu_ms_per_turn, the main thread's (the event loop); the rest: worker threads
     p50_added_ms: float
     p99_added_ms: float
     p50_e2e_ms: float
@@ -229,19 +234,31 @@ async def settle(child: Child, timeout: float = SETTLE_TIMEOUT_S) -> None:
         last = now
 
 
+async def start_profiler(pid: int, seconds: float, target: Path) -> asyncio.subprocess.Process:
+    """py-spy sampling `pid` (GIL-holding stacks only: what costs the event loop) for
+    `seconds`, as collapsed stacks in `target` (`python -m bench.profile_top` reads them)."""
+    return await asyncio.create_subprocess_exec(
+        str(Path(PYTHON).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "200", "--gil",
+        "--format", "raw", "--duration", str(max(1, round(seconds))), "--output", str(target),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
 async def run_once(target: str, path: str, sessions: int, seconds: float, *, model_url: str,
-                   stats_url: str, workdir: Path, rate: float | None = None) -> RunResult:
+                   stats_url: str, workdir: Path, rate: float | None = None,
+                   profile: Path | None = None, baseline_root: Path = ROOT,
+                   model_pid: int | None = None) -> RunResult:
     """One measured run on a fresh process; `rate` paces the sessions (total turns/s)."""
     load_at_start = os.getloadavg()[0]
     fake = LoadTelegram()
     await fake.start()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{target}-{path}-{sessions}-", dir=workdir))
     log = run_dir / "process.log"
-    if target == "gateway":
+    if target in ("gateway", "baseline"):
         tg = telegram_section(fake.base_url, fake.base_file_url, fake.token)
         config = gateway_config(run_dir, model_url, telegram=tg,
                                 limits={"max_live_sessions": max(1000, sessions + 10)})
-        child = await start_gateway(config, log)
+        child = await start_gateway(config, log, root=baseline_root if target == "baseline" else ROOT)
     else:
         child = await start_echo(log, model_url=model_url, telegram_base=f"{fake.base_url}{fake.token}")
     notes: list[str] = []
@@ -265,9 +282,16 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             fake.forget_history()
             rss_before = child.rss_bytes()
             cpu_before = child.cpu_seconds()
+            model_cpu_before = cpu_seconds(model_pid) if model_pid else 0.0
+            loop_cpu_before = thread_cpu_seconds(child.pid).get(child.pid, 0.0)
 
             samples: list[Sample] = []
             errors: list[str] = []
+            spy = None
+            if profile is not None:
+                profile.mkdir(parents=True, exist_ok=True)
+                name = f"{target}-{path}-{sessions}-{'paced' if rate else 'b2b'}.txt"
+                spy = await start_profiler(child.pid, seconds, profile / name)
             started = time.monotonic()
             deadline = started + seconds
             interval = sessions / rate if rate else 0.0
@@ -276,9 +300,13 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             await asyncio.gather(*(session(turn, f"bench-{i}", deadline, samples, errors, interval=interval,
                                            phase=i * interval / sessions) for i, turn in enumerate(turns)))
             elapsed = time.monotonic() - started
+            if spy is not None:
+                await asyncio.wait_for(spy.wait(), 30)
             fake.forget_history()
             await settle(child)
             cpu = child.cpu_seconds() - cpu_before
+            model_cpu = cpu_seconds(model_pid) - model_cpu_before if model_pid else float("nan")
+            loop_cpu = thread_cpu_seconds(child.pid).get(child.pid, 0.0) - loop_cpu_before
             rss_after = child.rss_bytes()
         times = await model_times(stats_url)
     finally:
@@ -300,6 +328,8 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
         target=target, path=path, sessions=sessions, offered=rate, seconds=round(elapsed, 2), turns=turns,
         errors=len(errors), turns_per_s=round(turns / elapsed, 1),
         cpu_ms_per_turn=round(cpu * 1000 / turns, 2) if turns else float("nan"),
+        model_cpu_ms_per_turn=round(model_cpu * 1000 / turns, 2) if turns else float("nan"),
+        loop_cpu_ms_per_turn=round(loop_cpu * 1000 / turns, 2) if turns else float("nan"),
         p50_added_ms=round(percentile(added, 0.5) * 1000, 2), p99_added_ms=round(percentile(added, 0.99) * 1000, 2),
         p50_e2e_ms=round(percentile(e2e, 0.5) * 1000, 2), p99_e2e_ms=round(percentile(e2e, 0.99) * 1000, 2),
         rss_per_session_kb=round((rss_after - rss_before) / 1024 / sessions, 1),
@@ -312,6 +342,7 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
 
 
 HEADER = (f"{'target':8} {'path':9} {'N':>5} {'load':>9} {'turns':>6} {'turns/s':>8} {'CPU ms/turn':>11} "
+          f"{'loop':>5} {'model':>6} "
           f"{'p50 added':>10} {'p99 added':>10} {'p99 e2e':>9} {'RSS/session':>12} {'RSS':>8}  notes")
 
 
@@ -321,7 +352,9 @@ def load_label(r: RunResult) -> str:
 
 def row(r: RunResult) -> str:
     return (f"{r.target:8} {r.path:9} {r.sessions:>5} {load_label(r):>9} {r.turns:>6} {r.turns_per_s:>8.1f} "
-            f"{r.cpu_ms_per_turn:>11.2f} {r.p50_added_ms:>8.1f}ms {r.p99_added_ms:>8.1f}ms {r.p99_e2e_ms:>7.1f}ms "
+            f"{r.cpu_ms_per_turn:>11.2f} {r.loop_cpu_ms_per_turn:>5.2f} {r.model_cpu_ms_per_turn:>6.2f} "
+            f"{r.p50_added_ms:>8.1f}ms "
+            f"{r.p99_added_ms:>8.1f}ms {r.p99_e2e_ms:>7.1f}ms "
             f"{r.rss_per_session_kb:>9.1f} KB {r.rss_mb:>6.1f}MB  "
             f"{'; '.join([f'load {r.load_average[0]:g} → {r.load_average[-1]:g}', *r.notes])}")
 
@@ -391,7 +424,8 @@ def chart(results: list[RunResult], target: Path) -> None:
 
 
 async def main(sessions: list[int], seconds: float, paths: list[str], targets: list[str],
-               paced: tuple[int, float] | None) -> None:
+               paced: tuple[int, float] | None, profile: Path | None = None,
+               baseline_root: Path = ROOT) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     # A stopped gateway drops its long poll mid-request: the fake Bot API's "Connection lost"
     # tracebacks are expected here, not findings.
@@ -402,14 +436,18 @@ async def main(sessions: list[int], seconds: float, paths: list[str], targets: l
         results: list[RunResult] = []
         print(HEADER, flush=True)
         try:
-            for target in targets:
-                for path in paths:
-                    runs: list[tuple[int, float | None]] = [(n, None) for n in sessions]
-                    if paced is not None:
-                        runs.append(paced)
-                    for n, rate in runs:
+            # The targets of one row run one after another (not target by target): on a shared
+            # machine the rows they are compared in see the same load.
+            runs: list[tuple[int, float | None]] = [(n, None) for n in sessions]
+            if paced is not None:
+                runs.append(paced)
+            for path in paths:
+                for n, rate in runs:
+                    for target in targets:
                         result = await run_once(target, path, n, seconds, model_url=model.url,
-                                                stats_url=stats_url, workdir=workdir, rate=rate)
+                                                stats_url=stats_url, workdir=workdir, rate=rate,
+                                                profile=profile, baseline_root=baseline_root,
+                                                model_pid=model.pid)
                         results.append(result)
                         print(row(result), flush=True)
         except Exception:
@@ -431,12 +469,21 @@ if __name__ == "__main__":
     parser.add_argument("--sessions", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--seconds", type=float, default=8.0, help="load time per run")
     parser.add_argument("--paths", nargs="+", choices=["web", "telegram"], default=["web", "telegram"])
-    parser.add_argument("--targets", nargs="+", choices=["gateway", "ceiling"], default=["gateway", "ceiling"])
+    parser.add_argument("--targets", nargs="+", choices=["gateway", "ceiling", "baseline"],
+                        default=["gateway", "ceiling"],
+                        help="baseline: the gateway of another checkout (--baseline-root), for before/after "
+                             "in one run")
+    parser.add_argument("--baseline-root", type=Path, default=ROOT,
+                        help="the checkout the baseline target runs, e.g. a `git worktree add` of the commit before")
     parser.add_argument("--paced", type=float, nargs=2, metavar=("SESSIONS", "RATE"), default=[100, 50],
                         help="one more run per path with SESSIONS sessions offering RATE turns/s in total "
                              "(latency below saturation); RATE 0 skips it")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="py-spy (pip install py-spy) samples each measured run's server process into "
+                             "DIR/<target>-<path>-<N>-<load>.txt; python -m bench.profile_top DIR/... reads one")
     args = parser.parse_args()
     started = time.monotonic()
     paced = (int(args.paced[0]), float(args.paced[1])) if args.paced[1] > 0 else None
-    asyncio.run(main(args.sessions, args.seconds, args.paths, args.targets, paced))
+    asyncio.run(main(args.sessions, args.seconds, args.paths, args.targets, paced, args.profile,
+                     args.baseline_root.resolve()))
     print(f"total {time.monotonic() - started:.0f}s")

@@ -142,6 +142,7 @@ class SessionContext:
         self._calibration = 1.0
         self._provider_limit: tuple[int, int | None] | None = None
         self._inject_cache: tuple[str, dict[str, Any], dict[str, Any], int] | None = None
+        self._system: dict[str, Any] | None = None  # the last request's system message
         self._dropped_upto = 0  # highest turn number no longer live
         self._cleared_upto = 0  # turns up to this were cleared (/context clear, overflow)
         self._version = 0  # bumped by every change that can alter a request
@@ -530,7 +531,12 @@ class _Request:
         return total
 
     def assemble(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"role": "system", "content": self.system_prompt}]
+        system = self.ctx._system
+        if system is None or system["content"] != self.system_prompt:
+            # The same dict while the prompt stays the same: callers may remember what
+            # they made of a message by its identity (its JSON, gateway/model/transport.py).
+            system = self.ctx._system = {"role": "system", "content": self.system_prompt}
+        out: list[dict[str, Any]] = [system]
         cur = self.ctx._current()
         for turn in self.ctx._turns:
             out.extend(self.render(turn, turn is not cur).dicts)

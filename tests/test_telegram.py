@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -727,6 +728,53 @@ def test_parse_update_never_raises(
             assert isinstance(inbound.text, str)
             inbound.text.encode("utf-8")  # no lone surrogates survive
             assert inbound.chat_id.lstrip("-").isdigit() and inbound.user_id.lstrip("-").isdigit()
+
+
+PIECES = ["hi", " ", "@gateway_test_bot", "@Gateway_Test_Bot", "@other_bot", "/start", "/help@gateway_test_bot",
+          "/help@other_bot", "🙂", "数据", "\ud800", "\x00", "\n", "naïve"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(PIECES), max_size=8).map("".join),
+    entities=st.lists(st.fixed_dictionaries({
+        "type": st.sampled_from(["mention", "bot_command", "bold", "hashtag", "unknown_kind"]),
+        "offset": st.integers(-2, 40), "length": st.integers(-2, 40)}), max_size=4),
+    chat=st.sampled_from([(42, "private"), (-100_200, "supergroup"), (-300, "group"), (-100_900, "channel")]),
+    sender=st.fixed_dictionaries({"id": st.integers(1, 2**40), "is_bot": st.booleans(),
+                                  "first_name": st.sampled_from(["A", "Zoë", "🙂"])},
+                                 optional={"last_name": st.sampled_from(["B", " "]),
+                                           "username": st.sampled_from(["ab", "gateway_test_bot"])}),
+    topic=st.sampled_from([None, (5, True), (5, False)]),
+)
+def test_plain_text_updates_read_without_ptb_read_as_ptb_reads_them(
+    text: str, entities: list[dict[str, Any]], chat: tuple[int, str], sender: dict[str, Any],
+    topic: tuple[int, bool] | None,
+) -> None:
+    """The common update (a person's text message) is read straight from the JSON; that
+    must give exactly what PTB's objects give, drops included."""
+    from telegram import Update
+
+    from channels.telegram.updates import _from_message, _plain_text_message
+
+    message: dict[str, Any] = {"message_id": 9, "date": 1_700_000_000, "chat": {"id": chat[0], "type": chat[1]},
+                               "from": sender, "text": text}
+    if entities:
+        message["entities"] = entities
+    if topic is not None:
+        message["message_thread_id"], message["is_topic_message"] = topic
+    raw = {"update_id": 77, "message": message}
+
+    def read(parsed: Any) -> Any:  # the arrival time aside
+        return None if parsed is None else dataclasses.replace(parsed.inbound, received_at=0.0)
+
+    fast = _plain_text_message(77, message, ME)
+    slow = read(_from_message(77, Update.de_json(json.loads(json.dumps(raw)), None), ME))
+    if chat[1] == "channel":
+        assert fast is None  # left to PTB's path, which drops it
+    else:
+        assert read(fast) == slow
+    assert read(parse_update(raw, ME)) == slow
 
 
 entity_types = st.sampled_from(["bold", "italic", "code", "pre", "blockquote", "text_link"])

@@ -38,8 +38,6 @@ from telegram import (
     Bot,
     BotCommand,
     InlineKeyboardMarkup,
-    LinkPreviewOptions,
-    Message,
     MessageEntity,
     ReplyParameters,
 )
@@ -58,6 +56,7 @@ from yarl import URL
 
 from channels.base import AccessCheck, ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from channels.telegram.approvals import keyboard, parse_callback_data, render_card
+from channels.telegram.bot import ALLOWED_UPDATES, POLL_READ_SLACK_S, RawBot
 from channels.telegram.format import Chunk, render_markdown
 from channels.telegram.stream import ChatPaces, TelegramReplyStream, parse_reply_ref
 from channels.telegram.stream import is_format_error as _is_format_error
@@ -89,8 +88,6 @@ from gateway.types import Attachment, Inbound
 
 log = logging.getLogger("channels.telegram")
 
-# Edits, channel posts, reactions … are not turns; callback queries are presses of a card's buttons.
-ALLOWED_UPDATES = ("message", "callback_query")
 DEFAULT_FILE_LIMIT = 20 * 1024 * 1024  # limits.max_inbound_file_mb's default (the cloud Bot API's own)
 DOWNLOAD_TIMEOUT_S = 120.0
 DOWNLOAD_READ_TIMEOUT_S = 30.0
@@ -101,7 +98,6 @@ PHOTO_MAX_BYTES = 10 * 1024 * 1024  # Bot API: photos a bot uploads
 DOCUMENT_MAX_BYTES = 50 * 1024 * 1024  # Bot API: other files a bot uploads
 HANDLER_ATTEMPTS = 3  # an update the router keeps failing on is dropped after this
 READY_SLACK_S = 15.0
-POLL_READ_SLACK_S = 10.0  # HTTP read timeout beyond the long-poll timeout
 STOP_TIMEOUT_S = 5.0
 POOL_CONNECTIONS = 32  # as many as turns may finish at once (limits.max_concurrent_model_calls)
 # A reply waits this long for a free connection (the queue in front of the pool); the
@@ -119,16 +115,6 @@ Sleep = Callable[[float], Awaitable[None]]
 
 
 # ---------------------------------------------------------------------------- channel
-
-
-class _Bot(Bot):
-    """PTB's Bot plus raw getUpdates: `Bot.get_updates` parses the whole batch at once, so
-    one malformed update would fail every poll and block the queue forever."""
-
-    async def fetch_raw_updates(self, *, offset: int, wait_s: int) -> list[Any]:
-        data = {"offset": offset or None, "timeout": wait_s, "allowed_updates": list(ALLOWED_UPDATES)}
-        result = await self._post("getUpdates", data, read_timeout=wait_s + POLL_READ_SLACK_S)
-        return result if isinstance(result, list) else []
 
 
 class _DownloadFailed(Exception):
@@ -168,7 +154,7 @@ class TelegramChannel:
         self._admits = admits
         self._commands = [(str(c), str(d)) for c, d in commands]
         self._sleep = sleep  # waits while sending (flood control, retries); injectable for tests
-        self._bot: _Bot | None = None
+        self._bot: RawBot | None = None
         self._me: BotIdentity | None = None
         self._started = False
         self._connected = asyncio.Event()
@@ -180,7 +166,7 @@ class TelegramChannel:
         self._typing_slots = asyncio.Semaphore(TYPING_CONNECTIONS)
         self._offset = 0
         self._handler_failures: dict[int, int] = {}
-        self._in_handler = False
+        self._handling = 0  # polled batches being handled (stop_receiving lets them finish)
         self._stopping = False
         self._last_poll_ok: float | None = None
         self._webhook_ok = False
@@ -221,7 +207,7 @@ class TelegramChannel:
         if self._cfg.mode == "webhook" and usable_webhook_secret(self._cfg) is None:
             raise ValueError(NO_WEBHOOK_SECRET)  # a config problem: retrying cannot fix it
         token = self._cfg.token.get_secret_value().strip() if self._cfg.token else ""
-        self._bot = _Bot(
+        self._bot = RawBot(
             token,
             base_url=self._cfg.base_url,
             base_file_url=self._file_url(),
@@ -260,7 +246,7 @@ class TelegramChannel:
         task, self._poller = self._poller, None
         if task is None:
             return
-        if not self._in_handler:
+        if not self._handling:
             task.cancel()  # idle in a long poll: nothing to lose
         done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
         if not done:
@@ -417,27 +403,64 @@ class TelegramChannel:
                 log.info("telegram: polling again without conflict")
                 conflicted = False
             backoff = 1.0
-            start_offset, retry = self._offset, False
-            for raw in batch:
-                if not self._receiving:
-                    return
-                if not await self._consume(raw):
-                    retry = True  # fetched again after the pause below
-                    break
+            if not self._receiving:
+                return
+            start_offset = self._offset
+            retry = await self._consume_batch(batch)
             if retry or (batch and self._offset == start_offset):
                 await asyncio.sleep(1.0)  # a router failure, or nothing confirmable: don't spin
             elif not batch and self._cfg.poll_timeout_s == 0:
                 await asyncio.sleep(1.0)  # short polling
 
-    async def _consume(self, raw: Any) -> bool:
-        """Process one polled update and move the offset past it; False when the router
-        failed and the update should be fetched again."""
-        update_id = raw.get("update_id") if isinstance(raw, dict) else None
-        if not is_int(update_id):
-            log.debug("telegram: update without a usable update_id skipped")
-            return True
-        if update_id < self._offset:
-            return True
+    async def _consume_batch(self, batch: list[Any]) -> bool:
+        """Process a poll's updates and move the offset past those done; True when the
+        router failed on one (it is fetched again after a pause).
+
+        Each chat's updates go one after another, in the order the chat sent them; chats
+        go side by side, so a poll's updates are recorded in one group commit instead of
+        one commit each (a poll of 100 updates waited for 100 commits in a row). The offset
+        stops before the first update not done; what was done after it in other chats
+        comes again and the router's dedup drops it (SPEC §3.1)."""
+        updates: list[tuple[int, Any]] = []
+        for raw in batch:
+            update_id = raw.get("update_id") if isinstance(raw, dict) else None
+            if not is_int(update_id):
+                log.debug("telegram: update without a usable update_id skipped")
+                continue
+            if update_id >= self._offset:
+                updates.append((update_id, raw))
+        if not updates:
+            return False
+        by_chat: dict[Any, list[tuple[int, Any]]] = {}
+        for update_id, raw in updates:
+            by_chat.setdefault(_chat_of(raw), []).append((update_id, raw))
+        done: set[int] = set()
+
+        async def chat_in_order(items: list[tuple[int, Any]]) -> None:
+            for update_id, raw in items:
+                if not self._receiving or not await self._consume(update_id, raw):
+                    return  # the rest of this chat waits: its order is kept
+                done.add(update_id)
+
+        self._handling += 1
+        try:
+            if len(by_chat) == 1:
+                await chat_in_order(updates)
+            else:
+                await asyncio.gather(*(chat_in_order(items) for items in by_chat.values()))
+        finally:
+            self._handling -= 1
+        failed = False
+        for update_id, _ in sorted(updates, key=lambda item: item[0]):
+            if update_id not in done:
+                failed = True
+                break
+            self._offset = update_id + 1
+        return failed
+
+    async def _consume(self, update_id: int, raw: Any) -> bool:
+        """Process one polled update; False when the router failed and the update should
+        be fetched again (up to HANDLER_ATTEMPTS times, then it is dropped)."""
         if not await self._process(raw):
             failures = self._handler_failures.get(update_id, 0) + 1
             self._handler_failures[update_id] = failures
@@ -445,7 +468,6 @@ class TelegramChannel:
                 return False
             log.error("telegram: update %s dropped after %d failed attempts", update_id, failures)
         self._handler_failures.pop(update_id, None)
-        self._offset = update_id + 1
         return True
 
     async def _process(self, raw: Any) -> bool:
@@ -467,7 +489,6 @@ class TelegramChannel:
         parsed = parse_update(raw, me, self._bot)
         if parsed is None:
             return True
-        self._in_handler = True
         inbound = parsed.inbound
         try:
             if parsed.file is not None and (self._admits is None or await self._admits(inbound)):
@@ -479,8 +500,6 @@ class TelegramChannel:
             log.exception("telegram: handling update %s failed", parsed.inbound.event_id)
             await discard_saved(self._workspace_for(inbound), inbound)  # fetched again on the retry
             return False
-        finally:
-            self._in_handler = False
         if taken is False:  # a redelivery the router had seen: its first delivery has the file
             await discard_saved(self._workspace_for(inbound), inbound)
         return True
@@ -601,32 +620,32 @@ class TelegramChannel:
                 log.warning("telegram: file %s not sent: %s", file.name, exc)
 
     async def _send_chunk(
-        self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None
+        self, bot: RawBot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None
     ) -> int | str:
         """Returns the chat id to use from now on (a group may have become a supergroup)."""
         return (await self._deliver(bot, chat, chunk, thread, reply_to))[0]
 
     async def _deliver(
-        self, bot: Bot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None,
+        self, bot: RawBot, chat: int | str, chunk: Chunk, thread: int | None, reply_to: int | None,
         reply_markup: InlineKeyboardMarkup | None = None,
-    ) -> tuple[int | str, Message]:
+    ) -> tuple[int | str, int]:
         """Send one message, waiting out flood control and following a migrated group;
-        the chat id to use from now on, and the message."""
-        entities = [MessageEntity.de_json(e, bot) for e in chunk.entities]
-        reply = ReplyParameters(reply_to, allow_sending_without_reply=True) if reply_to else None
+        the chat id to use from now on, and the new message's id."""
+        entities = list(chunk.entities)
+        reply = {"message_id": reply_to, "allow_sending_without_reply": True} if reply_to else None
         attempt = 0
         while True:
             attempt += 1
             try:
-                sent = await bot.send_message(
-                    chat_id=chat,
-                    text=chunk.text,
-                    entities=entities or None,
-                    message_thread_id=thread,
-                    reply_parameters=reply,
-                    link_preview_options=self._link_preview(),
-                    reply_markup=reply_markup,
-                )
+                sent = await bot.send_text({
+                    "chat_id": chat,
+                    "text": chunk.text,
+                    "entities": entities or None,
+                    "message_thread_id": thread,
+                    "reply_parameters": reply,
+                    "link_preview_options": self._link_preview(),
+                    "reply_markup": reply_markup,
+                })
                 return chat, sent
             except RetryAfter as exc:
                 if attempt >= SEND_ATTEMPTS:
@@ -671,7 +690,7 @@ class TelegramChannel:
             reply_to = doc.message_id  # the card answers the file it names
         markup = keyboard(card) if self._decide is not None else None
         chat, sent = await self._deliver(bot, chat, Chunk(shown.text, shown.entities), thread, reply_to, markup)
-        return f"{chat}:{sent.message_id}"
+        return f"{chat}:{sent}"
 
     async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:
         """The card edited: the outcome in place of its last line, and no buttons (an edit
@@ -754,10 +773,11 @@ class TelegramChannel:
             on_drafts_refused=lambda: self._drafts_refused(str(chat)),
         )
 
-    def _link_preview(self) -> LinkPreviewOptions | None:
+    def _link_preview(self) -> dict[str, bool] | None:
         """No previews unless `link_previews` is on: a URL that an attacker got into a reply
-        would otherwise be fetched by Telegram's servers before anyone clicks it."""
-        return None if self._cfg.link_previews else LinkPreviewOptions(is_disabled=True)
+        would otherwise be fetched by Telegram's servers before anyone clicks it (the Bot
+        API's LinkPreviewOptions)."""
+        return None if self._cfg.link_previews else {"is_disabled": True}
 
     def _drafts_in(self, inbound: Inbound) -> bool:
         """Drafts where Telegram shows them, private chats; `auto` stops trying them in a
@@ -778,25 +798,29 @@ class TelegramChannel:
     @asynccontextmanager
     async def typing(self, inbound: Inbound) -> AsyncIterator[None]:
         done = asyncio.Event()
-        task = asyncio.create_task(self._keep_typing(inbound, done), name="telegram-typing")
-        self._typing_tasks.add(task)
-        task.add_done_callback(self._typing_tasks.discard)
+        # A reply that comes at once needs no indicator: that is half the Bot API calls of a
+        # quick turn, and a person cannot tell the difference. Only a turn still running
+        # after TYPING_DELAY_S gets the task that sends it (a timer costs less than a task).
+        timer = asyncio.get_running_loop().call_later(TYPING_DELAY_S, self._start_typing, inbound, done)
         try:
             yield
         finally:
+            timer.cancel()
             # Told to stop, never cancelled: a request cancelled in flight could leave its
             # pooled connection checked out (seen with uvloop), and after enough turns
             # replies waited for a connection that never came back. The reply does not wait.
             done.set()
 
+    def _start_typing(self, inbound: Inbound, done: asyncio.Event) -> None:
+        if self._stopping:
+            return
+        task = asyncio.create_task(self._keep_typing(inbound, done), name="telegram-typing")
+        self._typing_tasks.add(task)
+        task.add_done_callback(self._typing_tasks.discard)
+
     async def _keep_typing(self, inbound: Inbound, done: asyncio.Event) -> None:
         chat = _chat_ref(inbound.chat_id)
         thread = _int_or_none(inbound.thread_id)
-        # A reply that comes at once needs no indicator: that is half the Bot API calls of a
-        # quick turn, and a person cannot tell the difference.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(TYPING_DELAY_S):
-                await done.wait()
         while self._bot is not None and not self._stopping and not done.is_set():
             # Typing may use a few of the HTTP pool's connections, never the ones replies
             # need: with many turns in flight a round is skipped instead of queued.
@@ -812,10 +836,19 @@ class TelegramChannel:
                 async with asyncio.timeout(TYPING_INTERVAL_S):
                     await done.wait()
 
-    def _require_bot(self) -> _Bot:
+    def _require_bot(self) -> RawBot:
         if self._bot is None:
             raise RuntimeError("the telegram channel is not started")
         return self._bot
+
+
+def _chat_of(raw: Any) -> Any:
+    """The chat an update belongs to (its own order), as Telegram sent it; None when it has
+    none that can be read (such updates go in one group, in order)."""
+    message = raw.get("message") if isinstance(raw, dict) else None
+    chat = message.get("chat") if isinstance(message, dict) else None
+    chat_id = chat.get("id") if isinstance(chat, dict) else None
+    return chat_id if isinstance(chat_id, int | str) and not isinstance(chat_id, bool) else None
 
 
 def _chat_ref(chat_id: str) -> int | str:

@@ -50,9 +50,7 @@ import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from telegram import Bot, LinkPreviewOptions, Message, MessageEntity, ReplyParameters
 from telegram.error import (
     BadRequest,
     ChatMigrated,
@@ -62,6 +60,7 @@ from telegram.error import (
 )
 
 from channels.base import ReplyRefSink, StreamObserver
+from channels.telegram.bot import RawBot
 from channels.telegram.format import (
     TELEGRAM_TEXT_LIMIT,
     Chunk,
@@ -245,7 +244,7 @@ class TelegramReplyStream:
     def __init__(
         self,
         *,
-        bot: Callable[[], Bot],
+        bot: Callable[[], RawBot],
         chat: int | str,
         thread: int | None,
         reply_to: int | None,
@@ -256,7 +255,7 @@ class TelegramReplyStream:
         resume_ids: list[int] | None = None,
         observe: StreamObserver | None = None,
         limit: int = TELEGRAM_TEXT_LIMIT,
-        link_preview: LinkPreviewOptions | None = None,
+        link_preview: dict[str, bool] | None = None,
         drafts: bool = False,
         on_drafts_refused: Callable[[], None] | None = None,
     ) -> None:
@@ -572,34 +571,26 @@ class TelegramReplyStream:
         except Exception:  # a broken config source must not stop the reply
             return 1.0
 
-    def _timeouts(self) -> dict[str, Any]:
-        return {"read_timeout": CALL_TIMEOUT_S, "write_timeout": CALL_TIMEOUT_S,
-                "connect_timeout": CALL_TIMEOUT_S}
-
-    def _entities(self, bot: Bot, chunk: Chunk) -> list[MessageEntity] | None:
-        return [MessageEntity.de_json(e, bot) for e in chunk.entities] or None
-
     async def _draft(self, part: int, chunk: Chunk) -> None:
-        await self._bot().send_message_draft(
-            chat_id=self._chat, draft_id=self._draft_base + part, text=chunk.text,
-            message_thread_id=self._thread, **self._timeouts(),
-        )
+        await self._bot().call("sendMessageDraft", {
+            "chat_id": self._chat, "draft_id": self._draft_base + part, "text": chunk.text,
+            "message_thread_id": self._thread,
+        }, timeout=CALL_TIMEOUT_S)
         first = self._drafted_at == 0.0
         self._drafted = (part, chunk)
         self._drafted_at = asyncio.get_running_loop().time()
         self._observe("reply" if first else "draft")
 
     async def _send(self, chunk: Chunk) -> None:
-        bot = self._bot()
         first = not self._started
-        reply = (ReplyParameters(self._reply_to, allow_sending_without_reply=True)
+        reply = ({"message_id": self._reply_to, "allow_sending_without_reply": True}
                  if first and self._reply_to is not None else None)
-        message: Message = await bot.send_message(
-            chat_id=self._chat, text=chunk.text, entities=self._entities(bot, chunk),
-            message_thread_id=self._thread, reply_parameters=reply, link_preview_options=self._link_preview,
-            **self._timeouts(),
-        )
-        self._shown.append(_Shown(message.message_id, chunk))
+        sent = await self._bot().send_text({
+            "chat_id": self._chat, "text": chunk.text, "entities": list(chunk.entities) or None,
+            "message_thread_id": self._thread, "reply_parameters": reply,
+            "link_preview_options": self._link_preview,
+        }, timeout=CALL_TIMEOUT_S)
+        self._shown.append(_Shown(sent, chunk))
         self._started = True
         if not first:
             self._observe("continued")
@@ -607,16 +598,16 @@ class TelegramReplyStream:
             self._observe("reply")
 
     async def _edit(self, index: int, chunk: Chunk) -> None:
-        bot = self._bot()
-        await bot.edit_message_text(
-            chunk.text, chat_id=self._chat, message_id=self._shown[index].message_id,
-            entities=self._entities(bot, chunk), link_preview_options=self._link_preview, **self._timeouts(),
-        )
+        await self._bot().call("editMessageText", {
+            "chat_id": self._chat, "message_id": self._shown[index].message_id, "text": chunk.text,
+            "entities": list(chunk.entities) or None, "link_preview_options": self._link_preview,
+        }, timeout=CALL_TIMEOUT_S)
         self._shown[index].chunk = chunk
         self._observe("edit")
 
     async def _delete(self, message_id: int) -> None:
-        await self._bot().delete_message(self._chat, message_id, **self._timeouts())
+        await self._bot().call("deleteMessage", {"chat_id": self._chat, "message_id": message_id},
+                               timeout=CALL_TIMEOUT_S)
         self._orphans.remove(message_id)
 
     async def _report_ref(self) -> None:

@@ -95,6 +95,7 @@ class CompletionsEndpoint:
         self._lock = asyncio.Lock()
         self._closed = False
         self._tools_json: tuple[object, bytes] | None = None  # the registry's schema list, by identity
+        self._messages = MessageJson()
 
     async def open(self) -> None:
         """Idempotent; concurrent callers (the warm-up and the first turns) share one session."""
@@ -168,15 +169,59 @@ class CompletionsEndpoint:
 
     def _encode(self, body: dict[str, Any]) -> bytes:
         """The request as JSON bytes. The tool schemas are the registry's one list, the same
-        on every call: their JSON is made once and spliced in. ASCII escapes keep a lone
-        surrogate valid JSON."""
+        on every call: their JSON is made once and spliced in. So are the messages: the
+        context engine hands the same dict for a message request after request (a turn's
+        rendering is cached), so each one's JSON is made once (`MessageJson`). ASCII escapes
+        keep a lone surrogate valid JSON."""
         tools = body.get("tools")
-        if not tools:
-            return json.dumps(body).encode()
-        if self._tools_json is None or self._tools_json[0] is not tools:
-            self._tools_json = (tools, json.dumps(tools).encode())
-        rest = json.dumps({k: v for k, v in body.items() if k != "tools"}).encode()
-        return b"".join((rest[:-1], b', "tools": ', self._tools_json[1], b"}"))
+        messages = body.get("messages")
+        rest = json.dumps({k: v for k, v in body.items() if k not in ("tools", "messages")}).encode()
+        pieces = [rest[:-1]]
+        if isinstance(messages, list):
+            pieces += [b', "messages": ', self._messages.encode(messages)]
+        if tools:
+            if self._tools_json is None or self._tools_json[0] is not tools:
+                self._tools_json = (tools, json.dumps(tools).encode())
+            pieces += [b', "tools": ', self._tools_json[1]]
+        pieces.append(b"}")
+        return b"".join(pieces)
+
+
+class MessageJson:
+    """The JSON of request messages, remembered by object: a dict seen before (the same
+    object, which the caller never changes once sent) is not encoded again.
+
+    Two generations bound it: lookups promote from the older one, and the newer one is
+    retired once it holds `limit` entries or `max_bytes` of JSON, so at most about twice
+    that is held. A message larger than `max_item_bytes` is encoded every time. Each entry
+    holds its dict, so an id is never reused while it is remembered."""
+
+    def __init__(self, limit: int = 4096, max_bytes: int = 1 << 20, max_item_bytes: int = 16384) -> None:
+        self._limit = limit
+        self._max_bytes = max_bytes
+        self._max_item = max_item_bytes
+        self._new: dict[int, tuple[dict[str, Any], bytes]] = {}
+        self._old: dict[int, tuple[dict[str, Any], bytes]] = {}
+        self._new_bytes = 0
+
+    def encode(self, messages: list[dict[str, Any]]) -> bytes:
+        return b"[" + b", ".join([self._one(m) for m in messages]) + b"]"
+
+    def _one(self, message: dict[str, Any]) -> bytes:
+        key = id(message)
+        hit = self._new.get(key)
+        if hit is not None and hit[0] is message:
+            return hit[1]
+        hit = self._old.get(key)
+        if hit is None or hit[0] is not message:
+            hit = (message, json.dumps(message).encode())
+            if len(hit[1]) > self._max_item:
+                return hit[1]
+        if len(self._new) >= self._limit or self._new_bytes >= self._max_bytes:
+            self._old, self._new, self._new_bytes = self._new, {}, 0
+        self._new[key] = hit
+        self._new_bytes += len(hit[1])
+        return hit[1]
 
 
 class SseReader:

@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -44,6 +46,39 @@ class ModelHealth:
 
     def get(self, model: str) -> ModelCalls:
         return self.models.get(model) or ModelCalls()
+
+
+class _KnownChildren:
+    """`.labels(...)` answered from a plain dict after the first call with those values.
+    The library's own lookup takes a lock and rebuilds the key every time; turns call it a
+    few times each, and the label values (channels, outcomes) are a handful."""
+
+    def labels(self, *values: Any, **named: Any) -> Any:
+        if named:
+            return super().labels(*values, **named)  # type: ignore[misc]
+        children: dict[tuple[Any, ...], Any] | None = self.__dict__.get("_known")
+        if children is None:
+            children = self.__dict__["_known"] = {}
+        child = children.get(values)
+        if child is None:
+            child = children[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self.__dict__.pop("_known", None)
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self.__dict__.pop("_known", None)
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_KnownChildren, _Counter):
+    pass
+
+
+class Gauge(_KnownChildren, _Gauge):
+    pass
 
 
 class Metrics:

@@ -18,6 +18,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from context.budget import Budget
 from context.effects import Prepared
 from context.engine import SessionContext, prepare, recover_overflow
 from context.outside import OUTSIDE_PREFIX
@@ -56,6 +57,7 @@ DELEGATES_AT_ONCE = 3  # sub-turns of one step running at the same time
 SUB_TURN_MAX_STEPS = 8  # a sub-turn's own step limit (at most agent_max_steps)
 SUB_TURN_MAX_TOKENS = 32_000  # and its own request budget (at most agent_max_context_tokens)
 SUB_TURNS_KEPT = 20  # sub-turns /context lists per session
+MAX_STEP_PLANS = 256  # (agent, model) pairs whose plan is kept for the running config
 
 OVERFLOW_CLEARED = (
     "This conversation grew larger than the model can read, even after trimming it. "
@@ -97,12 +99,14 @@ def today_line(cfg: Config) -> str:
     return f"Today is {day} ({zone})."
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Step:
-    """What one decision step of a session works with: its agent and the models it tries."""
+    """What one decision step of a session works with: its agent, the models it tries and
+    the budget of the first (SPEC §5.5: budgets follow the session's model's window)."""
 
     view: AgentView
     chain: list[tuple[str | None, ModelConfig]]  # (alias, settings): the first, then fallbacks
+    budget: Budget
 
     @property
     def model(self) -> ModelConfig:
@@ -114,13 +118,28 @@ class Agent:
         self.s = services
         self.summarizer = summarizer
         self.prompt_files = PromptFiles(services.config.base_dir)
+        self._steps: dict[tuple[str, str | None], tuple[Config, Step]] = {}  # (agent, model) → (snapshot, plan)
+        # agent → (snapshot, what its prompt is made of, the prompt up to MEMORY.md)
+        self._prompt_heads: dict[str, tuple[Config, tuple[Any, ...], str]] = {}
+        self._prompt_with_memory: tuple[str, str, str] | None = None
         # (agent, the registry's list) → that agent's tools, one list per registry list, so
         # token counts and providers' prompt caches see the same list step after step.
         self._tool_lists: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
 
     def step(self, live: LiveSession, cfg: Config) -> Step:
+        """The session's agent, models and budget under `cfg`: made once per config
+        snapshot (a reload brings a new one), not at every decision step of every turn."""
+        key = (live.agent, live.model_alias)
+        known = self._steps.get(key)
+        if known is not None and known[0] is cfg:
+            return known[1]
+        if len(self._steps) >= MAX_STEP_PLANS or (known is not None and known[0] is not cfg):
+            self._steps.clear()  # a new snapshot: the plans made under the old one go
         view = agent_view(cfg, live.agent)
-        return Step(view, model_chain(cfg, view, live.model_alias))
+        chain = model_chain(cfg, view, live.model_alias)
+        step = Step(view, chain, cfg.context_budget(chain[0][1]))
+        self._steps[key] = (cfg, step)
+        return step
 
     def tool_schemas(self, view: AgentView, *, nested: bool = False) -> list[dict[str, Any]]:
         """The tools `view`'s agent may use, in the registry's order (SPEC §5.5); without
@@ -147,29 +166,50 @@ class Agent:
         return allowed_skills(self.s.skills(), ALL if names is None else names)
 
     async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
-        view = agent_view(cfg, live.agent)
+        view = self.step(live, cfg).view
         if view.settings.system_prompt_file is not None and view.settings.system_prompt is None:
             own = await asyncio.to_thread(system_prompt_text, cfg, view, self.prompt_files)
         else:
             own = system_prompt_text(cfg, view, self.prompt_files)
-        parts = [own.strip(), today_line(cfg)]
-        parts.append(
-            "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
-            "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
-        )
-        parts.append(OUTSIDE_NOTE)
-        # Before MEMORY.md: skills change far less often, so the cached prefix lasts longer.
-        skills = prompt_section(self.usable_skills(cfg, live.agent))
-        if skills:
-            parts.append(skills)
+        today = today_line(cfg)
+        skills = self.s.skills()
+        head_key = (own, today, view.skill_names(), skills)
+        known = self._prompt_heads.get(live.agent)
+        if known is not None and known[0] is cfg and known[1] == head_key:
+            head = known[2]
+        else:
+            parts = [own.strip(), today]
+            parts.append(
+                "Your workspace holds memory/ (daily notes), dialog/ (archived conversation), "
+                "tool_results/ (full tool outputs) and files/ (files people sent); read them with read_file."
+            )
+            parts.append(OUTSIDE_NOTE)
+            # Before MEMORY.md: skills change far less often, so the cached prefix lasts longer.
+            section = prompt_section(self.usable_skills(cfg, live.agent))
+            if section:
+                parts.append(section)
+            head = "\n\n".join(parts)
+            if len(self._prompt_heads) >= MAX_STEP_PLANS:
+                self._prompt_heads.clear()
+            self._prompt_heads[live.agent] = (cfg, head_key, head)
         memory = self.s.memory
         if memory is not None and cfg.memory_max_tokens > 0:
             text = await memory.read_memory_md(
                 live.scope, max_tokens=cfg.memory_max_tokens, count=self.s.counter.count_text
             )
             if text.strip():
-                parts.append("## Long-term memory (MEMORY.md)\n" + text.strip())
-        return "\n\n".join(parts)
+                return self._with_memory(head, text)
+        return head
+
+    def _with_memory(self, head: str, text: str) -> str:
+        """`head` and the scope's MEMORY.md: the same string object while neither changes, so
+        the request's system message (and its JSON) is reused step after step."""
+        known = self._prompt_with_memory
+        if known is not None and known[0] is head and known[1] is text:
+            return known[2]
+        prompt = head + "\n\n## Long-term memory (MEMORY.md)\n" + text.strip()
+        self._prompt_with_memory = (head, text, prompt)
+        return prompt
 
     async def store(self, live: LiveSession, msg: Message, *, event: tuple[str, str] | None = None) -> Message:
         counter = self.s.counter
@@ -291,7 +331,7 @@ class Agent:
             final = step > max_steps
             plan = self.step(live, cfg)
             tools = [] if final else self.tool_schemas(plan.view, nested=live.sub_limits is not None)
-            budget = cfg.context_budget(plan.model)  # the session's model's window (SPEC §5.5)
+            budget = plan.budget  # the session's model's window (SPEC §5.5)
             if live.sub_limits is not None:  # a sub-turn's own budget (SPEC §5.8)
                 budget = replace(budget, max_tokens=min(budget.max_tokens, live.sub_limits[1]))
             counter = self.s.counter_for(plan.model.name)

@@ -582,8 +582,11 @@ class FakeTelegram:
                     return False  # the client hung up: its long poll is gone
                 changed = asyncio.ensure_future(self._changed.wait())
                 try:
-                    # Short slices: a hang-up is only seen by looking.
-                    await asyncio.wait({changed, mine}, timeout=min(remaining, 0.05))
+                    # Short slices: a hang-up is only seen by looking. Whichever comes first
+                    # (an update, a newer poll): waiting for both held every answer to the
+                    # end of its slice, up to 50 ms late (Telegram answers at once).
+                    await asyncio.wait({changed, mine}, timeout=min(remaining, 0.05),
+                                       return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     changed.cancel()
             return mine.done()
