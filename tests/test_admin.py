@@ -111,6 +111,35 @@ async def test_hot_reload_valid_invalid_and_half_written(make_gateway: GatewayFa
         await watcher.stop()
 
 
+async def test_a_save_made_while_the_watch_starts_is_applied(make_gateway: GatewayFactory, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A save that lands after the watcher read the file but before its watch exists raises
+    # no file event; the watcher must still notice it (a `gateway chat` started just before
+    # an edit kept the old settings until the next save).
+    gw = await make_gateway()
+    watcher = gw.config_watcher()
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    first_read = watcher._read
+
+    def read_then_someone_saves() -> str | None:
+        text = first_read()
+        monkeypatch.setattr(watcher, "_read", first_read)
+        path.write_text(json.dumps({**raw, "agent_max_context_turns": 13}))
+        return text
+
+    monkeypatch.setattr(watcher, "_read", read_then_someone_saves)
+    await watcher.start()
+    try:
+        for _ in range(200):
+            if gw.cfg.agent_max_context_turns == 13:
+                break
+            await asyncio.sleep(0.05)
+        assert gw.cfg.agent_max_context_turns == 13
+    finally:
+        await watcher.stop()
+
+
 async def test_secrets_stay_out_of_logs_and_metrics(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     from gateway.ops.logs import REDACTOR, LineFormatter

@@ -39,18 +39,26 @@ class ConfigWatcher:
         self.path: Path = path
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._catch_up: asyncio.Task[None] | None = None
         self._last_text: str | None = None
 
     async def start(self) -> None:
         self._last_text = await asyncio.to_thread(self._read)
-        self._task = asyncio.get_running_loop().create_task(self._watch(), name="config-watcher")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._watch(), name="config-watcher")
+        # The watch is put in place by that task's first step; a change written before then
+        # raised no event, so the file is read once more now that it is.
+        await asyncio.sleep(0)
+        if await asyncio.to_thread(self._read) != self._last_text:
+            self._catch_up = loop.create_task(self._reload_logged(), name="config-catch-up")
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._catch_up):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._catch_up = None
 
     def _read(self) -> str | None:
         try:
@@ -64,10 +72,13 @@ class ConfigWatcher:
     async def _watch(self) -> None:
         async for _changes in watchfiles.awatch(self.path.parent, watch_filter=self._is_ours, debounce=200,
                                                 stop_event=self._stop, recursive=False):
-            try:
-                await self.reload()
-            except Exception:
-                log.exception("config reload failed")
+            await self._reload_logged()
+
+    async def _reload_logged(self) -> None:
+        try:
+            await self.reload()
+        except Exception:
+            log.exception("config reload failed")
 
     async def _settled_text(self) -> str | None:
         text = await asyncio.to_thread(self._read)
