@@ -41,7 +41,9 @@ class GroupInsert:
 
     def __init__(self, run: RunSql, insert: str, *, returning: str | None = None,
                  key_of: Callable[[Any], Hashable] | None = None, max_rows: int = 64,
-                 conflict: str = "") -> None:
+                 conflict: str = "", after: str = "") -> None:
+        """`after`: SQL that follows the VALUES list (an `UPDATE ... FROM (VALUES ...) AS v
+        WHERE ...` is batched like an insert: the statement then ends with `) AS v WHERE ...`)."""
         head, found, values = insert.rpartition("VALUES")
         if not found or not values.strip().startswith("("):
             raise ValueError("GroupInsert needs an INSERT ... VALUES (...) statement")
@@ -51,7 +53,7 @@ class GroupInsert:
         self._head = f"{head}VALUES "
         self._values = values.strip()
         # e.g. "ON CONFLICT DO NOTHING" (PostgreSQL's INSERT OR IGNORE), before RETURNING
-        self._conflict = f" {conflict}" if conflict else ""
+        self._conflict = f"{after} {conflict}" if conflict else after
         self._returning = f" RETURNING {returning}" if returning else ""
         self._key_of = key_of
         self._max_rows = max_rows

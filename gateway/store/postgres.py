@@ -52,7 +52,7 @@ from gateway.store.rows import (
     storable_args,
     truncation_to_json,
 )
-from gateway.store.sqlite import Store
+from gateway.store.sqlite import REPLY_REFS_AFTER, REPLY_REFS_SQL, Store
 from gateway.types import Message
 
 log = logging.getLogger("gateway.store")
@@ -142,6 +142,7 @@ class PgStore:
             self._rows,
             "INSERT INTO turn_ends(channel, event_id, status, at, identity, day, tokens) VALUES (?,?,?,?,?,?,?)",
         )
+        self._reply_refs = GroupInsert(self._rows, REPLY_REFS_SQL, after=REPLY_REFS_AFTER)
 
     @classmethod
     async def open(cls, url: str, *, migrate: bool = True, pool_max: int = POOL_MAX) -> PgStore:

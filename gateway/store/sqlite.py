@@ -60,6 +60,10 @@ from gateway.workspace import make_private_dir, restrict_mode
 log = logging.getLogger("gateway.store")
 
 CHECKPOINT_INTERVAL_S = 0.2
+# Reply refs of several events in one statement (both backends: UPDATE ... FROM a VALUES
+# list, whose columns are column1, column2 ... on SQLite and PostgreSQL alike).
+REPLY_REFS_SQL = "UPDATE events SET reply_ref = v.column3 FROM (VALUES (?,?,?)"
+REPLY_REFS_AFTER = ") AS v WHERE events.channel = v.column1 AND events.event_id = v.column2"
 WRITES = ("INSERT", "UPDATE", "DELETE", "REPLAC")  # how a statement that changes rows starts
 
 
@@ -102,6 +106,11 @@ def _prepare_files(path: Path) -> None:
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
         self._db = db
+        # Reads (SELECT) on a connection and a thread of their own: WAL lets them run beside
+        # the writer, and a write (a reply's reference, a turn's rows) never waits in the
+        # writer's queue behind the reads of sessions being restored. Each read sees every
+        # write committed before it started, so a caller reads what it wrote.
+        self._reader: aiosqlite.Connection | None = None
         self.path = path
         self._checkpointer: Checkpointer | None = None
         self._statements = 0  # through _rows; the checkpointer skips its turn while it stands still
@@ -127,6 +136,9 @@ class Store:
             self._rows,
             "INSERT INTO turn_ends(channel, event_id, status, at, identity, day, tokens) VALUES (?,?,?,?,?,?,?)",
         )
+        # Where a reply shows, written as soon as the platform answered: its own statement,
+        # shared only by refs that came while the last one was written (REPLY_REFS_SQL).
+        self._reply_refs = GroupInsert(self._rows, REPLY_REFS_SQL, after=REPLY_REFS_AFTER)
 
     @classmethod
     async def open(cls, path: Path, *, checkpoint_interval_s: float | None = CHECKPOINT_INTERVAL_S) -> Store:
@@ -148,7 +160,18 @@ class Store:
             raise StoreError(f"cannot initialise the database {path}: {err}") from err
         if checkpoint_interval_s is not None:
             await store._start_checkpointer(checkpoint_interval_s)
+        await store._open_reader()
         return store
+
+    async def _open_reader(self) -> None:
+        try:
+            reader = await _connect(self.path)
+            await reader.execute_fetchall("PRAGMA query_only=1")
+        except (OSError, aiosqlite.Error) as err:
+            # Reads share the writer's connection, as they always could: slower, not wrong.
+            log.warning("no separate read connection", extra={"error": str(err)[:200]})
+            return
+        self._reader = reader
 
     async def _setup(self) -> None:
         for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
@@ -180,7 +203,8 @@ class Store:
         )
 
     def _grouped(self) -> tuple[tuple[str, GroupInsert], ...]:
-        return (("messages", self._messages), ("events", self._events), ("turn_ends", self._turn_ends))
+        return (("messages", self._messages), ("events", self._events), ("turn_ends", self._turn_ends),
+                ("reply_refs", self._reply_refs))
 
     async def _restart_wal(self) -> None:
         """Checkpoint on this connection so that the next commit writes the WAL from its
@@ -198,6 +222,9 @@ class Store:
                 done.append(f"{name} {count_noun(batched.rows, 'row')} in {count_noun(batched.flushes, 'commit')}")
         if done:  # the numbers in the text: readable whatever prints the record
             log.info("group commits since start: %s", ", ".join(done))
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await reader.close()
         with contextlib.suppress(aiosqlite.Error):
             await self.checkpoint()
         await self._db.close()
@@ -213,14 +240,17 @@ class Store:
         Every statement goes through here (or `run_many`): a cursor left open would be
         finalized by the garbage collector on the event loop's thread while aiosqlite's
         thread uses the connection ("bad parameter or other API misuse")."""
-        self._statements += 1
+        reader = self._reader
+        db = reader if reader is not None and sql[:6] == "SELECT" else self._db
+        if db is self._db:
+            self._statements += 1
         try:
             try:
-                rows = list(await self._db.execute_fetchall(sql, args))
+                rows = list(await db.execute_fetchall(sql, args))
             except UnicodeEncodeError:
                 # A lone surrogate cannot be bound as UTF-8: store U+FFFD in its place
                 # (rare, so only this path pays for the scan).
-                rows = list(await self._db.execute_fetchall(sql, storable_args(args, nul=False)))
+                rows = list(await db.execute_fetchall(sql, storable_args(args, nul=False)))
         except sqlite3.Error as err:
             self._wrote(sql, err)
             raise
@@ -478,8 +508,10 @@ class Store:
                                      (channel, event_id, status, time.time(), identity, day, tokens))
 
     async def set_reply_ref(self, channel: str, event_id: str, ref: str) -> None:
-        """Remember where the reply to this event is being shown (a stream's reference)."""
-        await self._rows("UPDATE events SET reply_ref=? WHERE channel=? AND event_id=?", (ref, channel, event_id))
+        """Remember where the reply to this event is being shown (a stream's reference),
+        durably before returning: called right after the platform answered, so a turn
+        resumed after a crash edits that message instead of sending the reply again."""
+        await self._reply_refs.submit((channel, event_id), (channel, event_id, ref))
 
     async def reply_ref(self, channel: str, event_id: str) -> str | None:
         rows = await self._rows("SELECT reply_ref FROM events WHERE channel=? AND event_id=?", (channel, event_id))

@@ -464,8 +464,11 @@ class SessionManager:
             return False
 
     async def _say(self, inbound: Inbound, text: str, *, resume_ref: str | None, failed: bool = False) -> bool:
-        """A reply that needs no model; into the streamed message already shown, if any."""
-        stream = self._stream(inbound, resume_ref) if resume_ref is not None else None
+        """A reply that needs no model (a turn resumed after a restart); into the streamed
+        message already shown, if any. Through the channel's stream whenever it has one,
+        so the platform's message is recorded as soon as it answers: another kill before
+        the turn's end then leaves a reference, and this reply is not sent a third time."""
+        stream = self._stream(inbound, resume_ref)
         if stream is None:
             return await self._send(inbound, text)
         return await self._end_stream(inbound, stream, text, failed=failed)
