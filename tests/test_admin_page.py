@@ -42,7 +42,9 @@ async def test_agents_their_bindings_and_each_sessions_agent_and_model(
                                                                     "1"]
     default = await page.locator("#agents tbody tr", has_text="default").locator("td").all_text_contents()
     assert default[1] == fake_model.model_name and default[3] == "1"
-    dev = await page.locator("#sessions tbody tr", has_text="web:dev").locator("td").all_text_contents()
+    dev_row = page.locator("#sessions tbody tr", has_text="web:dev")
+    await dev_row.wait_for(timeout=5000)  # the sessions table is fetched apart from the agents
+    dev = await dev_row.locator("td").all_text_contents()
     assert dev[2:4] == ["coder", "strong-model"]
     assert errors == []
     await context.close()
