@@ -333,7 +333,13 @@ async def test_a_resumed_turn_streams_into_the_message_already_shown(
     assert channel.stream_calls == [{"event": "e9", "resume_ref": "msg-41"}]
     assert channel.sent == []
     assert gw.services is not None
-    assert await gw.services.store.event_status("terminal", "e9") == "answered"
+    store = gw.services.store
+    # The event is marked answered just after the stream ends, in the turn's own task.
+    for _ in range(500):
+        if await store.event_status("terminal", "e9") == "answered":
+            break
+        await asyncio.sleep(0.01)
+    assert await store.event_status("terminal", "e9") == "answered"
 
 
 @pytest.mark.parametrize("ref", ["msg-42", None])
