@@ -206,6 +206,7 @@ class Agent:
         else:
             tokens = counter.count_message(msg)
         stored = await self.s.store.add_message(live.key, msg, seq=live.seq, token_count=tokens, event=event)
+        live.last_message_id = max(live.last_message_id, stored.id or 0)
         live.seq += 1
         live.ctx.append(stored)
         return stored

@@ -37,3 +37,6 @@ class LiveSession:
     agent: str = "default"  # the agent that answers here (SPEC §5.5; gateway/agents.py)
     model_alias: str | None = None  # picked with /model; None: the agent's own model
     last_model: str | None = None  # the model that answered the last step (a fallback, maybe)
+    # The id of the newest message of this session this process stored or restored: with
+    # `context_start`, the session's mark as this gateway left it (gateway/turns/leased_sessions.py).
+    last_message_id: int = 0
