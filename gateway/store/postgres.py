@@ -398,8 +398,8 @@ class PgStore:
         mark together. False: the session is busy."""
         rows = await self._rows(
             "UPDATE events SET status='queued', answered_at=? WHERE channel=? AND event_id=? AND "
-            "(SELECT count(*) FROM events w WHERE w.session_key=? AND w.status IN ('accepted', 'queued', 'running') "
-            "AND w.status <> 'running' AND NOT (w.channel=? AND w.event_id=?)) < ? RETURNING 1",
+            "(SELECT count(*) FROM events w WHERE w.session_key=? AND w.status IN ('accepted', 'queued') "
+            "AND NOT (w.channel=? AND w.event_id=?)) < ? RETURNING 1",
             (time.time(), channel, event_id, session_key, channel, event_id, limit),
         )
         return bool(rows)
