@@ -35,7 +35,7 @@ import aiohttp
 import asyncpg
 from aiohttp import web
 
-from bench._procs import Child, gateway_config, start_gateway, wait_ready
+from bench._procs import ROOT, Child, gateway_config, start_gateway, wait_ready
 from tests.fakes.slack_server import FakeSlack, event_callback, signed_event_request
 from tests.fakes.telegram_server import FakeTelegram
 
@@ -409,6 +409,9 @@ def channels_section(telegram: FakeTelegram, slack: FakeSlack) -> dict[str, Any]
     }
 
 
+ROUND_TRIP_PROBE = ROOT / "bench" / "probes" / "pg_round_trips"
+
+
 class Cluster:
     """N `gateway run` processes on one store and one data dir, behind a RoundRobinProxy."""
 
@@ -445,8 +448,15 @@ class Cluster:
             raise failed[0]
         self.proxy.set_upstreams([g.url for g in self.gateways])
 
+    def round_trips_file(self, i: int) -> Path:
+        """Where gateway i's PostgreSQL round trips are counted (bench/probes/pg_round_trips)."""
+        return self.workdir / f"gateway-{i}.round-trips.json"
+
     async def _start_one(self, i: int) -> Child:
-        child = await start_gateway(self.config_path(i), self.workdir / f"gateway-{i}.log")
+        env = None
+        if self.store_url:
+            env = {"PYTHONPATH": str(ROUND_TRIP_PROBE), "PG_ROUND_TRIPS_FILE": str(self.round_trips_file(i))}
+        child = await start_gateway(self.config_path(i), self.workdir / f"gateway-{i}.log", env=env)
         await wait_ready(child.url, timeout=60, interval=0.05)
         return child
 

@@ -181,11 +181,17 @@ async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Pat
     return child
 
 
-async def start_gateway(config_path: Path, log_path: Path, timeout: float = 60, *, root: Path = ROOT) -> Child:
+async def start_gateway(config_path: Path, log_path: Path, timeout: float = 60, *, root: Path = ROOT,
+                        env: dict[str, str] | None = None) -> Child:
     """`python -m gateway run --config PATH`, ready once it prints its URL. `root` is the
-    checkout whose code runs (another one: a baseline in the same benchmark run)."""
+    checkout whose code runs (another one: a baseline in the same benchmark run); `env`
+    adds to the environment (a PYTHONPATH given there goes in front of the checkout's)."""
+    extra = dict(env or {})
+    full = child_env(extra, root=root)
+    if "PYTHONPATH" in extra:
+        full["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], child_env(root=root)["PYTHONPATH"]])
     return await spawn([PYTHON, "-m", "gateway", "run", "--config", str(config_path)],
-                       announce=GATEWAY_ANNOUNCE, log_path=log_path, timeout=timeout, root=root)
+                       announce=GATEWAY_ANNOUNCE, log_path=log_path, timeout=timeout, root=root, env=full)
 
 
 async def start_fake_model(log_path: Path, *, delay_ms: float = 0) -> tuple[Child, str]:

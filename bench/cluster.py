@@ -87,6 +87,11 @@ class ConfigResult:
     cpu_ms_per_turn_instances: list[float]  # each instance's own
     db_cpu_ms_per_turn: float | None
     driver_cpu_ms_per_turn: float  # this process: proxy, fakes and senders
+    # PostgreSQL round trips per turn over the back-to-back run, all gateways together
+    # (bench/probes/pg_round_trips): statements, prepares and pool resets; None on SQLite.
+    round_trips_per_turn: float | None = None
+    round_trips: dict[str, float] = field(default_factory=dict)  # by kind, per turn
+    top_statements: dict[str, float] = field(default_factory=dict)  # per turn, the most frequent
     notes: list[str] = field(default_factory=list)
 
 
@@ -204,6 +209,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         await model_times(stats_url)  # forget the warm-up's
 
         # Back to back, for throughput and CPU.
+        trips0 = await read_round_trips(cluster) if store_url else None
         cpu0 = [g.cpu_seconds() for g in cluster.gateways]
         db0 = db_cpu_seconds(postmaster) if postmaster else None
         driver0 = cpu_seconds(os.getpid())
@@ -225,6 +231,7 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         await asyncio.gather(*(loop(s) for s in sessions))
         elapsed = time.monotonic() - started
         await asyncio.sleep(IDLE_SETTLE_S)  # background work the turns caused counts too
+        trips1 = await read_round_trips(cluster) if store_url else None
         cpu1 = [g.cpu_seconds() for g in cluster.gateways]
         db1 = db_cpu_seconds(postmaster) if postmaster else None
         driver1 = cpu_seconds(os.getpid())
@@ -262,6 +269,14 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
     finally:
         await cluster.tear_down(senders, slack, telegram)
     per_instance = [(b - a) * 1000 / max(1, turns) for a, b in zip(cpu0, cpu1, strict=True)]
+    trips: dict[str, float] = {}
+    top: dict[str, float] = {}
+    if trips0 is not None and trips1 is not None:
+        for kind in ("statements", "prepares", "resets"):
+            trips[kind] = (trips1.get(kind, 0) - trips0.get(kind, 0)) / max(1, turns)
+        before = trips0.get("by_statement", {})
+        grown = {k: (v - before.get(k, 0)) / max(1, turns) for k, v in trips1.get("by_statement", {}).items()}
+        top = dict(sorted(grown.items(), key=lambda kv: -kv[1])[:12])
     return ConfigResult(
         label=label, store="postgres" if store_url else "sqlite", instances=instances, turns=turns,
         seconds=elapsed, turns_per_s=turns / elapsed, errors=errors, paced_turns=len(paced),
@@ -271,7 +286,28 @@ async def run_config(label: str, *, instances: int, store_url: str | None, workd
         cpu_ms_per_turn=sum(per_instance), cpu_ms_per_turn_instances=per_instance,
         db_cpu_ms_per_turn=(db1 - db0) * 1000 / max(1, turns) if db0 is not None and db1 is not None else None,
         driver_cpu_ms_per_turn=(driver1 - driver0) * 1000 / max(1, turns), notes=notes,
+        round_trips_per_turn=sum(trips.values()) if trips else None, round_trips=trips, top_statements=top,
     )
+
+
+async def read_round_trips(cluster: Cluster) -> dict[str, Any]:
+    """The gateways' round-trip counts so far, summed (each probe writes its file every
+    half second: wait for a fresh write first)."""
+    await asyncio.sleep(0.7)
+    total: dict[str, Any] = {"by_statement": {}}
+    for i in range(cluster.size):
+        path = cluster.round_trips_file(i)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for kind, value in data.items():
+            if kind == "by_statement":
+                for text, n in value.items():
+                    total["by_statement"][text] = total["by_statement"].get(text, 0) + n
+            else:
+                total[kind] = total.get(kind, 0) + value
+    return total
 
 
 # ---------------------------------------------------------------------------- fail-over
@@ -342,7 +378,8 @@ async def run_failover(workdir: Path, *, store_url: str, sessions: list[ChatSess
 
 
 HEADER = (f"{'config':<16}{'turns/s':>9}{'×base':>7}{'p50 added':>11}{'p99 added':>11}{'×base':>7}"
-          f"{'CPU ms/turn':>13}{'×base':>7}  {'per instance':<20}{'PG ms/turn':>11}{'driver':>8}  notes")
+          f"{'CPU ms/turn':>13}{'×base':>7}  {'per instance':<20}{'PG ms/turn':>11}{'PG RT/turn':>11}"
+          f"{'driver':>8}  notes")
 
 
 def row(r: ConfigResult, base: ConfigResult | None) -> str:
@@ -350,11 +387,24 @@ def row(r: ConfigResult, base: ConfigResult | None) -> str:
         return f"{a / b:.2f}" if b else "-"
 
     db = f"{r.db_cpu_ms_per_turn:.2f}" if r.db_cpu_ms_per_turn is not None else "-"
+    trips = f"{r.round_trips_per_turn:.1f}" if r.round_trips_per_turn is not None else "-"
     each = " ".join(f"{c:.2f}" for c in r.cpu_ms_per_turn_instances)
     return (f"{r.label:<16}{r.turns_per_s:>9.1f}{ratio(r.turns_per_s, base and base.turns_per_s):>7}"
             f"{r.p50_added_ms:>9.1f}ms{r.p99_added_ms:>9.1f}ms{ratio(r.p99_added_ms, base and base.p99_added_ms):>7}"
             f"{r.cpu_ms_per_turn:>13.2f}{ratio(r.cpu_ms_per_turn, base and base.cpu_ms_per_turn):>7}  "
-            f"{each:<20}{db:>11}{r.driver_cpu_ms_per_turn:>8.2f}  {'; '.join(r.notes)}")
+            f"{each:<20}{db:>11}{trips:>11}{r.driver_cpu_ms_per_turn:>8.2f}  {'; '.join(r.notes)}")
+
+
+def round_trip_lines(results: list[ConfigResult]) -> list[str]:
+    """Each PostgreSQL configuration's round trips per turn, by kind and by statement."""
+    lines = []
+    for r in results:
+        if r.round_trips_per_turn is None:
+            continue
+        kinds = ", ".join(f"{kind} {value:.2f}" for kind, value in r.round_trips.items())
+        lines.append(f"{r.label}: {r.round_trips_per_turn:.2f} round trips per turn ({kinds}); statements:")
+        lines += [f"    {value:5.2f}  {text}" for text, value in r.top_statements.items() if value >= 0.05]
+    return lines
 
 
 def failover_line(f: FailoverResult) -> str:
@@ -430,6 +480,8 @@ async def run(args: argparse.Namespace, server: Any) -> tuple[list[ConfigResult]
                 results.append(result)
                 base = results[0] if results[0].store == "sqlite" else None
                 print(row(result, base), flush=True)
+            for line in round_trip_lines(results):
+                print(line, flush=True)
             if args.failover_sessions > 0:
                 fo_third = args.failover_sessions // 3
                 fo_sessions = chat_sessions(args.failover_sessions - 2 * fo_third, fo_third, fo_third)

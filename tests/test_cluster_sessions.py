@@ -365,3 +365,55 @@ async def test_a_stop_sent_to_another_gateway_stops_the_turn(pair: tuple[Gateway
     assert await chat(a, "ann", "/stop") == STOP_ANSWERS["stopped"]
     assert await asyncio.wait_for(waiting, 20) == STOPPED_MARK
     assert len(fake_model.requests) == 3
+
+
+async def test_a_turn_on_postgresql_costs_few_round_trips(
+        tmp_path: Path, fake_model: FakeModel, fake_telegram: FakeTelegram, pg_server: PgServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every statement is a round trip to the database: a turn used to cost ~20 (a pool
+    reset after each statement, the busy check apart from the queueing, the session's
+    mark read twice per lease, the pairing table for people the config admits). Counted
+    at asyncpg's connection, one turn after another in one session (no batching to help)."""
+    import asyncpg.connection
+
+    counted: list[str] = []
+    connection = asyncpg.connection.Connection
+    for method in ("fetch", "fetchrow", "fetchval", "execute", "executemany"):
+        original = getattr(connection, method)
+
+        def counting(original: Any = original) -> Any:
+            async def call(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+                counted.append(query)
+                return await original(self, query, *args, **kwargs)
+            return call
+
+        monkeypatch.setattr(connection, method, counting())
+    url = await create_database(pg_server)
+    path = write_config(
+        tmp_path, fake_model, store={"url": url}, access={"dm_policy": "allowlist", "allow_from": ["telegram:7"]},
+        channels={"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,
+                               "base_file_url": fake_telegram.base_file_url, "mode": "webhook",
+                               "webhook_url": "https://bot.example/telegram/webhook",
+                               "webhook_secret": SECRET, "streaming": "off"}},
+    )
+    gw = Gateway(load_config(path), config_path=path)
+    await gw.start()
+    try:
+        assert await post_update(gw, 100, "first") == 200
+        await fake_telegram.wait_sent(1, timeout=30)
+        await session_let_go(gw)
+        turns = 6
+        before = len(counted)
+        for i in range(turns):
+            assert await post_update(gw, 101 + i, f"m{i}") == 200
+            await fake_telegram.wait_sent(2 + i, timeout=30)
+            await session_let_go(gw)
+        # This test's own look at the leases (session_let_go) is not the turn's.
+        turn_statements = [q for q in counted[before:] if "starts_with(name" not in q]
+        per_turn = len(turn_statements) / turns
+    finally:
+        await gw.stop(timeout=5)
+    assert [s["text"] for s in fake_telegram.sent][-1] == "echo: m5"
+    resets = sum(1 for q in counted if "pg_advisory_unlock_all" in q)
+    assert resets == 0, "the pool reset a connection after a statement"
+    assert per_turn <= 12, f"{per_turn:.1f} round trips per turn"

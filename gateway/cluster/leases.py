@@ -38,6 +38,8 @@ class LeaseStore(Protocol):
     instance: str
 
     async def lease_acquire(self, name: str, holder: str, ttl_s: float) -> int | None: ...
+    async def lease_acquire_session(self, name: str, holder: str, ttl_s: float,
+                                    key: str) -> tuple[int, tuple[int, int]] | None: ...
     async def lease_renew(self, holder: str, ttl_s: float) -> dict[str, int]: ...
     async def lease_release(self, name: str, token: int) -> None: ...
     async def lease_release_all(self, holder: str) -> None: ...
@@ -51,6 +53,7 @@ class Leases(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     async def acquire(self, name: str) -> int | None: ...
+    async def acquire_session(self, name: str, key: str) -> tuple[int, tuple[int, int] | None] | None: ...
     async def release(self, name: str) -> None: ...
     def lost(self, name: str) -> asyncio.Event: ...
     def holds(self, name: str) -> bool: ...
@@ -78,6 +81,9 @@ class SoloLeases:
     async def acquire(self, name: str) -> int | None:
         self._lost.setdefault(name, asyncio.Event())
         return 0
+
+    async def acquire_session(self, name: str, key: str) -> tuple[int, tuple[int, int] | None] | None:
+        return await self.acquire(name) or 0, None  # the mark: nobody else writes here
 
     async def release(self, name: str) -> None:
         self._lost.pop(name, None)
@@ -146,11 +152,25 @@ class ClusterLeases:
             token = await self.store.lease_acquire(name, self.instance, self.ttl_s)
         if token is None:
             return None
+        self._took(name, token)
+        return token
+
+    async def acquire_session(self, name: str, key: str) -> tuple[int, tuple[int, int] | None] | None:
+        """`acquire` for a session's lease, with the session's mark (last message id,
+        context start) as the database has it in the same statement: whether anyone wrote
+        to it since this gateway last held it."""
+        async with asyncio.timeout(RENEW_TIMEOUT_S):
+            got = await self.store.lease_acquire_session(name, self.instance, self.ttl_s, key)
+        if got is None:
+            return None
+        self._took(name, got[0])
+        return got
+
+    def _took(self, name: str, token: int) -> None:
         self._held[name] = token
         event = self._lost.get(name)
         if event is None or event.is_set():
             self._lost[name] = asyncio.Event()
-        return token
 
     async def release(self, name: str) -> None:
         token = self._held.pop(name, None)

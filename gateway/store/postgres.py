@@ -102,6 +102,20 @@ def to_postgres(sql: str) -> str:
     return _MARK.sub(lambda _m: f"${next(counter)}", sql)
 
 
+class StatementConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A pooled connection that runs statements only. asyncpg's pool sends a reset query
+    (unlock advisory locks, close cursors, unlisten, reset settings) each time it takes a
+    connection back: one more round trip for every statement, a third of all of them per
+    turn (bench/cluster.py counts them). The store's statements leave none of that behind:
+    no session settings, cursors or LISTEN, and advisory locks only per transaction; the
+    one session-level lock (scope_lock) has a pool of its own with the usual reset. An
+    open transaction is still rolled back on release (asyncpg does that without a query
+    when there is none)."""
+
+    def get_reset_query(self) -> str:
+        return ""
+
+
 def _storage_error(err: BaseException) -> bool:
     """A failure that says the database cannot take writes (full, read-only, unreachable),
     not that one statement was wrong (a constraint, bad data)."""
@@ -154,6 +168,7 @@ class PgStore:
             pool = await asyncpg.create_pool(
                 url, min_size=1, max_size=pool_max, timeout=CONNECT_TIMEOUT_S,
                 command_timeout=STATEMENT_TIMEOUT_S, server_settings={"application_name": instance},
+                connection_class=StatementConnection,
             )
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             raise StoreError(f"cannot open the database {_safe(url)}: {err}") from err
@@ -380,6 +395,18 @@ class PgStore:
             inbound=json.loads(r["inbound"]), created_at=r["created_at"], status=r["status"], turn=r["turn"],
         ) for r in rows if r["inbound"]]
 
+    async def queue_event(self, channel: str, event_id: str, *, session_key: str, limit: int) -> bool:
+        """Mark an accepted event `queued` unless `limit` events of its session already wait
+        to run (accepted or queued, itself aside): one statement, the busy check and the
+        mark together. False: the session is busy."""
+        rows = await self._rows(
+            "UPDATE events SET status='queued', answered_at=? WHERE channel=? AND event_id=? AND "
+            "(SELECT count(*) FROM events w WHERE w.session_key=? AND w.status IN ('accepted', 'queued') "
+            "AND NOT (w.channel=? AND w.event_id=?)) < ? RETURNING 1",
+            (time.time(), channel, event_id, session_key, channel, event_id, limit),
+        )
+        return bool(rows)
+
     async def session_events(self, key: str, *, limit: int = 100) -> list[QueuedEvent]:
         """The session's events whose turns have not ended, oldest arrival first."""
         rows = await self._rows(
@@ -432,6 +459,21 @@ class PgStore:
             (name, holder, ttl_s),
         )
         return int(rows[0][0]) if rows else None
+
+    async def lease_acquire_session(self, name: str, holder: str, ttl_s: float,
+                                    key: str) -> tuple[int, tuple[int, int]] | None:
+        """`lease_acquire`, and the session's mark (`session_mark`) in the same statement."""
+        rows = await self._rows(
+            "WITH got AS (INSERT INTO leases(name, holder, token, expires_at) "
+            "VALUES (?, ?, nextval('lease_tokens'), now() + make_interval(secs => ?)) "
+            "ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, token = excluded.token, "
+            "expires_at = excluded.expires_at "
+            "WHERE leases.expires_at < now() OR leases.holder = excluded.holder RETURNING token) "
+            "SELECT got.token, coalesce((SELECT max(id) FROM messages WHERE session_key=?), 0), "
+            "coalesce((SELECT context_start_turn FROM sessions WHERE key=?), 0) FROM got",
+            (name, holder, ttl_s, key, key),
+        )
+        return (int(rows[0][0]), (int(rows[0][1]), int(rows[0][2]))) if rows else None
 
     async def lease_renew(self, holder: str, ttl_s: float) -> dict[str, int]:
         """Extend every lease `holder` still has; name → token of those."""

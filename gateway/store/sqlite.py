@@ -106,11 +106,6 @@ def _prepare_files(path: Path) -> None:
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
         self._db = db
-        # Reads (SELECT) on a connection and a thread of their own: WAL lets them run beside
-        # the writer, and a write (a reply's reference, a turn's rows) never waits in the
-        # writer's queue behind the reads of sessions being restored. Each read sees every
-        # write committed before it started, so a caller reads what it wrote.
-        self._reader: aiosqlite.Connection | None = None
         self.path = path
         self._checkpointer: Checkpointer | None = None
         self._statements = 0  # through _rows; the checkpointer skips its turn while it stands still
@@ -160,18 +155,7 @@ class Store:
             raise StoreError(f"cannot initialise the database {path}: {err}") from err
         if checkpoint_interval_s is not None:
             await store._start_checkpointer(checkpoint_interval_s)
-        await store._open_reader()
         return store
-
-    async def _open_reader(self) -> None:
-        try:
-            reader = await _connect(self.path)
-            await reader.execute_fetchall("PRAGMA query_only=1")
-        except (OSError, aiosqlite.Error) as err:
-            # Reads share the writer's connection, as they always could: slower, not wrong.
-            log.warning("no separate read connection", extra={"error": str(err)[:200]})
-            return
-        self._reader = reader
 
     async def _setup(self) -> None:
         for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=5000"):
@@ -222,9 +206,6 @@ class Store:
                 done.append(f"{name} {count_noun(batched.rows, 'row')} in {count_noun(batched.flushes, 'commit')}")
         if done:  # the numbers in the text: readable whatever prints the record
             log.info("group commits since start: %s", ", ".join(done))
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            await reader.close()
         with contextlib.suppress(aiosqlite.Error):
             await self.checkpoint()
         await self._db.close()
@@ -240,17 +221,14 @@ class Store:
         Every statement goes through here (or `run_many`): a cursor left open would be
         finalized by the garbage collector on the event loop's thread while aiosqlite's
         thread uses the connection ("bad parameter or other API misuse")."""
-        reader = self._reader
-        db = reader if reader is not None and sql[:6] == "SELECT" else self._db
-        if db is self._db:
-            self._statements += 1
+        self._statements += 1
         try:
             try:
-                rows = list(await db.execute_fetchall(sql, args))
+                rows = list(await self._db.execute_fetchall(sql, args))
             except UnicodeEncodeError:
                 # A lone surrogate cannot be bound as UTF-8: store U+FFFD in its place
                 # (rare, so only this path pays for the scan).
-                rows = list(await db.execute_fetchall(sql, storable_args(args, nul=False)))
+                rows = list(await self._db.execute_fetchall(sql, storable_args(args, nul=False)))
         except sqlite3.Error as err:
             self._wrote(sql, err)
             raise

@@ -235,6 +235,7 @@ class Agent:
 
     @staticmethod
     def _kept(live: LiveSession, stored: Message) -> None:
+        live.last_message_id = max(live.last_message_id, stored.id or 0)
         live.seq += 1
         live.ctx.append(stored)
 

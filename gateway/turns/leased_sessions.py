@@ -112,12 +112,11 @@ class ClusterSessionManager(SessionManager):
             await store.mark_event(inbound.channel, inbound.event_id, "command")
             self._commands.setdefault(key, []).append(job)
         elif job.resume_turn is None:
-            waiting = await store.session_events(key, limit=self.s.cfg.limits.session_queue_size + 2)
-            ahead = sum(1 for ev in waiting if ev.status != "running" and ev.event_id != inbound.event_id)
-            if ahead >= self.s.cfg.limits.session_queue_size:
+            # "Queue it unless the session is busy" is one statement (one round trip).
+            if not await store.queue_event(inbound.channel, inbound.event_id, session_key=key,
+                                           limit=self.s.cfg.limits.session_queue_size):
                 self.s.metrics.busy.inc()
                 return False
-            await store.mark_event(inbound.channel, inbound.event_id, "queued")
         self.wake(key, scope, inbound.channel)
         return True
 
@@ -153,15 +152,16 @@ class ClusterSessionManager(SessionManager):
                     return
                 if not mine and not await self._may_run(events[0]):
                     return  # the next turn is for another gateway to run
-                token = await self.leases.acquire(name)
-                if token is None:
+                got = await self.leases.acquire_session(name, key)
+                if got is None:
                     if not mine:
                         return  # the holder runs them, and looks again before letting go
                     await asyncio.sleep(LEASE_RETRY_S)
                     continue
+                token, mark = got
                 try:
-                    progressed = await self._hold(key, scope, channel, name, token, events)
-                    self._left_at[key] = await self.s.store.session_mark(key)
+                    progressed = await self._hold(key, scope, channel, name, token, events, mark)
+                    self._left_at[key] = self._local_mark(key)
                 except FencedOut:
                     # This gateway stalled and another took the session over: it runs the rest.
                     log.warning("session handed over while running", extra={"session": key})
@@ -180,19 +180,29 @@ class ClusterSessionManager(SessionManager):
             if live is not None and live.worker is asyncio.current_task():
                 live.worker = None
 
+    def _local_mark(self, key: str) -> tuple[int, int]:
+        """The session's mark (last message id, context start) as this gateway leaves it:
+        known here, since every message it wrote came back with its id (no round trip).
+        (0, 0) when it holds no live state: the next hold rebuilds it anyway."""
+        live = self.live.get(key)
+        return (live.last_message_id, live.context_start) if live is not None else (0, 0)
+
     def _must_run_here(self, events: list[QueuedEvent]) -> bool:
         """Whether this gateway must run some of them itself (it accepted a web or terminal
         message of the session), so it waits for the lease instead of leaving them."""
         return any(ev.channel in LOCAL_CHANNELS and ev.instance == self.leases.instance for ev in events)
 
     async def _hold(self, key: str, scope: str | None, channel: str | None, name: str, token: int,
-                    events: list[QueuedEvent]) -> bool:
-        """Run what waits while holding the lease; whether anything ran."""
+                    events: list[QueuedEvent], mark: tuple[int, int] | None = None) -> bool:
+        """Run what waits while holding the lease; whether anything ran. `mark`: the
+        session's mark read with the lease (None: read it now)."""
         first = events[0] if events else None
         if scope is None or channel is None:
             scope, channel = await self._scope_of(key, first)
         # Another gateway may have run turns since this one last did: then rebuild.
-        if key not in self.live or self._left_at.pop(key, None) != await self.s.store.session_mark(key):
+        if mark is None:
+            mark = await self.s.store.session_mark(key)
+        if key not in self.live or self._left_at.pop(key, None) != mark:
             self._forget(key)
         live = await self.get_live(key, scope, channel)
         live.worker = asyncio.current_task()

@@ -69,3 +69,6 @@ class LiveSession:
     running: asyncio.Task[Any] | None = None
     feed: StepFeed | None = None
     stop: TurnStop | None = None
+    # The id of the newest message of this session this process stored or restored: with
+    # `context_start`, the session's mark as this gateway left it (gateway/turns/leased_sessions.py).
+    last_message_id: int = 0

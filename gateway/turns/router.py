@@ -79,10 +79,14 @@ class Router:
         return (await self._decide(inbound)).action == "allow"
 
     async def _decide(self, inbound: Inbound) -> Decision:
-        approved = False
-        if not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
-            approved = await self.pairing.is_approved(inbound.identity)
-        return decide(self.s.cfg, inbound, approved=approved)
+        cfg = self.s.cfg
+        decision = decide(cfg, inbound, approved=False)
+        if decision.action in ("refuse", "pair") and not inbound.is_group and inbound.channel not in LOCAL_CHANNELS:
+            # Only a person the config does not admit needs the pairing table: one statement
+            # less per message from everyone it does.
+            if await self.pairing.is_approved(inbound.identity):
+                return decide(cfg, inbound, approved=True)
+        return decision
 
     async def _handle(self, inbound: Inbound) -> bool:
         cfg = self.s.cfg

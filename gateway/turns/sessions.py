@@ -222,6 +222,8 @@ class SessionManager:
                            agent=agent_of_scope(scope), model_alias=row.model)
         live.context_start = start
         live.seq = len(open_turn)
+        # The newest message is among those read (the last turns): the session's mark.
+        live.last_message_id = max((m.id or 0 for m in stored + open_turn), default=0)
         self._last_turns[key] = await store.last_turn(key)
         # The turns before the restored ones left the context with the restart: those no
         # summary covers yet go to long-term memory in the background (SPEC §4.5).
