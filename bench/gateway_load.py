@@ -19,8 +19,9 @@ Per N and path: turns/s; gateway CPU ms per turn (utime+stime from /proc, from t
 start of the load until the process is idle again, so background work the turns caused
 counts); p50/p99 added latency (end to end minus the model server's own handler time for
 that turn); RSS per live session (RSS growth / N, measured idle after the load; a
-warm-up of 20 other sessions first fills the process-wide caches, such as SQLite's 2 MB
-page cache, so they are not charged to the measured sessions).
+warm-up of 50 other sessions for 4 s first fills the process-wide caches, such as SQLite's
+2 MB page cache and the request JSON cache, so they are not charged to the measured
+sessions).
 Goals: ≥ 300 turns/s through the web API, p99 added latency ≤ 50 ms at 100 sessions
 (judged on the paced runs), ≤ 100 KB RSS per idle live session. Writes bench/out/gateway_load.{json,png}.
 """
@@ -64,8 +65,8 @@ SETTLE_TIMEOUT_S = 30.0
 GOAL_TURNS_PER_S = 300
 GOAL_P99_ADDED_MS = 50
 GOAL_RSS_KB = 100
-WARM_SESSIONS = 20
-WARM_SECONDS = 2.0
+WARM_SESSIONS = 50
+WARM_SECONDS = 4.0
 
 
 class LoadTelegram(FakeTelegram):
