@@ -593,12 +593,17 @@ class _Request:
         except for the turns the turn budget drops next."""
         ctx = self.ctx
         reach = (max(1, self.budget.max_turns) + 1) // 2
-        cur = ctx._current()
-        complete = [t for t in ctx._turns if t is not cur][:reach]
+        # The open turn, if any, is the last one; turns are in ascending order, so the new
+        # ones are a tail (counted from the end: this runs on every request).
+        complete = ctx._turns[: min(reach, len(ctx._turns) - (ctx._current() is not None))]
         if not complete:
             return
         upto = complete[-1].number
-        new = sum(1 for t in complete if t.number > ctx._requested_upto)
+        new = 0
+        for t in reversed(complete):
+            if t.number <= ctx._requested_upto:
+                break
+            new += 1
         if len(complete) == reach:
             ready = new > 0  # the turn budget drops these next: asked however few are new
         else:
