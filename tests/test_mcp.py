@@ -563,3 +563,22 @@ def test_schemas_are_normalized_whatever_the_key_order() -> None:
          "type": "object"}
     assert json.dumps(normalized_schema(a)) == json.dumps(normalized_schema(b))
     assert normalized_schema(None) == {"properties": {}, "type": "object"}
+
+
+@pytest.mark.parametrize("closed", ["broken pipe", "end of stream"])
+async def test_a_server_gone_reads_the_same_whichever_side_noticed_first(tmp_path: Path, closed: str) -> None:
+    """A stdio server that exits while the client writes breaks the pipe before the reader
+    sees the end of its output (seen on a loaded machine): /tools says the same either way,
+    with the server's last stderr line."""
+    import anyio
+
+    from gateway.config.schema import McpServerConfig
+
+    manager = mcp_module.McpManager(base_dir=tmp_path, log_dir=tmp_path)
+    server = mcp_module._Server(manager, "broken", McpServerConfig(command=sys.executable))
+    log_path = tmp_path / "broken.stderr.log"
+    log_path.write_text("boom: missing dependency\n")
+    server._stderr_path, server._stderr_mark = log_path, 0
+    leaf = anyio.BrokenResourceError() if closed == "broken pipe" else anyio.EndOfStream()
+    reason = await server._reason(BaseExceptionGroup("task group", [ExceptionGroup("inner", [leaf])]), started=True)
+    assert reason == "the server closed the connection (stderr: boom: missing dependency)"

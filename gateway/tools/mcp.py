@@ -218,6 +218,12 @@ class ConnectionLost(Exception):
     """The server's side of the connection ended (its process exited, its stream closed)."""
 
 
+# What the transport raises when the other end is gone (anyio's streams, the OS's pipes).
+CLOSED_ERRORS: tuple[type[BaseException], ...] = (
+    anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, BrokenPipeError, ConnectionResetError,
+)
+
+
 @dataclass(eq=False)
 class _Call:
     remote: str
@@ -618,6 +624,10 @@ class _Server:
         import httpx
         from mcp import McpError
         leaf = _first_cause(err)
+        if isinstance(leaf, CLOSED_ERRORS):
+            # A server that exits breaks the pipe the client writes to: whichever side
+            # notices first, it is the same event.
+            leaf = ConnectionLost("the server closed the connection")
         cfg = self.cfg
         if isinstance(leaf, TimeoutError):
             text = f"no answer within {cfg.timeout_s:g} s"
