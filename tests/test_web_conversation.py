@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from playwright.async_api import Browser, expect
 
 from channels.web.adapter import PAGE_CSP, HistoryItem, WebChannel, with_dividers
@@ -221,6 +222,53 @@ async def read_event(resp: aiohttp.ClientResponse, ids: list[str]) -> tuple[str,
                 data = line[6:]
             elif line == "" and data:
                 return event, json.loads(data)
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+async def test_a_reply_that_ends_after_its_page_left_goes_to_the_open_pages(
+        make_gateway: GatewayFactory, fake_model: FakeModel, pieces: int) -> None:
+    """The page stops reading its streamed reply (Stop, a closed tab) while the model still
+    thinks: the session's open pages get the reply, with the id of the message it answers."""
+    gw = await make_gateway()
+    channel = web(gw)
+    text = "an answer after you left"
+    cut = [text[:9], text[9:18], text[18:]] if pieces == 3 else [text]
+    fake_model.reply(text, delay=0.8, chunks=cut, chunk_delay=0.1)
+    async with aiohttp.ClientSession() as http:
+        events = await http.get(base(gw) + "/api/events", params={"session": "web-user"})
+        await events.content.readline()
+        await until(lambda: channel.events.listeners("web-user") == 1, "listening")
+        asked = await http.post(base(gw) + "/api/chat",
+                                json={"session": "web-user", "text": "slow one", "stream": True, "id": "m-1"})
+        assert await asked.content.readline() == b": accepted\n"
+        asked.close()  # the page left
+        event, data = await read_event(events, [])
+        assert (event, data["text"], data["id"]) == ("reply", text, "m-1")
+        events.close()
+    assert [r["messages"][-1]["content"] for r in fake_model.requests] == ["slow one"]
+
+
+async def test_open_pages_hear_that_a_reply_went_to_its_request(
+        make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    """A reply given to the request that asked is announced to the session's open pages as
+    `answered` (no text, no id of its own: not kept for reconnecting pages), so a page that
+    stopped reading that request just as the reply came knows the history has it."""
+    gw = await make_gateway()
+    channel = web(gw)
+    async with aiohttp.ClientSession() as http:
+        events = await http.get(base(gw) + "/api/events", params={"session": "web-user"})
+        await events.content.readline()
+        await until(lambda: channel.events.listeners("web-user") == 1, "listening")
+        for stream in (False, True):
+            fake_model.reply("the answer")
+            async with http.post(base(gw) + "/api/chat", json={"session": "web-user", "text": "hi",
+                                                               "stream": stream, "id": f"m-{stream}"}) as resp:
+                assert "the answer" in await resp.text()
+            ids: list[str] = []
+            event, data = await read_event(events, ids)
+            assert (event, data, ids) == ("answered", {"id": f"m-{stream}"}, [])
+        events.close()
+    assert channel.events.missed("web-user", channel.events.event_id(0)) == []  # nothing kept
 
 
 async def test_event_streams_are_checked_and_bounded(served: Served) -> None:  # noqa: F811

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -195,6 +197,49 @@ async def test_a_stop_that_cannot_reach_the_gateway_stops_reading(make_gateway: 
     await page.click("#refresh")
     await page.locator(".msg.bot", has_text="worth the wait").wait_for(timeout=5000)
     await expect(page.locator(".msg.bot")).to_have_count(1)
+
+
+async def test_a_reply_that_crossed_the_pages_stop_shows_from_the_history(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:
+    """The reply reaches its request just as the page stops reading it (here the browser
+    holds the finished response until the page has given up): no push follows, since the
+    gateway gave it to the request; its `answered` notice makes the page show it from the
+    history, once."""
+    from channels.web.adapter import WebChannel
+
+    gw = await make_gateway()
+    assert gw.http is not None
+    channel = gw.channels["web"]
+    assert isinstance(channel, WebChannel)
+    fake_model.reply("crossed on the way", delay=0.3)
+    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    for _ in range(200):  # the page's event stream is open
+        if channel.events.listeners("web-user"):
+            break
+        await asyncio.sleep(0.05)
+    answered, released = asyncio.Event(), asyncio.Event()
+
+    async def hold(route: Any) -> None:
+        if "/stop" in (route.request.post_data or ""):
+            await route.abort()  # the gateway never hears the Stop
+            return
+        response = await route.fetch()  # the whole reply, written to the request
+        answered.set()
+        await released.wait()
+        with contextlib.suppress(Exception):  # the page stopped reading meanwhile
+            await route.fulfill(response=response)
+
+    await page.route("**/api/chat", hold)
+    await page.fill("#text", "a quick one")
+    await page.press("#text", "Enter")
+    await asyncio.wait_for(answered.wait(), 10)
+    await page.click("#stop")
+    try:
+        await page.locator(".msg.bot", has_text="crossed on the way").wait_for(timeout=10_000)
+        await expect(page.locator(".msg.bot")).to_have_count(1)
+    finally:
+        released.set()
+    assert errors == []
 
 
 async def test_a_token_gateway_asks_for_it_in_the_settings(make_gateway: GatewayFactory, fake_model: FakeModel,

@@ -154,10 +154,12 @@ class WebReplyStream:
     reply whose request has gone stays stored and shows up in the page's history."""
 
     def __init__(self, outbox: SseOutbox, reply: asyncio.Future[str],
-                 orphaned: Callable[[str, bool], None] | None = None) -> None:
+                 orphaned: Callable[[str, bool], None] | None = None,
+                 answered: Callable[[], None] | None = None) -> None:
         self._outbox = outbox
         self._reply = reply
         self._orphaned = orphaned  # where the reply goes when its request has gone
+        self._answered = answered  # told once the reply went to its request
         self._ended = False
 
     async def append(self, delta: str) -> None:
@@ -183,6 +185,8 @@ class WebReplyStream:
             self._orphaned(text, failed)  # the page stopped waiting: its open pages get it
         if not self._reply.done():
             self._reply.set_result(text)
+            if not self._outbox.closed and self._answered is not None:
+                self._answered()
 
 
 class WebChannel:
@@ -246,16 +250,28 @@ class WebChannel:
         if fut is None or fut.done():
             # No request waits (a task's reply, one answered after a restart or after the page gave up):
             # the session's open pages get it now; it is stored and in the history anyway.
-            pages = self.push_reply(inbound.chat_id, text, failed=False)
+            pages = self.push_reply(inbound.chat_id, text, failed=False, event_id=inbound.event_id)
             log.info("web reply with no waiting request", extra={"event": inbound.event_id, "pages": pages})
             return
         fut.set_result(text)
+        self._answered(inbound.chat_id, inbound.event_id)
 
-    def push_reply(self, session: str, text: str, *, failed: bool) -> int:
-        """A reply for the session's open pages (`GET /api/events`); how many are open."""
+    def push_reply(self, session: str, text: str, *, failed: bool, event_id: str | None = None) -> int:
+        """A reply for the session's open pages (`GET /api/events`); how many are open.
+        `event_id`: the message it answers, when one did."""
         if not SESSION_NAME.fullmatch(session):
             return 0
-        return self.events.publish(session, "reply", {"text": text, "at": time.time(), "failed": failed})
+        data: dict[str, Any] = {"text": text, "at": time.time(), "failed": failed}
+        if event_id is not None:
+            data["id"] = event_id
+        return self.events.publish(session, "reply", data)
+
+    def _answered(self, session: str, event_id: str) -> None:
+        """The reply to `event_id` went to the request that asked: the session's open pages
+        hear it, so one that stopped reading that request just then (the reply and its
+        leaving crossed) knows the history has it."""
+        if SESSION_NAME.fullmatch(session):
+            self.events.notify(session, "answered", {"id": event_id})
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None:
@@ -268,11 +284,12 @@ class WebChannel:
             return None
         if self.observe is not None:
             self.observe("reply")
-        session = inbound.chat_id
-        return WebReplyStream(outbox, fut, lambda text, failed: self._orphaned_reply(session, text, failed))
+        session, event_id = inbound.chat_id, inbound.event_id
+        return WebReplyStream(outbox, fut, lambda text, failed: self._orphaned_reply(session, text, failed, event_id),
+                              lambda: self._answered(session, event_id))
 
-    def _orphaned_reply(self, session: str, text: str, failed: bool) -> None:
-        pages = self.push_reply(session, text, failed=failed)
+    def _orphaned_reply(self, session: str, text: str, failed: bool, event_id: str) -> None:
+        pages = self.push_reply(session, text, failed=failed, event_id=event_id)
         log.info("web reply after its request stopped waiting", extra={"pages": pages})
 
     async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
@@ -443,7 +460,8 @@ class WebChannel:
                             await resp.write(b": keep-alive\n\n")
                         continue
                     event = getting.result()
-                    await resp.write(_sse(event.name, event.data, self.events.event_id(event.number)))
+                    await resp.write(_sse(event.name, event.data,
+                                          self.events.event_id(event.number) if event.number else None))
                 await resp.write_eof()
         except ConnectionError:
             pass  # the page went away
@@ -520,7 +538,7 @@ class WebChannel:
             if await self.handler(inbound) is False:
                 return _error(409, f"a message with id {event_id!r} was already received")
             if outbox is not None:
-                return await self._answer_stream(request, fut, outbox)
+                return await self._answer_stream(request, fut, outbox, session, event_id)
             async with asyncio.timeout(self.reply_timeout_s):  # shielded: the reply may still come later
                 reply = await asyncio.shield(fut)
         except TimeoutError:
@@ -537,7 +555,7 @@ class WebChannel:
         return web.json_response({"reply": reply, "session": session, "id": event_id}, headers=API_HEADERS)
 
     async def _answer_stream(self, request: web.Request, fut: asyncio.Future[str],
-                             outbox: SseOutbox) -> web.StreamResponse:
+                             outbox: SseOutbox, session: str, event_id: str) -> web.StreamResponse:
         """Write the reply's events until it is done, the wait times out or the client
         leaves. Never raises: the response has started, and the turn goes on regardless."""
         resp = web.StreamResponse(headers={
@@ -552,16 +570,26 @@ class WebChannel:
             async with asyncio.timeout(self.reply_timeout_s + self.stuck_write_s):
                 await resp.prepare(request)
                 await resp.write(b": accepted\n\n")
-                await resp.write(await self._relay(resp, fut, outbox))
+                last = await self._relay(resp, fut, outbox)
+                if request.transport is None or request.transport.is_closing():
+                    # Written now, it would go into a socket the page has already left.
+                    raise ConnectionResetError("the client left")
+                await resp.write(last)
                 await resp.write_eof()
         except ConnectionError as err:
             # The client left: the turn is unaffected; its reply is stored and shows in
-            # the history.
+            # the history. One that ended before this was noticed went to this request,
+            # not to the session's open pages: it goes there now (a later one goes there
+            # by itself, the outbox being closed).
             log.info("web stream closed by the client", extra={"error": type(err).__name__})
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._orphaned_reply(session, fut.result(), outbox.failed, event_id)
         except TimeoutError:
             log.info("web stream dropped: the client stopped reading")
             if request.transport is not None:
                 request.transport.abort()
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._orphaned_reply(session, fut.result(), outbox.failed, event_id)
         finally:
             outbox.closed = True
         return resp

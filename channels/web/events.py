@@ -36,7 +36,7 @@ STREAM_MAX_S = 1800.0  # a stream ends after this; the page reconnects (and show
 
 @dataclass(frozen=True, slots=True)
 class PushedEvent:
-    number: int
+    number: int  # 0: not kept, sent without an id (`notify`)
     name: str
     data: dict[str, Any]
 
@@ -73,6 +73,17 @@ class SessionEvents:
 
     def event_id(self, number: int) -> str:
         return f"{self.boot}-{number}"
+
+    def notify(self, session: str, name: str, data: dict[str, Any]) -> int:
+        """Hand an event to the session's open pages only: not kept for reconnecting
+        ones and without an id (news that is stale once missed); how many pages are open."""
+        listeners = self._listeners.get(session)
+        if not listeners:
+            return 0
+        event = PushedEvent(0, name, data)
+        for listener in listeners:
+            listener.offer(event)
+        return len(listeners)
 
     def publish(self, session: str, name: str, data: dict[str, Any]) -> int:
         """Keep the event for reconnecting pages and hand it to the open ones; how many

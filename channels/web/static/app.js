@@ -240,6 +240,14 @@
   let ticker = null;
   let stopping = false; // Stop was pressed for the reply coming in now
   let stopTimer = null;
+  let readingId = null; // the message whose reply is being read now
+  // A reply can reach its request just as the page stops reading it (Stop, the grace
+  // timer): the gateway then says "answered" over the event stream, and the page shows
+  // it from the history. The ids the page stopped reading, those the gateway answered
+  // lately, and those already caught up this way (a push of one is not shown twice).
+  const abandoned = new Set();
+  const answeredLately = [];
+  const caughtUp = [];
 
   function setWorking(on) {
     busy = on;
@@ -409,19 +417,37 @@
     return false;
   }
 
+  function abandon(reading, id) {
+    if (id) abandoned.add(id);
+    reading.abort();
+  }
+
+  function catchUp() {
+    for (const id of abandoned) {
+      if (!answeredLately.includes(id)) continue;
+      abandoned.delete(id);
+      caughtUp.push(id);
+      if (caughtUp.length > 20) caughtUp.shift();
+      loadHistory(true);
+      return;
+    }
+  }
+
   // One message and its reply.
   async function converse(message) {
     addMessage("user", message);
     scrollDown(true);
     setWorking(true);
     controller = new AbortController();
+    const id = newId();
+    readingId = id;
     const reply = liveReply();
     let finished = false;
     try {
       const res = await fetch("api/chat", {
         method: "POST",
         headers: authHeaders({ "Content-Type": "application/json", "Accept": "text/event-stream" }),
-        body: JSON.stringify({ session: session.value, text: message, id: newId(), stream: true }),
+        body: JSON.stringify({ session: session.value, text: message, id: id, stream: true }),
         signal: controller.signal,
       });
       const type = res.headers.get("Content-Type") || "";
@@ -457,11 +483,13 @@
       }
     } finally {
       controller = null;
+      readingId = null;
       stopping = false;
       clearTimeout(stopTimer);
       setWorking(false);
       shownHistory = ""; // the log has changed since the last history load
       text.focus();
+      catchUp();
     }
     // A command's answer: the history shows it as the gateway kept it, with a divider
     // where it started a fresh context.
@@ -485,8 +513,15 @@
   }
 
   function onPushed(event, data) {
-    if (event === "reply") addPushed(data);
-    else if (event === "resync") loadHistory(true); // more was missed than the gateway keeps
+    if (event === "reply") {
+      if (data.id && caughtUp.includes(data.id)) return; // the history load shows it
+      if (data.id) abandoned.delete(data.id);
+      addPushed(data);
+    } else if (event === "answered") {
+      answeredLately.push(data.id);
+      if (answeredLately.length > 20) answeredLately.shift();
+      if (!busy) catchUp();
+    } else if (event === "resync") loadHistory(true); // more was missed than the gateway keeps
   }
 
   function followWithEventSource(url) {
@@ -496,7 +531,7 @@
       source.addEventListener("open", () => {
         if (!opened) { opened = true; loadHistory(false); } // whatever came before it opened
       });
-      for (const name of ["reply", "resync"]) {
+      for (const name of ["reply", "answered", "resync"]) {
         source.addEventListener(name, (e) => onPushed(name, JSON.parse(e.data)));
       }
       source.addEventListener("error", () => {
@@ -571,16 +606,17 @@
     stopping = true;
     stop.disabled = true;
     const reading = controller;
-    stopTimer = setTimeout(() => reading.abort(), STOP_GRACE_MS);
+    const id = readingId;
+    stopTimer = setTimeout(() => abandon(reading, id), STOP_GRACE_MS);
     try {
       const res = await fetch("api/chat", {
         method: "POST",
         headers: authHeaders({ "Content-Type": "application/json" }),
         body: JSON.stringify({ session: session.value, text: "/stop", id: newId() }),
       });
-      if (!res.ok) reading.abort();
+      if (!res.ok) abandon(reading, id);
     } catch (err) {
-      reading.abort();
+      abandon(reading, id);
     }
   }
 
