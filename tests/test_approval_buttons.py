@@ -823,7 +823,7 @@ async def test_the_fake_discord_refuses_what_discord_refuses(fake_discord: FakeD
         interaction = fake_discord.push_click(user_id=PERSON, message_id=card, custom_id="ap:k3m9qa:a")
         token, _ = fake_discord._interactions[interaction]
         with pytest.raises(discord.NotFound):  # the token is the credential
-            await rest.respond(interaction, token[:-1] + "0", "Allowed.")
+            await rest.respond(interaction, token[:-1] + ("1" if token.endswith("0") else "0"), "Allowed.")
         await rest.respond(interaction, token, "Allowed.")
         with pytest.raises(discord.HTTPException) as twice:
             await rest.respond(interaction, token, "Allowed.")
