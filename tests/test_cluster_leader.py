@@ -338,7 +338,9 @@ async def test_leadership_takes_over_after_expiry_and_the_old_leader_stops(
     assert (first.running, first.stops, second.running) == (False, 1, True)
     await lead_one.end()
     await lead_two.end()
-    assert second.stops == 1
+    # Each start has its one stop (on a loaded machine the second may have let a lease
+    # lapse and led again meanwhile: that is two of each), and nothing runs after the end.
+    assert second.stops == second.starts >= 1 and not second.running
 
 
 async def test_leadership_end_releases_at_once(two_holders: tuple[ClusterLeases, ClusterLeases]) -> None:
