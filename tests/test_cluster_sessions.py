@@ -116,6 +116,24 @@ async def test_one_sessions_turns_run_in_arrival_order_whichever_gateway_took_th
     assert await a.services.store.pending_events() == []
 
 
+def stalled_first_call(late: str, answer: str) -> tuple[Any, asyncio.Event]:
+    """A responder whose first call (the stalled gateway's) answers `late` only once the
+    returned event is set, and every later one `answer` at once: the stall lasts until the
+    test has seen the takeover, however slow the machine."""
+    wake = asyncio.Event()
+    calls = 0
+
+    async def respond(_body: dict[str, Any]) -> Reply:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return Reply(text=answer)
+        await asyncio.wait_for(wake.wait(), 120)
+        return Reply(text=late)
+
+    return respond, wake
+
+
 async def test_a_stalled_gateways_turn_is_taken_over_and_its_late_reply_is_refused(
         pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
     a, b = pair
@@ -124,18 +142,22 @@ async def test_a_stalled_gateways_turn_is_taken_over_and_its_late_reply_is_refus
     assert isinstance(leases_a, ClusterLeases)
     # A takes the turn, then freezes: its model call hangs and it stops renewing its leases
     # (as a process paused by the OS or a long GC would).
-    fake_model.reply("late reply from the stalled gateway", delay=TTL_S * 4)
-    fake_model.reply("reply from the gateway that took over")
-    assert await post_update(a, 300, "are you there?") == 200
-    await fake_model.wait_requests(1, timeout=10)
-    assert leases_a._renewer is not None
-    leases_a._renewer.cancel()
-    # B's sweep finds the session without a live lease, takes it and answers once.
-    sent = await fake_telegram.wait_sent(1, timeout=TTL_S * 4 + 10)
-    assert sent[0]["text"] == "reply from the gateway that took over"
+    respond, wake = stalled_first_call("late reply from the stalled gateway", "reply from the gateway that took over")
+    fake_model.respond_with(respond)
+    try:
+        assert await post_update(a, 300, "are you there?") == 200
+        await fake_model.wait_requests(1, timeout=10)
+        assert leases_a._renewer is not None
+        leases_a._renewer.cancel()
+        # B's sweep finds the session without a live lease, takes it and answers once.
+        sent = await fake_telegram.wait_sent(1, timeout=60)
+        assert sent[0]["text"] == "reply from the gateway that took over"
+        await session_let_go(b, timeout=30)  # B's turn has ended and its reply is stored
+    finally:
+        wake.set()
     # A wakes up with its model answer: the database refuses what it writes under the old
     # token, so it neither stores nor sends it.
-    await asyncio.sleep(TTL_S * 4)
+    await asyncio.sleep(TTL_S * 2)
     assert [s["text"] for s in fake_telegram.sent] == ["reply from the gateway that took over"]
     rows = await b.services.store.messages("telegram:dm:7")
     assert [(m.role, m.content) for m in rows] == [
@@ -189,24 +211,27 @@ async def test_a_gateway_whose_leases_lapsed_is_not_ready_and_counts_what_it_too
         pair: tuple[Gateway, Gateway], fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
     a, b = pair
     assert a.services is not None and b.services is not None and a.http is not None
-    fake_model.reply("stalled", delay=TTL_S * 3)
-    fake_model.reply("taken over")
-    assert await post_update(a, 600, "hello") == 200
-    await fake_model.wait_requests(1, timeout=10)
-    leases_a = a.services.leases
-    assert isinstance(leases_a, ClusterLeases) and leases_a._renewer is not None
-    leases_a._renewer.cancel()
-    await fake_telegram.wait_sent(1, timeout=TTL_S * 4 + 10)
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"http://127.0.0.1:{a.http.port}/readyz") as resp:
-            body = await resp.json()
-            assert resp.status == 503 and "leases not renewed" in body["reasons"][0]
-        assert b.http is not None
-        async with http.get(f"http://127.0.0.1:{b.http.port}/readyz") as resp:
-            assert resp.status == 200
-        await session_let_go(b)
-        async with http.get(f"http://127.0.0.1:{b.http.port}/metrics") as resp:
-            metrics = await resp.text()
+    respond, wake = stalled_first_call("stalled", "taken over")
+    fake_model.respond_with(respond)
+    try:
+        assert await post_update(a, 600, "hello") == 200
+        await fake_model.wait_requests(1, timeout=10)
+        leases_a = a.services.leases
+        assert isinstance(leases_a, ClusterLeases) and leases_a._renewer is not None
+        leases_a._renewer.cancel()
+        assert (await fake_telegram.wait_sent(1, timeout=60))[0]["text"] == "taken over"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{a.http.port}/readyz") as resp:
+                body = await resp.json()
+                assert resp.status == 503 and "leases not renewed" in body["reasons"][0]
+            assert b.http is not None
+            async with http.get(f"http://127.0.0.1:{b.http.port}/readyz") as resp:
+                assert resp.status == 200
+            await session_let_go(b)
+            async with http.get(f"http://127.0.0.1:{b.http.port}/metrics") as resp:
+                metrics = await resp.text()
+    finally:
+        wake.set()
     assert "gateway_turns_taken_over_total 1.0" in metrics
     assert "gateway_leases_held 1.0" in metrics  # its own liveness; the session is let go
 
