@@ -309,12 +309,9 @@ class WebChannel:
 
     async def api_approval(self, request: web.Request) -> web.Response:
         """The page's Allow or Deny: the session answering, as its person."""
-        refused = self._cross_site(request)
-        if refused is not None:
-            return _error(403, refused)
-        unauthorized = await self._unauthorized(request)
-        if unauthorized is not None:
-            return unauthorized
+        turned_away = await self._checked(request)
+        if turned_away is not None:
+            return turned_away
         if self.decide is None or not self._running:
             return _error(503, "approvals are not available right now")
         try:
@@ -372,12 +369,9 @@ class WebChannel:
         return await self._serve_file(request, f"static/vendor/{name}", f"{kind}; charset=utf-8")
 
     async def api_history(self, request: web.Request) -> web.Response:
-        refused = self._cross_site(request)  # a rebinding page must not read the history either
-        if refused is not None:
-            return _error(403, refused)
-        unauthorized = await self._unauthorized(request)
-        if unauthorized is not None:
-            return unauthorized
+        turned_away = await self._checked(request)  # a rebinding page must not read the history either
+        if turned_away is not None:
+            return turned_away
         if not self._running or self.history is None:
             return _error(503, "the history is not available right now")
         session = request.query.get("session", "default")
@@ -409,12 +403,9 @@ class WebChannel:
         """The session's pushed events, for as long as the page stays (at most
         STREAM_MAX_S; it reconnects with `Last-Event-ID`). Ends when the channel stops or
         the token changes (a rotated token locks this stream out too)."""
-        refused = self._cross_site(request)
-        if refused is not None:
-            return _error(403, refused)
-        unauthorized = await self._unauthorized(request)
-        if unauthorized is not None:
-            return unauthorized
+        turned_away = await self._checked(request)
+        if turned_away is not None:
+            return turned_away
         if not self._running:
             return _error(503, "the gateway is not accepting pages right now")
         session = request.query.get("session", "default")
@@ -473,6 +464,16 @@ class WebChannel:
             await asyncio.gather(closing, return_exceptions=True)
         return resp
 
+    async def _checked(self, request: web.Request, *, log_refusal: bool = False) -> web.Response | None:
+        """The answer to a request from another site or without the right token; None: it may go on."""
+        refused = self._cross_site(request)
+        if refused is not None:
+            if log_refusal:
+                log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
+                                                                 "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
+            return _error(403, refused)
+        return await self._unauthorized(request)
+
     async def _unauthorized(self, request: web.Request) -> web.Response | None:
         """The answer to a request without the right token (None: it may go on). Failed
         checks are counted per address and answered ever more slowly (gateway/http/throttle.py)."""
@@ -496,14 +497,9 @@ class WebChannel:
         return foreign_host(request, self._names) or foreign_origin(request)
 
     async def api_chat(self, request: web.Request) -> web.Response:
-        refused = self._cross_site(request)
-        if refused is not None:
-            log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
-                                                             "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
-            return _error(403, refused)
-        unauthorized = await self._unauthorized(request)
-        if unauthorized is not None:
-            return unauthorized
+        turned_away = await self._checked(request, log_refusal=True)
+        if turned_away is not None:
+            return turned_away
         if not self._running:
             return _error(503, "the gateway is not accepting messages right now")
         if request.content_type != "application/json":
