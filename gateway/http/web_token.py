@@ -15,6 +15,7 @@ Everything here touches files: call it off the event loop (asyncio.to_thread).""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import os
@@ -115,6 +116,7 @@ def link(host: str, port: int, token: str) -> str:
     return f"http://{shown}:{port}/?token={quote(token, safe='')}"
 
 
+@functools.lru_cache(maxsize=8)  # asked on every request; the token rarely changes
 def cookie_name(token: str) -> str:
     """The cookie a signed-in page carries. Named after the token, so gateways of one data
     dir (one token) share it and gateways of other installs on this machine (cookies do
@@ -122,6 +124,7 @@ def cookie_name(token: str) -> str:
     return "gateway_web_" + hmac.new(token.encode(), b"cookie name", hashlib.sha256).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=8)
 def cookie_value(token: str) -> str:
     """What the cookie holds: derived from the token (the token itself stays out of the
     browser's cookie store); it changes when the token does."""
