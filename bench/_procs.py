@@ -38,7 +38,9 @@ PYTHON = sys.executable
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 TAG = re.compile(r"bench-\S+")
-GATEWAY_ANNOUNCE = re.compile(r"gateway running: web chat on (http://\S+?)/?\s")
+# The web chat's address, and the token its link carries (the web API needs it, SPEC §9;
+# an older gateway, a baseline, printed none and needed none on loopback).
+GATEWAY_ANNOUNCE = re.compile(r"gateway running: web chat on (http://[^/\s]+)/?(?:\?token=([\w-]+))?\s")
 
 
 # ---------------------------------------------------------------------------- /proc
@@ -96,6 +98,12 @@ class Child:
     log_path: Path
     lines: list[str] = field(default_factory=list)
     _drain: asyncio.Task[None] | None = None
+    token: str | None = None  # a gateway's web token, from its link
+
+    @property
+    def web_headers(self) -> dict[str, str]:
+        """What a request to its web API sends along (nothing to a child without a token)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     @property
     def pid(self) -> int:
@@ -149,7 +157,7 @@ class Child:
 async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Path,
                 timeout: float = 60, env: dict[str, str] | None = None, root: Path = ROOT) -> Child:
     """Start `argv` in `root` (a checkout) and wait (bounded) for the stdout line that
-    gives its URL (group 1)."""
+    gives its URL (group 1) and, for a gateway, its web token (group 2, when printed)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log_file:
         proc = await asyncio.create_subprocess_exec(
@@ -157,7 +165,7 @@ async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Pat
             stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
         )
     lines: list[str] = []
-    found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    found: asyncio.Future[re.Match[str]] = asyncio.get_running_loop().create_future()
 
     async def drain() -> None:
         assert proc.stdout is not None
@@ -166,18 +174,20 @@ async def spawn(argv: Sequence[str], *, announce: re.Pattern[str], log_path: Pat
             lines.append(text)
             match = announce.search(text)
             if match and not found.done():
-                found.set_result(match.group(1))
+                found.set_result(match)
         if not found.done():
             found.set_exception(RuntimeError(f"{argv[2:4]} exited before it was ready"))
 
     task = asyncio.create_task(drain(), name=f"drain:{proc.pid}")
     child = Child(proc, "", log_path, lines, task)
     try:
-        child.url = await asyncio.wait_for(asyncio.shield(found), timeout)
+        match = await asyncio.wait_for(asyncio.shield(found), timeout)
     except (TimeoutError, RuntimeError) as err:
         await child.kill()
         tail = child.log_text()[-3000:]
         raise RuntimeError(f"{' '.join(argv[1:5])} did not start: {err}\n--- its log ---\n{tail}") from None
+    child.url = match.group(1)
+    child.token = match.group(2) if announce.groups >= 2 else None
     return child
 
 

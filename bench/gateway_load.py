@@ -190,10 +190,11 @@ async def session(turn: Turn, prefix: str, deadline: float, samples: list[Sample
         samples.append(Sample(tag, time.perf_counter() - started))
 
 
-def web_turn(http: aiohttp.ClientSession, url: str, name: str) -> Turn:
+def web_turn(http: aiohttp.ClientSession, child: Child, name: str) -> Turn:
     async def turn(tag: str) -> str | None:
         try:
-            async with http.post(url + "/api/chat", json={"session": name, "text": tag},
+            async with http.post(child.url + "/api/chat", json={"session": name, "text": tag},
+                                 headers=child.web_headers,
                                  timeout=aiohttp.ClientTimeout(total=TURN_TIMEOUT_S)) as resp:
                 body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
@@ -272,7 +273,7 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             # caches (SQLite's page cache, the token-count cache, prepared statements): the
             # RSS growth measured after them is what the measured sessions hold.
             warm_deadline = time.monotonic() + WARM_SECONDS
-            warm = [web_turn(http, child.url, f"warm{i}") if path == "web" else telegram_turn(fake, 1 + i)
+            warm = [web_turn(http, child, f"warm{i}") if path == "web" else telegram_turn(fake, 1 + i)
                     for i in range(WARM_SESSIONS)]
             await asyncio.gather(*(session(turn, f"bench-warm-{i}", warm_deadline, warm_samples, warm_errors)
                                    for i, turn in enumerate(warm)))
@@ -296,7 +297,7 @@ async def run_once(target: str, path: str, sessions: int, seconds: float, *, mod
             started = time.monotonic()
             deadline = started + seconds
             interval = sessions / rate if rate else 0.0
-            turns = ([web_turn(http, child.url, f"s{i}") for i in range(sessions)] if path == "web"
+            turns = ([web_turn(http, child, f"s{i}") for i in range(sessions)] if path == "web"
                      else [telegram_turn(fake, 100_000 + i) for i in range(sessions)])
             await asyncio.gather(*(session(turn, f"bench-{i}", deadline, samples, errors, interval=interval,
                                            phase=i * interval / sessions) for i, turn in enumerate(turns)))

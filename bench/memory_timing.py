@@ -275,7 +275,8 @@ async def drive(conversation: list[dict[str, Any]], speed: float, step_s: float)
                 url = f"http://127.0.0.1:{gw.http.port}/api/chat"
                 started = time.monotonic()
                 timeout = aiohttp.ClientTimeout(total=TURN_TIMEOUT_S)
-                async with aiohttp.ClientSession(timeout=timeout) as http:
+                auth = {"Authorization": f"Bearer {gw.web_token}"}  # the web API's token (SPEC §9)
+                async with aiohttp.ClientSession(timeout=timeout, headers=auth) as http:
                     for record in conversation:
                         async with http.post(url, json={"session": "bench", "text": record["user"]}) as resp:
                             body = await resp.json(content_type=None)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench._procs import PYTHON, ROOT, child_env, gateway_config, start_fake_model, start_gateway, wait_ready
+from bench._procs import PYTHON, ROOT, Child, child_env, gateway_config, start_fake_model, start_gateway, wait_ready
 from gateway.store.migrations.sqlite import MIGRATIONS
 
 OUT = ROOT / "bench" / "out"
@@ -131,9 +131,10 @@ def import_seconds(repeat: int = 3) -> tuple[float, float]:
     return statistics.median(walls), openai_s
 
 
-async def first_turn_ms(http: aiohttp.ClientSession, base: str, session: str) -> float:
+async def first_turn_ms(http: aiohttp.ClientSession, child: Child, session: str) -> float:
     started = time.perf_counter()
-    async with http.post(base + "/api/chat", json={"session": session, "text": "hello again"}) as resp:
+    async with http.post(child.url + "/api/chat", json={"session": session, "text": "hello again"},
+                         headers=child.web_headers) as resp:
         body = await resp.json()
     if resp.status != 200:
         raise RuntimeError(f"first turn of {session}: HTTP {resp.status} {body}")
@@ -158,8 +159,8 @@ async def measure(sessions: int, repeat: int, refill: bool, model_url: str, work
                 rss = child.rss_bytes() / 2**20
                 async with aiohttp.ClientSession() as http:
                     if sessions:
-                        stored_ms = await first_turn_ms(http, child.url, f"u{sessions // 2}")
-                    new_ms = await first_turn_ms(http, child.url, "newcomer")
+                        stored_ms = await first_turn_ms(http, child, f"u{sessions // 2}")
+                    new_ms = await first_turn_ms(http, child, "newcomer")
         finally:
             await child.stop()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,5 +1,5 @@
 """CLI: `python -m gateway run | chat | check-config | pairing list|approve|revoke |
-sessions | usage | memory | config-reset`."""
+sessions | usage | memory | web-link | config-reset`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from gateway.config.checks import config_warnings, startup_problems
 from gateway.config.load import ConfigError, load_config, parse_config
 from gateway.config.schema import Config
 from gateway.ops.logs import setup_logging, start_banner
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 GC_YOUNG_THRESHOLD = 20_000  # allocations between collections of the youngest generation
 
@@ -156,14 +159,46 @@ async def _run(path: Path | None) -> int:
     # scanned many times a turn and its survivors again in the next (~5 % of the CPU under
     # load, perf); cycles are rare here, so they may wait for a larger batch.
     gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 50)
-    host, port = cfg.http.host, gateway.http.port if gateway.http else cfg.http.port
-    say(f"gateway running: web chat on http://{host}:{port}/  (Ctrl+C to stop)", sys.stdout)
+    say(f"gateway running: {_web_chat_line(gateway)}  (Ctrl+C to stop)", sys.stdout)
     # Which file and folder: a refused start names them in its one line already.
     say(start_banner(cfg_path, gateway.holder.data_dir.resolve()), sys.stdout)
     await shutdown.requested.wait()
     await gateway.stop(SHUTDOWN_TIMEOUT_S, now=shutdown.now)
     say("stopped")
     return 130 if shutdown.now.is_set() else 0
+
+
+def _web_chat_line(gateway: Gateway) -> str:
+    """Where the web chat is: the link that signs a browser in (SPEC §9: the page needs the
+    token, on loopback too), or with a configured token, what to add to the address."""
+    if gateway.http is None or "web" not in gateway.channels:
+        return "web chat off"
+    link = gateway.web_link()
+    if link is not None:
+        return f"web chat on {link}"
+    return (f"web chat on http://{gateway.cfg.http.host}:{gateway.http.port}/ "
+            "(open it once with ?token=<channels.web.token>)")
+
+
+def _web_link(path: Path | None) -> int:
+    """`gateway web-link`: the link that signs a browser in to the web chat, again."""
+    from gateway.config.schema import secret_text
+    from gateway.http import web_token
+
+    cfg, cfg_path = _load(path)
+    if not cfg.channels.web.enabled:
+        print("the web chat is disabled (channels.web.enabled is false)", file=sys.stderr)
+        return 1
+    token = secret_text(cfg.channels.web.token)
+    if token is None:
+        data_dir = cfg.data_path(_base(cfg_path))
+        try:
+            token = web_token.load_or_create(data_dir)  # the one `run` made, or the one it will use
+        except OSError as err:
+            print(f"cannot read the web token: {err}", file=sys.stderr)
+            return 1
+    say(web_token.link(cfg.http.host, cfg.http.port, token), sys.stdout)
+    return 0
 
 
 async def _chat(path: Path | None) -> int:
@@ -286,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("scope", nargs="?", default=None,
                         help="a person (telegram:7), a scope (telegram:user:7) or a session key; "
                              "none: list the scopes")
+    command("web-link", "print the link that signs a browser in to the web chat (it holds the web token)")
     reset = command("config-reset", "give a setting changed with /config back to the gateways' config files "
                                     "(several gateways on PostgreSQL); without KEY, list the chat changes in effect")
     reset.add_argument("key", nargs="?", default=None, help="the setting, e.g. agent_max_context_tokens")
@@ -307,6 +343,8 @@ def _main(argv: list[str] | None) -> int:
             return asyncio.run(_run(getattr(args, "config", None)))
         if command_name == "chat":
             return asyncio.run(_chat(args.config))
+        if command_name == "web-link":
+            return _web_link(args.config)
         if command_name in ("pairing", "sessions", "usage", "memory", "config-reset"):
             return asyncio.run(_operator(args))
     except ConfigError as err:

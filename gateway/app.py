@@ -32,6 +32,7 @@ from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.hooks import Hooks
+from gateway.http import web_token
 from gateway.http.server import HttpServer, build_app
 from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
@@ -153,6 +154,7 @@ class Gateway:
         self._model_cfgs: tuple[Any, ...] = self._model_settings(config)  # the clients' settings
         self._applied = config  # the snapshot apply_config last brought the running parts to
         self.recent_errors = RecentErrors()  # the admin page's last warnings and errors
+        self.own_web_token: str | None = None  # the data dir's web token (gateway/http/web_token.py)
 
     # -- wiring ------------------------------------------------------------------------
 
@@ -195,9 +197,14 @@ class Gateway:
         problems = self.startup_problems(cfg)
         if problems:
             raise ConfigError(problems)
-        REDACTOR.set_secrets(secret_values(cfg))
         data_dir = self.holder.data_dir
         await asyncio.to_thread(check_data_dir, data_dir)
+        if self.serve_http:
+            try:  # the web API's token while channels.web.token is unset, made at the first start
+                self.own_web_token = await asyncio.to_thread(web_token.load_or_create, data_dir)
+            except OSError as err:
+                raise StartupError(f"the web token: {err}") from None
+        REDACTOR.set_secrets(self.secret_values(cfg))
         try:
             store = await open_store(secret_text(cfg.store.url), data_dir)
         except StoreError as err:
@@ -315,6 +322,29 @@ class Gateway:
         # With other gateways, the settings changed in chat stay on top of the file.
         return ConfigWatcher(self.holder, parse=self.chat_settings.from_text, check=self.startup_problems,
                              apply=self.apply_config, notify=self.tell_admins)
+
+    def secret_values(self, cfg: Config) -> list[str]:
+        """What the log masks: the config's secrets and the data dir's web token."""
+        return [*secret_values(cfg), *([self.own_web_token] if self.own_web_token else [])]
+
+    def _web_settings(self, cfg: Config) -> dict[str, Any]:
+        configured = secret_text(cfg.channels.web.token)
+        return {"token": configured or self.own_web_token, "max_chars": cfg.limits.max_inbound_chars,
+                "reply_timeout_s": cfg.limits.turn_timeout_s + 15}
+
+    @property
+    def web_token(self) -> str | None:
+        """The token the web API asks for now (None: no web chat here)."""
+        web = self.channels.get("web")
+        return web.token if web is not None else None
+
+    def web_link(self) -> str | None:
+        """The address that signs a browser in to the web chat, when the token is the data
+        dir's own (a configured token is the operator's to hand out: never printed)."""
+        if self.http is None or "web" not in self.channels or self.web_token != self.own_web_token:
+            return None
+        assert self.own_web_token is not None
+        return web_token.link(self.cfg.http.host, self.http.port, self.own_web_token)
 
     def startup_lines(self) -> list[str]:
         """The start banner: each channel and what it is doing, the MCP servers."""
@@ -460,7 +490,7 @@ class Gateway:
             self.channels["web"] = WebChannel(self.router.handle, http_host=cfg.http.host,
                                               history=self.web_history, decide=self.decide_approval,
                                               throttle=self._auth_throttle("web"),
-                                              **_web_settings(cfg),
+                                              **self._web_settings(cfg),
                                               **self.stream_settings(WebChannel, "web"))
         for name in PLATFORMS:
             channel = self._make_channel(name, cfg)
@@ -591,12 +621,12 @@ class Gateway:
         later = [key for key in changed_keys(old, cfg) if change_effect(key) == "restart"]
         if later:
             log.warning("config change saved; these settings apply after a restart", extra={"keys": later})
-        REDACTOR.set_secrets(secret_values(cfg))
+        REDACTOR.set_secrets(self.secret_values(cfg))
         s.model_slots.resize(cfg.limits.max_concurrent_model_calls)
         web = self.channels.get("web")
         if web is not None:
             # Requests check these per call: a rotated token locks the old one out at once.
-            for name, value in _web_settings(cfg).items():
+            for name, value in self._web_settings(cfg).items():
                 setattr(web, name, value)
         if cfg.log_level != old.log_level:
             set_log_level(cfg.log_level)
@@ -843,10 +873,6 @@ def listen_problem(host: str, port: int, err: OSError) -> str:
     return f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
-def _web_settings(cfg: Config) -> dict[str, Any]:
-    token = cfg.channels.web.token.get_secret_value() if cfg.channels.web.token else None
-    return {"token": token or None, "max_chars": cfg.limits.max_inbound_chars,
-            "reply_timeout_s": cfg.limits.turn_timeout_s + 15}
 
 
 def _local_tz() -> Any:

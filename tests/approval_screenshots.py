@@ -25,7 +25,7 @@ from playwright.async_api import async_playwright
 
 from gateway.app import Gateway
 from gateway.config.load import load_config
-from tests.conftest import write_config
+from tests.conftest import web_page_url, write_config
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
 from tests.web_screenshots import CHROMIUM, CHROMIUM_ARGS
@@ -56,7 +56,7 @@ async def take(out_dir: Path, chromium: str = CHROMIUM) -> list[Path]:
                 sent = await _telegram_card(model, telegram, call)
                 return [await _shoot_html(_telegram_page(sent, telegram.bot_username), out_dir / NAMES[0],
                                           chromium),
-                        await _shoot_web(f"http://127.0.0.1:{gw.http.port}/", model, call, out_dir / NAMES[1],
+                        await _shoot_web(web_page_url(gw), model, call, out_dir / NAMES[1],
                                          chromium)]
             finally:
                 await gw.stop(timeout=5)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -15,6 +17,7 @@ import pytest_asyncio
 
 from gateway.app import Gateway
 from gateway.config.load import load_config
+from gateway.http.web_token import cookie_name, cookie_value
 from gateway.store.backends import open_store
 from gateway.store.sqlite import Store
 from tests.fakes.openai_server import FakeModel, fake_model  # noqa: F401  (fixture)
@@ -82,10 +85,46 @@ async def make_gateway(tmp_path: Path, fake_model: FakeModel) -> AsyncIterator[G
         await gw.stop(timeout=5)
 
 
+def web_auth(gw: Gateway) -> dict[str, str]:
+    """The header the web API asks for (SPEC §9: its token, on loopback too)."""
+    assert gw.web_token is not None, "the web chat is off"
+    return {"Authorization": f"Bearer {gw.web_token}"}
+
+
+def web_cookie(gw: Gateway) -> dict[str, str]:
+    """The header of a browser signed in to the page (by the link: test_http_edge.py)."""
+    assert gw.web_token is not None, "the web chat is off"
+    return {"Cookie": f"{cookie_name(gw.web_token)}={cookie_value(gw.web_token)}"}
+
+
+def web_page_url(gw: Gateway) -> str:
+    """The page's address with the token, as `gateway run` prints it: opening it signs the
+    browser in (it is sent on to the page without the token)."""
+    assert gw.http is not None and gw.web_token is not None, "the web chat is off"
+    return f"http://127.0.0.1:{gw.http.port}/?token={quote(gw.web_token, safe='')}"
+
+
+def web_client(gw: Gateway, **kwargs: Any) -> aiohttp.ClientSession:
+    """An HTTP client that sends the web API's token with every request."""
+    return aiohttp.ClientSession(**({"headers": web_auth(gw)} | kwargs))
+
+
+BANNER_LINK = re.compile(r"gateway running: web chat on http://127\.0\.0\.1:(\d+)/\?token=([\w-]+)\s")
+
+
+def banner_link(line: str) -> tuple[int, dict[str, str]]:
+    """The port and the web API's header from the line `gateway run` starts with."""
+    found = BANNER_LINK.search(line)
+    assert found, line
+    return int(found.group(1)), {"Authorization": f"Bearer {found.group(2)}"}
+
+
 async def post_chat(gw: Gateway, payload: Any, *, token: str | None = None,
                     raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """POST /api/chat with the gateway's token (or `token`; "" sends none)."""
     assert gw.http is not None
     url = f"http://127.0.0.1:{gw.http.port}/api/chat"
+    token = gw.web_token if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as http:
         if raw is not None:

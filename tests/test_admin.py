@@ -17,7 +17,7 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config.load import ConfigError
-from tests.conftest import GatewayFactory, chat, write_config
+from tests.conftest import GatewayFactory, banner_link, chat, write_config
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
@@ -175,9 +175,8 @@ async def test_sigterm_during_a_turn_loses_nothing(fake_model: FakeModel, tmp_pa
     )
     try:
         assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
-        port = int(line.rsplit(":", 1)[1].split("/")[0])
-        async with aiohttp.ClientSession() as http:
+        port, auth = banner_link((await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode())
+        async with aiohttp.ClientSession(headers=auth) as http:
             request = asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}/api/chat",
                                                       json={"session": "t", "text": "question"}))
             await fake_model.wait_requests(1, timeout=30)

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+import gateway.http.throttle as throttle
 from gateway.app import Gateway
 from gateway.config.checks import startup_problems
 from gateway.config.load import ConfigError, parse_config
@@ -20,7 +21,7 @@ from gateway.ops.logs import Redactor
 from gateway.tools.base import Tool
 from gateway.tools.current_time import CurrentTime
 from gateway.types import Inbound
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_cookie
 from tests.fakes.openai_server import FakeModel
 
 ADMIN = "admin-token-0123456789abcdef"
@@ -70,6 +71,30 @@ async def test_the_token_is_required(make_gateway: GatewayFactory) -> None:
     assert status == 401
     status, body = await call(gw, "/admin/api/sessions")
     assert status == 200 and body["sessions"] == []
+
+
+async def test_a_loopback_client_without_the_admin_token_reads_and_changes_nothing(
+        make_gateway: GatewayFactory, fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: what a sandboxed curl sends (loopback, no Origin, its own Host) is no
+    proof of being the owner here either; neither is the web chat's token or cookie."""
+    monkeypatch.setattr(throttle, "BASE_DELAY_S", 0.001)  # many wrong tokens: none of the real waits
+    monkeypatch.setattr(throttle, "MAX_DELAY_S", 0.001)
+    gw = await make_gateway(http={"admin_token": ADMIN}, access={"dm_policy": "pairing"})
+    await chat(gw, "ann", "PRIVATE-CHAT-TEXT")
+    code, _ = await gw.pairing.code_for("telegram:77")
+    assert gw.web_token is not None
+    curl = {"User-Agent": "curl/8.5.0", "Accept": "*/*"}
+    for token, extra in ((None, {}), (gw.web_token, {}), (None, web_cookie(gw))):
+        for path in ("/admin/api/sessions", "/admin/api/session?key=web:ann", "/admin/api/status",
+                     "/admin/api/errors", "/admin/api/pairings"):
+            status, body = await call(gw, path, token=token, headers=curl | extra)
+            assert status == 401 and "PRIVATE-CHAT-TEXT" not in str(body), (path, token, extra)
+        status, _ = await call(gw, "/admin/api/pairings/approve", token=token, json={"code": code},
+                               headers=curl | extra)
+        assert status == 401
+    assert await gw.pairing.approved() == []
+    status, body = await call(gw, "/admin/api/session?key=web:ann", headers=curl)  # the admin token: yes
+    assert status == 200 and "PRIVATE-CHAT-TEXT" in str(body)
 
 
 async def test_cross_site_requests_are_refused(make_gateway: GatewayFactory) -> None:

@@ -5,12 +5,11 @@ run where the exec sandbox cannot."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from gateway.app import Gateway
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
@@ -31,7 +30,7 @@ def tool_result(request: dict[str, Any]) -> str:
 
 
 async def answer(gw: Gateway, approval: str, session: str, decision: str) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         async with http.post(f"{_base(gw)}/api/approvals/{approval}",
                              json={"session": session, "decision": decision}) as resp:
             return resp.status, await resp.json()
@@ -42,7 +41,7 @@ async def test_the_web_card_is_answered_by_an_approver_once(make_gateway: Gatewa
     gw = await make_gateway(admins=["web:boss"], approvals=ASK)
     fake_model.tool_call("current_time", {"timezone": "Europe/Berlin"})
     fake_model.reply("It is noon.")
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         async with http.post(_base(gw) + "/api/chat",
                              json={"session": "boss", "text": "what time?", "stream": True}) as resp:
             events = Events(resp)
@@ -135,3 +134,19 @@ async def test_a_restart_while_waiting_is_a_deny_and_the_card_says_so(
     assert [r["decision"] for r in rows] == ["restart"]  # never a silent yes
     await fake_telegram.wait_shown(5, lambda texts: "Answered after the restart." in texts, timeout=10)
     assert "not run" in tool_result(fake_model.requests[-1])
+
+
+async def test_approvals_are_config_json_s_alone_never_chat_s(make_gateway: GatewayFactory, tmp_path: Path) -> None:
+    """Issue 31: `approvals.*` decides who must approve what the agent does. An admin's
+    account in chat (or a session acting as one) must not wave its own tools through."""
+    gw = await make_gateway(admins=["web:boss"], approvals={"tools": {"exec": "ask"}})
+    before = (tmp_path / "config.json").read_text()
+    for change in ("approvals.tools.exec allow", 'approvals.tools {}', 'approvals {"tools": {}}',
+                   "approvals.approvers participants", "approvals.timeout_s 99999",
+                   "approvals.tools.web_fetch allow", "approvals.after_outside_content []",
+                   "approvals.route approvers"):
+        answer = await chat(gw, "boss", f"/config {change}")
+        assert "operator's decision; change it in config.json, not in chat" in answer, (change, answer)
+    assert (tmp_path / "config.json").read_text() == before
+    assert gw.cfg.approvals.tools == {"exec": "ask"} and gw.cfg.approvals.approvers == "admins"
+    assert "approvals.tools.exec" in await chat(gw, "boss", "/config approvals.tools.exec")  # still shown

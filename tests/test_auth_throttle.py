@@ -18,7 +18,7 @@ from gateway.app import Gateway
 from gateway.config.checks import startup_problems
 from gateway.config.load import parse_config
 from gateway.http.throttle import HALF_LIFE_S, HELD_MAX, AuthThrottle, client_key
-from tests.conftest import GatewayFactory
+from tests.conftest import GatewayFactory, web_auth, web_cookie
 
 WEB_TOKEN = "web-token-0123456789"
 ADMIN_TOKEN = "admin-token-0123456789"
@@ -145,7 +145,7 @@ async def test_wrong_tokens_get_slower_per_address_and_a_right_one_works_at_once
     delays = []
     for n in range(10):
         status, headers, body = await call(gw, "/api/chat" if n % 2 else "/api/history", f"guess-{n}", "127.0.0.2")
-        assert status == 401 and "bearer token" in body["error"] and headers["Cache-Control"] == "no-store"
+        assert status == 401 and "Authorization: Bearer" in body["error"] and headers["Cache-Control"] == "no-store"
         delays.append(web.next_delay("127.0.0.2"))
     assert delays == [0.0] * 4 + [0.05, 0.1, 0.2, 0.4, 0.8, 1.6]
     assert auth_failures(gw, "web") == 10
@@ -177,3 +177,33 @@ async def test_wrong_tokens_get_slower_per_address_and_a_right_one_works_at_once
     # The admin API's views (sessions and their text among them) are never kept by a cache either.
     status, headers, _ = await call(gw, "/admin/api/sessions", ADMIN_TOKEN, "127.0.0.5")
     assert status == 200 and headers["Cache-Control"] == "no-store"
+
+
+async def test_the_data_dir_s_token_is_guarded_the_same_by_header_cookie_and_link(
+    make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without channels.web.token the API wants the data dir's token: guessing it by bearer
+    header, by cookie or by `/?token=` link costs the same places; a request that sends no
+    token at all guesses nothing and is answered at once, uncounted."""
+    monkeypatch.setattr(throttle_module, "BASE_DELAY_S", 0.05)
+    gw = await make_gateway()
+    web = gw.channels["web"].throttle  # type: ignore[attr-defined]
+    assert gw.http is not None and gw.web_token is not None
+    base = f"http://127.0.0.1:{gw.http.port}"
+    cookie = web_cookie(gw)["Cookie"].split("=")[0]
+    connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for _ in range(3):
+            async with http.get(base + "/api/history?session=a") as resp:
+                assert resp.status == 401
+        assert web.failures("127.0.0.2") == 0 and auth_failures(gw, "web") == 0
+        guesses = [({"Authorization": "Bearer guess"}, "/api/history?session=a"),
+                   ({"Cookie": f"{cookie}=guess"}, "/api/history?session=a"),
+                   ({}, "/?token=guess")]
+        for headers, path in guesses * 2:
+            async with http.get(base + path, headers=headers, allow_redirects=False) as resp:
+                assert resp.status == 401, path
+        assert auth_failures(gw, "web") == 6 and web.next_delay("127.0.0.2") > 0
+    async with aiohttp.ClientSession(headers=web_auth(gw)) as http:  # another address is not slowed
+        async with http.get(base + "/api/history?session=a") as resp:
+            assert resp.status == 200

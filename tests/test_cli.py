@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.conftest import write_config
+from tests.conftest import banner_link, write_config
 from tests.fakes.openai_server import FakeModel
 
 
@@ -79,6 +79,11 @@ async def test_run_says_which_config_and_data_dir_and_the_missing_key_once(
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         assert line.startswith(b"gateway running")
+        # The web chat's link carries the data dir's token (SPEC §9: the page needs it on loopback too).
+        _port, auth = banner_link(line.decode())
+        token_file = tmp_path / "data" / "web-token"
+        assert auth == {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        assert token_file.stat().st_mode & 0o777 == 0o600
         banner = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         assert banner.decode().rstrip("\n") == f"config {path.resolve()}; data in {tmp_path.resolve() / 'data'}"
         proc.send_signal(signal.SIGINT)
@@ -148,3 +153,16 @@ async def test_the_readmes_local_model_configs_pass_check_config_without_a_key(t
         out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
         assert proc.returncode == 0 and out.decode().strip() == f"{path}: OK", err.decode()
         assert err.decode() == ""  # not even a warning: the placeholder key counts as a key
+
+
+async def test_web_link_prints_the_link_with_the_data_dir_s_token(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model": {"name": "demo"}, "http": {"port": 8123}}))
+    code, out, err = await _run_cli(["web-link", "--config", str(path)], tmp_path)
+    assert code == 0, err
+    token = (tmp_path / "data" / "web-token").read_text().strip()  # made now: `run` will use this one
+    assert out == f"http://127.0.0.1:8123/?token={token}\n"
+    assert (await _run_cli(["web-link", "--config", str(path)], tmp_path))[1] == out  # the same one again
+    path.write_text(json.dumps({"model": {"name": "demo"}, "channels": {"web": {"enabled": False}}}))
+    code, _, err = await _run_cli(["web-link", "--config", str(path)], tmp_path)
+    assert code == 1 and "disabled" in err

@@ -18,7 +18,7 @@ import aiohttp
 
 from gateway.access import Pairing
 from gateway.store.sqlite import Store
-from tests.conftest import GatewayFactory, chat, write_config
+from tests.conftest import GatewayFactory, banner_link, chat, write_config
 from tests.fakes.openai_server import FakeModel
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -31,10 +31,10 @@ async def _start(path: Path, cwd: Path, **pipes: Any) -> asyncio.subprocess.Proc
     )
 
 
-async def _port(proc: asyncio.subprocess.Process) -> int:
+async def _port(proc: asyncio.subprocess.Process) -> tuple[int, dict[str, str]]:
+    """The port and the web API's header, from the line the gateway starts with."""
     assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
-    return int(line.rsplit(":", 1)[1].split("/")[0])
+    return banner_link((await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode())
 
 
 async def _read_until(stream: asyncio.StreamReader, marker: str, timeout: float = 30) -> str:
@@ -60,8 +60,8 @@ async def test_ctrl_c_says_what_it_waits_for_a_second_stops_now_and_the_turn_res
     fake_model.hang(60)  # the model never answers in time
     proc = await _start(path, tmp_path)
     try:
-        port = await _port(proc)
-        async with aiohttp.ClientSession() as http:
+        port, auth = await _port(proc)
+        async with aiohttp.ClientSession(headers=auth) as http:
             request = asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}/api/chat",
                                                       json={"session": "t", "text": "a long question"}))
             await fake_model.wait_requests(1, timeout=30)

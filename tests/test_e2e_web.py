@@ -10,7 +10,7 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.turns.router import BUSY_REPLY
-from tests.conftest import GatewayFactory, chat, post_chat
+from tests.conftest import GatewayFactory, chat, post_chat, web_client
 from tests.fakes.openai_server import FakeModel, Reply, ScriptedCall, last_user_text
 
 
@@ -154,7 +154,7 @@ async def test_bad_input_gets_clear_http_errors_and_leaves_session_intact(
         assert body["error"]
     status, body = await post_chat(gw, {"session": "ivy", "text": "hi"}, token="wrong")
     assert status == 401 and "token" in body["error"]
-    status, body = await post_chat(gw, {"session": "ivy", "text": "hi"})
+    status, body = await post_chat(gw, {"session": "ivy", "text": "hi"}, token="")
     assert status == 401
 
     assert await gw.services.store.messages("web:ivy") == before
@@ -259,7 +259,7 @@ async def test_a_long_session_s_history_comes_in_bounded_pages(make_gateway: Gat
     got: list[str] = []
     sizes = []
     params = {"session": "big", "limit": str(HISTORY_MAX)}
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         while True:
             async with http.get(f"http://127.0.0.1:{gw.http.port}/api/history", params=params) as resp:
                 assert resp.status == 200

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from gateway.app import Gateway
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes.openai_server import FakeModel
 from tests.test_web_api import Events
 
@@ -23,6 +23,8 @@ def _base(gw: Gateway) -> str:
 
 
 async def history(gw: Gateway, session: str, *, token: str | None = None, **params: str) -> tuple[int, Any]:
+    """GET /api/history with the gateway's token (or `token`; "" sends none)."""
+    token = gw.web_token if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as http:
         async with http.get(_base(gw) + "/api/history", params={"session": session, **params},
@@ -35,7 +37,7 @@ async def test_a_streamed_request_ends_with_the_whole_reply(make_gateway: Gatewa
     gw = await make_gateway()
     reply = "Here you go:\n\n```sh\nls -la\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n猫 🐈"
     fake_model.reply(reply, delay=0.2)
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         async with http.post(_base(gw) + "/api/chat",
                              json={"session": "sse-e2e", "text": "show me", "stream": True}) as resp:
             assert resp.status == 200
@@ -69,7 +71,7 @@ async def test_history_shows_what_was_said_without_tool_traffic(make_gateway: Ga
     assert all(isinstance(m["at"], float) for m in body["messages"])
     status, body = await history(gw, "hist", token="sekret-token", limit="2")
     assert [m["text"] for m in body["messages"]] == ["then good night", "Good night!"]
-    assert (await history(gw, "hist"))[0] == 401
+    assert (await history(gw, "hist", token=""))[0] == 401
     assert (await history(gw, "someone-else", token="sekret-token"))[1]["messages"] == []
 
 
@@ -77,7 +79,7 @@ async def test_a_reply_that_comes_after_the_page_left_is_in_the_history(make_gat
                                                                        fake_model: FakeModel) -> None:
     gw = await make_gateway()
     fake_model.reply("Sorry for the wait.", delay=0.5)
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         resp = await http.post(_base(gw) + "/api/chat", json={"session": "left", "text": "hello?", "stream": True})
         assert resp.status == 200
         resp.close()  # the tab was closed while the agent worked

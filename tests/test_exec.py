@@ -582,7 +582,7 @@ async def test_the_gateway_processs_environment_is_out_of_reach(tmp_path: Path, 
     try:
         base = child.url.rstrip("/")
         import aiohttp
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=child.web_headers) as http:
             deadline = time.monotonic() + 30
             while True:  # both MCP servers up
                 async with http.get(base + "/readyz") as resp:

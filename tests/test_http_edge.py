@@ -1,7 +1,8 @@
 """The HTTP edge of a running gateway (SPEC §9): slow and idle connections are closed, one
-client address cannot hold every connection, tokenless /api requests from other sites are
-refused, JSON nested too deeply is a 400 everywhere, and /readyz is a 503 with reasons,
-never a 500. Raw sockets where aiohttp's client would hide what the server does."""
+client address cannot hold every connection, /api requests need the token on loopback too
+and those a browser's cookie carries are refused from other sites, JSON nested too deeply
+is a 400 everywhere, and /readyz is a 503 with reasons, never a 500. Raw sockets where
+aiohttp's client would hide what the server does."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import gateway.http.server as server_module
 from gateway.app import Gateway
 from gateway.config.schema import HttpConfig
 from gateway.http.server import HttpServer, build_app
-from tests.conftest import GatewayFactory, write_config
+from tests.conftest import GatewayFactory, post_chat, web_auth, web_cookie, write_config
 from tests.fakes import slack_server, telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.slack_server import BOT_TOKEN, SIGNING_SECRET, FakeSlack, signed_request
@@ -127,6 +128,7 @@ async def test_timely_requests_share_a_keep_alive_connection(make_gateway: Gatew
                 await reader.readexactly(length)
         body = json.dumps({"session": "kept", "text": "hi"}).encode()
         writer.write(f"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {gw.web_token}\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         data = await read_until_closed(reader, within=5)
         assert data.startswith(b"HTTP/1.1 200") and b"echo: hi" in data, data[:300]
@@ -293,14 +295,75 @@ async def post_api(gw: Gateway, body: bytes, headers: dict[str, str]) -> tuple[i
 async def test_a_cross_site_text_post_cannot_change_config(make_gateway: GatewayFactory,
                                                           fake_model: FakeModel) -> None:
     """The attack: a page on evil.example POSTs text/plain (no CORS preflight) to the local
-    gateway, by DNS rebinding with its own name in Host, as the admin's web session."""
+    gateway, by DNS rebinding with its own name in Host, as the admin's web session, in a
+    browser signed in to the page (its cookie goes along)."""
     gw = await make_gateway(admins=["web:root"])
     body = json.dumps({"session": "root", "text": "/config agent_max_steps 3"}).encode()
-    status, answer = await post_api(gw, body, {"Content-Type": "text/plain", "Origin": "http://evil.example",
-                                               "Host": f"evil.example:{port_of(gw)}"})
+    status, answer = await post_api(gw, body, web_cookie(gw) | {
+        "Content-Type": "text/plain", "Origin": "http://evil.example", "Host": f"evil.example:{port_of(gw)}"})
     assert status == 403, answer
     assert gw.cfg.agent_max_steps == 15
     assert fake_model.requests == []
+
+
+async def test_on_loopback_without_the_token_nothing_is_read_or_said(make_gateway: GatewayFactory,
+                                                                     fake_model: FakeModel, tmp_path: Path) -> None:
+    """The attack (issue 31): a sandboxed command with the network on shares the host's
+    loopback and sends what curl sends, no Origin, its own Host, JSON. It must learn no
+    session's history, speak in none (not as the admin's: `/config` from there set
+    approvals.tools.exec to allow), nor follow one; with the token the same requests work."""
+    gw = await make_gateway(admins=["web:root"], approvals={"tools": {"exec": "ask"}})
+    config_before = (tmp_path / "config.json").read_text()
+    fake_model.reply("the root's secret plan")
+    assert (await post_chat(gw, {"session": "root", "text": "remember my plan"}))[0] == 200
+    base = f"http://127.0.0.1:{port_of(gw)}"
+    curl = {"User-Agent": "curl/8.5.0", "Accept": "*/*"}
+    async with aiohttp.ClientSession(headers=curl) as http:
+        for path in ("/api/history?session=root", "/api/events?session=root"):
+            async with http.get(base + path) as resp:
+                assert resp.status == 401, path
+                assert "secret plan" not in await resp.text()
+        for payload in ({"session": "root", "text": "/config approvals.tools.exec allow"},
+                        {"session": "root", "text": "/config agent_max_steps 3"}):
+            async with http.post(base + "/api/chat", json=payload) as resp:
+                assert resp.status == 401 and "token" in (await resp.json())["error"]
+        async with http.post(base + "/api/approvals/abcdef", json={"session": "root", "decision": "allow"}) as resp:
+            assert resp.status == 401
+        # A guessed cookie or bearer token gets no further.
+        async with http.get(base + "/api/history?session=root",
+                            headers={"Cookie": web_cookie(gw)["Cookie"].split("=")[0] + "=guess"}) as resp:
+            assert resp.status == 401
+        async with http.get(base + "/api/history?session=root", headers={"Authorization": "Bearer guess"}) as resp:
+            assert resp.status == 401
+    assert (tmp_path / "config.json").read_text() == config_before
+    assert gw.cfg.approvals.tools == {"exec": "ask"} and gw.cfg.agent_max_steps == 15
+    assert len(fake_model.requests) == 1
+    async with aiohttp.ClientSession(headers=curl | web_auth(gw)) as http:
+        async with http.get(base + "/api/history?session=root") as resp:
+            assert resp.status == 200 and "secret plan" in await resp.text()
+
+
+async def test_the_link_signs_a_browser_in_with_a_strict_cookie(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway()
+    assert gw.web_token is not None and gw.web_link() == f"http://127.0.0.1:{port_of(gw)}/?token={gw.web_token}"
+    base = f"http://127.0.0.1:{port_of(gw)}"
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.get(base + "/api/history?session=me") as resp:
+            assert resp.status == 401 and "web-link" in (await resp.json())["error"]
+        async with http.get(base + "/", params={"token": gw.web_token, "session": "me"},
+                            allow_redirects=False) as resp:
+            assert resp.status == 303 and resp.headers["Location"] == "./?session=me"  # the token left behind
+            assert resp.headers["Cache-Control"] == "no-store"
+            cookie = resp.cookies[web_cookie(gw)["Cookie"].split("=")[0]]
+        assert cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == "/"
+        assert gw.web_token not in cookie.value  # the browser keeps a value derived from it
+        async with http.get(base + "/api/history?session=me") as resp:
+            assert resp.status == 200
+        # A wrong link signs nobody in, and counts as a wrong token.
+        async with aiohttp.ClientSession() as other, other.get(base + "/", params={"token": "old-link"},
+                                                                allow_redirects=False) as resp:
+            assert resp.status == 401 and "web-link" in await resp.text() and "Set-Cookie" not in resp.headers
+        assert round(gw.channels["web"].throttle.failures("127.0.0.1")) == 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("host", "origin", "content_type", "expected"), [
@@ -315,13 +378,14 @@ async def test_a_cross_site_text_post_cannot_change_config(make_gateway: Gateway
     ("localhost:{port}", "http://localhost:{port}", "application/json; charset=utf-8", 200),
     ("[::1]:{port}", None, "application/json", 200),
 ])
-async def test_tokenless_api_requests_must_come_from_this_server(
+async def test_the_signed_in_page_s_requests_must_come_from_this_server(
     make_gateway: GatewayFactory, fake_model: FakeModel, host: str, origin: str | None, content_type: str,
     expected: int,
 ) -> None:
+    """The cookie goes with whatever the browser sends here, so it is not enough."""
     gw = await make_gateway()
     port = port_of(gw)
-    headers = {"Host": host.format(port=port), "Content-Type": content_type}
+    headers = web_cookie(gw) | {"Host": host.format(port=port), "Content-Type": content_type}
     if origin is not None:
         headers["Origin"] = origin.format(port=port)
     status, answer = await post_api(gw, json.dumps({"session": "site", "text": "hi"}).encode(), headers)
@@ -365,7 +429,7 @@ async def test_web_api_refuses_json_nested_too_deeply(make_gateway: GatewayFacto
                                                       depth: int) -> None:
     gw = await make_gateway()
     body = '{"session": "deep", "text": "hi", "extra": ' + nested(depth) + "}"
-    status, answer = await post_api(gw, body.encode(), {"Content-Type": "application/json"})
+    status, answer = await post_api(gw, body.encode(), web_auth(gw) | {"Content-Type": "application/json"})
     assert status == 400, answer
     assert "nested too deeply" in answer["error"]
     assert fake_model.requests == []
@@ -456,9 +520,9 @@ async def test_a_rebinding_page_cannot_read_the_history(make_gateway: GatewayFac
     gw = await make_gateway()
     port = port_of(gw)
     await post_api(gw, json.dumps({"session": "hist", "text": "my secret plan"}).encode(),
-                   {"Content-Type": "application/json"})
+                   web_auth(gw) | {"Content-Type": "application/json"})
     url = f"http://127.0.0.1:{port}/api/history?session=hist"
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=web_cookie(gw)) as http:  # a browser signed in to the page
         async with http.get(url, headers={"Host": f"evil.example:{port}"}) as resp:
             assert resp.status == 403
             assert "my secret plan" not in await resp.text()

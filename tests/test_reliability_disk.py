@@ -37,7 +37,7 @@ import pytest
 from bench._procs import PYTHON, ROOT, child_env
 from gateway.app import Gateway
 from gateway.store.sqlite import Store, StoreError
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
 from tests.fakes.telegram_server import FakeTelegram
@@ -223,7 +223,7 @@ async def _healthz(gw: Gateway) -> int:
 async def post_raw(gw: Gateway, session: str, text: str) -> tuple[int, str]:
     """POST /api/chat and return the body as text, whatever its content type."""
     assert gw.http is not None
-    async with aiohttp.ClientSession() as http, http.post(
+    async with web_client(gw) as http, http.post(
         f"http://127.0.0.1:{gw.http.port}/api/chat", json={"session": session, "text": text}
     ) as resp:
         return resp.status, await resp.text()

@@ -15,7 +15,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from channels.discord.format import render_markdown as discord_markdown
@@ -25,7 +24,7 @@ from gateway.app import Gateway
 from gateway.turns.agent import STOPPED_RESULT
 from gateway.turns.commands import HELP, STOP_ANSWERS
 from gateway.turns.streaming import STOPPED_MARK, stopped_reply
-from tests.conftest import GatewayFactory, chat, post_chat
+from tests.conftest import GatewayFactory, chat, post_chat, web_client
 from tests.fakes import discord_server, slack_server
 from tests.fakes.discord_server import FakeDiscord
 from tests.fakes.openai_server import FakeModel, estimate_prompt_tokens, estimate_tokens
@@ -87,7 +86,7 @@ async def test_web_stop_mid_stream_keeps_what_was_shown_and_the_next_message_goe
         make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
     gw = await make_gateway()
     endless(fake_model)
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         resp = await open_stream(http, base(gw), {"session": "ann", "text": "tell me everything", "stream": True})
         events = Events(resp)
         seen = await deltas_until(events, 5)
@@ -221,7 +220,7 @@ async def test_stop_ends_a_pending_approval_as_stopped(make_gateway: GatewayFact
     assert gw.services is not None
     mark = marker()
     fake_model.tool_call("exec", {"command": f"sleep {mark}"})
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         resp = await open_stream(http, base(gw), {"session": "hal", "text": "run it", "stream": True})
         events = Events(resp)
         while (event := await events.next(timeout=10))[0] != "approval":

@@ -22,6 +22,13 @@ from channels.web.adapter import HistoryItem, WebChannel
 from gateway.store.sqlite import Store
 from gateway.types import Inbound, Message, ToolCall
 
+TOKEN = "test-web-token-0123456789abcdef0123456789"
+
+
+def client() -> aiohttp.ClientSession:
+    """A client with the channel's token (SPEC §9: needed on loopback too)."""
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"})
+
 
 @dataclass
 class Served:
@@ -49,7 +56,7 @@ async def served() -> AsyncIterator[Served]:
         holder["s"].history_calls.append((session, limit))
         return [HistoryItem("user", f"hi from {session}", 1.0), HistoryItem("assistant", "**hello**", 2.0)], None
 
-    channel = WebChannel(accept, token=None, max_chars=10_000, reply_timeout_s=5, history=history,
+    channel = WebChannel(accept, token=TOKEN, max_chars=10_000, reply_timeout_s=5, history=history,
                          observe=lambda name: holder["s"].observed.append(name), heartbeat_s=0.05)
     app = web.Application()
     app.router.add_routes(channel.routes())
@@ -117,7 +124,7 @@ def stream_for(served: Served, inbound: Inbound) -> ReplyStream:
 
 
 async def test_deltas_and_a_status_reach_the_client_as_they_happen(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "sse", "text": "hi", "stream": True})
         events = Events(resp)
         inbound = await served.next_inbound()
@@ -144,7 +151,7 @@ async def test_deltas_and_a_status_reach_the_client_as_they_happen(served: Serve
 
 
 async def test_accept_header_alone_asks_for_a_stream(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "sse", "text": "hi"},
                                  headers={"Accept": "text/event-stream"})
         inbound = await served.next_inbound()
@@ -154,7 +161,7 @@ async def test_accept_header_alone_asks_for_a_stream(served: Served) -> None:
 
 
 async def test_without_stream_the_json_answer_is_unchanged(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         request = asyncio.create_task(http.post(served.base + "/api/chat", json={"session": "js", "text": "hi"}))
         inbound = await served.next_inbound()
         assert served.channel.stream(inbound) is None  # the gateway then uses send()
@@ -168,7 +175,7 @@ async def test_without_stream_the_json_answer_is_unchanged(served: Served) -> No
 
 async def test_a_reply_sent_whole_ends_a_stream_too(served: Served) -> None:
     # Command replies and the gateway before streaming lands come through send().
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "cmd", "text": "/help", "stream": True})
         inbound = await served.next_inbound()
         await served.channel.send(inbound, "Commands: …")
@@ -177,7 +184,7 @@ async def test_a_reply_sent_whole_ends_a_stream_too(served: Served) -> None:
 
 
 async def test_fail_ends_with_an_error_event(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "f", "text": "hi", "stream": True})
         stream = stream_for(served, await served.next_inbound())
         await stream.append("partial")
@@ -190,7 +197,7 @@ async def test_fail_ends_with_an_error_event(served: Served) -> None:
 
 
 async def test_a_client_that_leaves_does_not_break_the_turn(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "gone", "text": "hi", "stream": True})
         inbound = await served.next_inbound()
         stream = stream_for(served, inbound)
@@ -210,7 +217,7 @@ async def test_a_client_that_leaves_does_not_break_the_turn(served: Served) -> N
         await stream.finish("the whole reply")
     assert served.channel.stream(inbound) is None  # nobody to stream to any more
     # The channel goes on serving.
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "gone", "text": "again", "stream": True})
         await stream_for(served, await served.next_inbound()).finish("still here")
         assert await Events(resp).rest() == [("done", {"reply": "still here"})]
@@ -219,7 +226,7 @@ async def test_a_client_that_leaves_does_not_break_the_turn(served: Served) -> N
 
 async def test_quiet_streams_get_heartbeats_and_the_wait_times_out(served: Served) -> None:
     served.channel.reply_timeout_s = 0.4
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "slow", "text": "hi", "stream": True})
         inbound = await served.next_inbound()
         events = Events(resp)
@@ -234,7 +241,7 @@ async def test_quiet_streams_get_heartbeats_and_the_wait_times_out(served: Serve
 
 
 async def test_shutdown_ends_an_open_stream_with_an_error(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "bye", "text": "hi", "stream": True})
         await served.next_inbound()
         await served.channel.stop()
@@ -244,14 +251,14 @@ async def test_shutdown_ends_an_open_stream_with_an_error(served: Served) -> Non
 
 
 async def test_a_refused_message_gets_a_plain_json_error(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         async with http.post(served.base + "/api/chat", json={"session": "x", "text": "", "stream": True}) as resp:
             assert resp.status == 400
             assert "text" in (await resp.json())["error"]
 
 
 async def test_history_endpoint(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         async with http.get(served.base + "/api/history", params={"session": "alice", "limit": "7"}) as resp:
             assert resp.status == 200
             body = await resp.json()
@@ -264,17 +271,17 @@ async def test_history_endpoint(served: Served) -> None:
                        {"session": "a", "before": "12"}, {"session": "a", "before": "1.2; drop"}):
             async with http.get(served.base + "/api/history", params=params) as resp:
                 assert resp.status == 400, params
-        served.channel.token = "sekret"
+        served.channel.token = "sekret-rotated-0123456789abcdef0123"
         async with http.get(served.base + "/api/history", params={"session": "alice"}) as resp:
             assert resp.status == 401
         async with http.get(served.base + "/api/history", params={"session": "alice"},
-                            headers={"Authorization": "Bearer sekret"}) as resp:
+                            headers={"Authorization": "Bearer sekret-rotated-0123456789abcdef0123"}) as resp:
             assert resp.status == 200
     assert served.history_calls == [("alice", 7), ("alice", 50)]
 
 
 async def test_answers_that_carry_the_conversation_are_never_stored_by_a_cache(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         async with http.get(served.base + "/api/history", params={"session": "alice"}) as resp:
             assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
         request = asyncio.create_task(http.post(served.base + "/api/chat", json={"session": "js", "text": "hi"}))
@@ -291,7 +298,7 @@ async def test_answers_that_carry_the_conversation_are_never_stored_by_a_cache(s
 
 
 async def test_page_and_its_files_are_served_with_a_strict_policy(served: Served) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         async with http.get(served.base + "/") as resp:
             assert resp.status == 200
             csp = resp.headers["Content-Security-Policy"]
@@ -347,7 +354,7 @@ async def test_store_chat_history_is_what_the_person_saw(store: Store) -> None:
 
 @pytest.mark.parametrize("payload", [{"stream": "yes"}, {"stream": 1}])
 async def test_stream_must_be_true_to_ask(served: Served, payload: dict[str, Any]) -> None:
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         request = asyncio.create_task(http.post(served.base + "/api/chat",
                                                 json={"session": "t", "text": "hi", **payload}))
         inbound = await served.next_inbound()
@@ -360,7 +367,7 @@ async def test_stream_must_be_true_to_ask(served: Served, payload: dict[str, Any
 async def test_a_client_that_stops_reading_is_dropped_in_time(served: Served) -> None:
     served.channel.reply_timeout_s = 0.3
     served.channel.stuck_write_s = 0.3
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await open_stream(http, served.base, {"session": "stuck", "text": "hi", "stream": True})
         stream = stream_for(served, await served.next_inbound())
         # Far more than the socket buffers hold, and the client never reads a byte.
@@ -376,3 +383,21 @@ async def test_a_client_that_stops_reading_is_dropped_in_time(served: Served) ->
                 await asyncio.sleep(0.05)
         await stream.finish("x" * 64_000_000)  # nobody is listening: a no-op, no error
         resp.close()
+
+
+async def test_every_api_route_needs_the_token_and_the_page_s_shell_does_not(served: Served) -> None:
+    """SPEC §9, issue 31: loopback and no foreign Origin prove nothing (a sandbox with the
+    network on is on this machine too); every /api route, present or added later, wants the token."""
+    api = [(route.method, route.path) for route in served.channel.routes() if route.path.startswith("/api/")]
+    assert len(api) >= 4
+    async with aiohttp.ClientSession() as http:
+        for method, path in api:
+            url = served.base + path.replace("{id}", "abcdef") + "?session=alice"
+            async with http.request(method, url, json={"session": "alice", "text": "hi", "decision": "allow"}) as resp:
+                assert resp.status == 401, (method, path)
+                assert "web-link" in (await resp.json())["error"]
+        async with http.get(served.base + "/") as resp:
+            assert resp.status == 200 and "<script" in await resp.text()
+    assert served.inbound.empty() and served.history_calls == []
+    with pytest.raises(ValueError):
+        WebChannel(served.channel.handler, token="", max_chars=10, reply_timeout_s=1)

@@ -17,11 +17,15 @@ from playwright.async_api import Browser, expect
 
 from channels.web.adapter import PAGE_CSP, HistoryItem, WebChannel, with_dividers
 from gateway.app import Gateway
+from gateway.http.web_token import cookie_name, cookie_value
 from gateway.turns.commands import HELP
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_client, web_page_url
 from tests.fakes.openai_server import FakeModel
-from tests.test_web_api import Events, Served, served  # noqa: F401  (fixture)
+from tests.test_web_api import TOKEN, Events, Served, client, served  # noqa: F401  (fixture)
 from tests.test_web_page import browser, chromium_path, open_page  # noqa: F401  (fixtures)
+
+# What a browser signed in to the page (the `served` channel's) sends along.
+PAGE_COOKIE = {"Cookie": f"{cookie_name(TOKEN)}={cookie_value(TOKEN)}"}
 
 
 def base(gw: Gateway) -> str:
@@ -45,7 +49,7 @@ async def until(check: Callable[[], Awaitable[bool] | bool], what: str, timeout:
 
 
 async def history(gw: Gateway, session: str, **params: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         async with http.get(base(gw) + "/api/history", params={"session": session, **params}) as resp:
             assert resp.status == 200, await resp.text()
             return dict(await resp.json())
@@ -172,7 +176,7 @@ async def test_a_long_history_with_commands_reads_page_by_page(make_gateway: Gat
 async def test_pushed_events_replay_what_a_reconnecting_page_missed(served: Served) -> None:  # noqa: F811
     channel = served.channel
     url = served.base + "/api/events"
-    async with aiohttp.ClientSession() as http:
+    async with client() as http:
         resp = await http.get(url, params={"session": "eve"})
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         assert resp.headers["Cache-Control"].startswith("no-store")
@@ -234,7 +238,7 @@ async def test_a_reply_that_ends_after_its_page_left_goes_to_the_open_pages(
     text = "an answer after you left"
     cut = [text[:9], text[9:18], text[18:]] if pieces == 3 else [text]
     fake_model.reply(text, delay=0.8, chunks=cut, chunk_delay=0.1)
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         events = await http.get(base(gw) + "/api/events", params={"session": "web-user"})
         await events.content.readline()
         await until(lambda: channel.events.listeners("web-user") == 1, "listening")
@@ -255,7 +259,7 @@ async def test_open_pages_hear_that_a_reply_went_to_its_request(
     stopped reading that request just as the reply came knows the history has it."""
     gw = await make_gateway()
     channel = web(gw)
-    async with aiohttp.ClientSession() as http:
+    async with web_client(gw) as http:
         events = await http.get(base(gw) + "/api/events", params={"session": "web-user"})
         await events.content.readline()
         await until(lambda: channel.events.listeners("web-user") == 1, "listening")
@@ -274,7 +278,7 @@ async def test_open_pages_hear_that_a_reply_went_to_its_request(
 async def test_event_streams_are_checked_and_bounded(served: Served) -> None:  # noqa: F811
     channel = served.channel
     url = served.base + "/api/events"
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=PAGE_COOKIE) as http:
         for params, headers, status in (
                 ({"session": "../x"}, {}, 400),
                 ({"session": "eve"}, {"Origin": "http://evil.example"}, 403),
@@ -291,14 +295,15 @@ async def test_event_streams_are_checked_and_bounded(served: Served) -> None:  #
         open_ones.append(await http.get(url, params={"session": "tab8"}))
         assert open_ones[-1].status == 200
 
-        # A token set later locks every open stream out (and new ones need it).
-        channel.token = "sekret"
+        # A token changed later locks every open stream out (and new ones need the new one).
+        channel.token = "sekret-rotated-0123456789abcdef0123"
         await until(lambda: channel.events.streams == 0, "streams ended", timeout=5)
         for resp in open_ones:
             resp.close()
         async with http.get(url, params={"session": "eve"}) as resp:
             assert resp.status == 401
-        resp = await http.get(url, params={"session": "eve"}, headers={"Authorization": "Bearer sekret"})
+        resp = await http.get(url, params={"session": "eve"},
+                              headers={"Authorization": "Bearer sekret-rotated-0123456789abcdef0123"})
         assert resp.status == 200
         await until(lambda: channel.events.streams == 1, "open")
         # Stopping the channel ends the stream (nothing is left waiting on shutdown).
@@ -315,7 +320,7 @@ async def test_event_streams_are_checked_and_bounded(served: Served) -> None:  #
 async def test_a_task_reply_appears_in_the_open_page_without_a_click(
         make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:  # noqa: F811
     gw = await make_gateway()
-    page, errors = await open_page(browser, base(gw) + "/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await until(lambda: web(gw).events.listeners("web-user") == 1, "the page listens")
     fake_model.tool_call("schedule_task", {"prompt": "Remind them to stretch", "at": "in 2s"})
     fake_model.reply("I will remind you in 2 seconds.")
@@ -338,7 +343,7 @@ async def test_the_page_reconnects_and_gets_what_it_missed(
     monkeypatch.setattr("channels.web.adapter.RETRY_MS", 500)
     gw = await make_gateway()
     channel = web(gw)
-    page, errors = await open_page(browser, base(gw) + "/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await until(lambda: channel.events.listeners("web-user") == 1, "the page listens")
     channel.push_reply("web-user", "one", failed=False)
     await page.locator(".msg.bot", has_text="one").wait_for(timeout=5000)
@@ -356,7 +361,7 @@ async def test_a_page_with_a_token_gets_pushed_replies(make_gateway: GatewayFact
     gw = await make_gateway(channels={"web": {"token": "page-token"}})
     context = await browser.new_context()
     await context.add_init_script("localStorage.setItem('gw.token', 'page-token')")
-    page, errors = await open_page(context, base(gw) + "/")
+    page, errors = await open_page(context, base(gw) + "/")  # no cookie: the settings' token alone
     await until(lambda: web(gw).events.listeners("web-user") == 1, "the page listens")
     web(gw).push_reply("web-user", "pushed with a token", failed=False)
     await page.locator(".msg.bot", has_text="pushed with a token").wait_for(timeout=5000)
@@ -366,7 +371,7 @@ async def test_a_page_with_a_token_gets_pushed_replies(make_gateway: GatewayFact
 async def test_new_chat_shows_a_divider_and_the_history_keeps_commands(
         make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:  # noqa: F811
     gw = await make_gateway()
-    page, errors = await open_page(browser, base(gw) + "/")
+    page, errors = await open_page(browser, web_page_url(gw))
     fake_model.reply("First answer.")
     await page.fill("#text", "first question")
     await page.press("#text", "Enter")
@@ -411,7 +416,7 @@ async def test_code_is_highlighted_under_the_strict_policy(
         async with http.get(base(gw) + "/") as resp:
             assert resp.headers["Content-Security-Policy"] == PAGE_CSP
     assert "'unsafe-inline'" not in PAGE_CSP and "style-src 'self'" in PAGE_CSP
-    page, errors = await open_page(browser, base(gw) + "/")
+    page, errors = await open_page(browser, web_page_url(gw))
     violations: list[str] = []
     page.on("console", lambda msg: violations.append(msg.text) if "Content Security Policy" in msg.text else None)
     fake_model.reply(CODE)
@@ -433,7 +438,7 @@ async def test_code_is_highlighted_under_the_strict_policy(
 async def test_table_columns_keep_their_alignment(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                   browser: Browser) -> None:  # noqa: F811
     gw = await make_gateway()
-    page, errors = await open_page(browser, base(gw) + "/")
+    page, errors = await open_page(browser, web_page_url(gw))
     fake_model.reply(TABLE)
     await page.fill("#text", "a table")
     await page.press("#text", "Enter")

@@ -16,9 +16,9 @@ import pytest_asyncio
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
 from gateway.app import Gateway
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_page_url
 from tests.fakes.openai_server import FakeModel
-from tests.test_web_api import Served, served, stream_for  # noqa: F401  (fixture)
+from tests.test_web_api import TOKEN, Served, served, stream_for  # noqa: F401  (fixture)
 from tests.web_screenshots import CHROMIUM, CHROMIUM_ARGS, SIZES, take
 
 HOSTILE = ("Look:\n\n<script>window.__pwned = 1</script>\n\n<img src=x onerror=\"window.__pwned = 2\">\n\n"
@@ -58,7 +58,7 @@ async def test_chat_round_trip_renders_markdown(make_gateway: GatewayFactory, fa
     gw = await make_gateway()
     assert gw.http is not None
     fake_model.reply(RICH, delay=1.6)
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     assert await page.evaluate("document.activeElement.id") == "text"  # ready to type
     assert "web-user" in (await page.text_content("#welcome") or "")
     await page.fill("#text", "hi from the browser")
@@ -93,7 +93,7 @@ async def test_hostile_replies_never_run(make_gateway: GatewayFactory, fake_mode
     gw = await make_gateway()
     assert gw.http is not None
     fake_model.reply(HOSTILE)
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await page.fill("#text", "show me something")
     await page.click("#send")
     bot = page.locator(".msg.bot:not([hidden])")
@@ -118,7 +118,7 @@ async def test_history_appears_on_reload(make_gateway: GatewayFactory, fake_mode
                                          browser: Browser) -> None:
     gw = await make_gateway()
     assert gw.http is not None
-    url = f"http://127.0.0.1:{gw.http.port}/"
+    url = web_page_url(gw)
     context = await browser.new_context()  # one browser profile: its localStorage persists
     page, _ = await open_page(context, url)
     await page.click("#settings-toggle")
@@ -148,7 +148,7 @@ async def test_stop_stops_the_turn_keeps_what_was_shown_and_the_next_message_goe
     assert gw.http is not None and gw.services is not None
     chunks = [f"word{i} " for i in range(100_000)]  # streams for longer than the test runs
     fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.02)
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await page.fill("#text", "tell me everything")
     await page.press("#text", "Enter")
     live = page.locator(".msg.bot.pending")
@@ -180,7 +180,7 @@ async def test_a_stop_that_cannot_reach_the_gateway_stops_reading(make_gateway: 
     gw = await make_gateway()
     assert gw.http is not None
     fake_model.reply("worth the wait", delay=0.6)
-    page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, _ = await open_page(browser, web_page_url(gw))
     await page.route("**/api/chat", lambda route: route.abort() if "/stop" in (route.request.post_data or "")
                      else route.continue_())
     await page.fill("#text", "slow question")
@@ -212,7 +212,7 @@ async def test_a_reply_that_crossed_the_pages_stop_shows_from_the_history(
     channel = gw.channels["web"]
     assert isinstance(channel, WebChannel)
     fake_model.reply("crossed on the way", delay=0.3)
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     for _ in range(200):  # the page's event stream is open
         if channel.events.listeners("web-user"):
             break
@@ -242,13 +242,13 @@ async def test_a_reply_that_crossed_the_pages_stop_shows_from_the_history(
     assert errors == []
 
 
-async def test_a_token_gateway_asks_for_it_in_the_settings(make_gateway: GatewayFactory, fake_model: FakeModel,
-                                                          browser: Browser) -> None:
+async def test_a_token_gateway_takes_it_in_the_settings(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                       browser: Browser) -> None:
     gw = await make_gateway(channels={"web": {"token": "page-token"}})
-    assert gw.http is not None
+    assert gw.http is not None and gw.web_link() is None  # a configured token is never printed
     page, _ = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
-    await page.wait_for_selector("#settings:not([hidden])", timeout=5000)
-    assert "token" in (await page.locator(".msg.error").text_content() or "")
+    assert "channels.web.token" in (await page.locator(".msg.error").text_content(timeout=5000) or "")
+    await page.click("#settings-toggle")
     await page.fill("#token", "page-token")
     await page.press("#token", "Enter")
     await expect(page.locator(".msg.error")).to_have_count(0, timeout=5000)
@@ -260,7 +260,7 @@ async def test_a_token_gateway_asks_for_it_in_the_settings(make_gateway: Gateway
 
 
 async def test_streamed_reply_grows_on_the_page(served: Served, browser: Browser) -> None:  # noqa: F811
-    page, errors = await open_page(browser, served.base + "/")
+    page, errors = await open_page(browser, served.base + "/?token=" + TOKEN)
     await page.locator(".msg.bot").first.wait_for(timeout=5000)  # the fixture's history
     await page.fill("#text", "stream please")
     await page.press("#text", "Enter")
@@ -296,7 +296,7 @@ async def test_the_gateway_streams_into_the_page(make_gateway: GatewayFactory, f
     assert gw.http is not None
     chunks = ["Counting: **one**", ", two", ", three.\n\n```\ndone\n```"]
     fake_model.reply("".join(chunks), chunks=chunks, chunk_delay=0.4)  # type: ignore[call-arg]
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await page.fill("#text", "count slowly")
     await page.press("#text", "Enter")
     live = page.locator(".msg.bot.pending")
@@ -321,7 +321,7 @@ async def test_an_approval_card_is_answered_with_a_click(make_gateway: GatewayFa
     assert gw.http is not None
     fake_model.tool_call("current_time", {"timezone": "Asia/Tokyo"})
     fake_model.reply("It is morning in Tokyo.")
-    page, errors = await open_page(browser, f"http://127.0.0.1:{gw.http.port}/")
+    page, errors = await open_page(browser, web_page_url(gw))
     await page.fill("#text", "what time is it in Tokyo?")
     await page.press("#text", "Enter")
     card = page.locator(".msg.approval")
@@ -335,4 +335,39 @@ async def test_an_approval_card_is_answered_with_a_click(make_gateway: GatewayFa
     assert await card.locator("button").evaluate_all("bs => bs.every(b => b.disabled)")
     await expect(card.locator(".approval-note")).to_have_text("Allowed by web:web-user.")
     assert "JST" in str(fake_model.requests[-1]["messages"][-1]["content"])
+    assert errors == []
+
+
+async def test_the_printed_link_signs_the_browser_in_and_leaves_no_token_behind(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:
+    """SPEC §9, issue 31: the page needs the token on loopback too. Opened bare, it says how
+    to get in; the link `gateway run` prints sets an HttpOnly cookie and sends the browser
+    on to the page without the token; chat and reload then work on the cookie alone."""
+    gw = await make_gateway()
+    assert gw.http is not None and gw.web_token is not None
+    bare = f"http://127.0.0.1:{gw.http.port}/"
+    context = await browser.new_context()
+    page, errors = await open_page(context, bare)
+    how = page.locator(".msg.signin")
+    await expect(how).to_contain_text("python -m gateway web-link", timeout=5000)
+    await expect(how).to_contain_text(bare + "?token=\u2026")
+    assert await page.locator(".msg.bot, .msg.user").count() == 0 and await context.cookies() == []
+
+    link = gw.web_link()
+    assert link is not None
+    await page.goto(link)
+    assert page.url == bare  # the token is in no address bar, history entry or screenshot
+    (cookie,) = await context.cookies()
+    assert (cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (True, "Strict", "/")
+    assert gw.web_token not in cookie["value"]
+    assert await page.evaluate("document.cookie") == ""  # no script of the page can read it
+    await expect(page.locator(".msg.signin")).to_have_count(0)
+    fake_model.reply("Signed in and answered.")
+    await page.fill("#text", "hello with a cookie")
+    await page.press("#text", "Enter")
+    await page.locator(".msg.bot", has_text="Signed in and answered.").wait_for(timeout=10_000)
+    await page.reload()
+    await page.locator(".msg.bot", has_text="Signed in and answered.").wait_for(timeout=10_000)
+    assert await page.locator(".msg.user").all_text_contents() == ["hello with a cookie"]
+    assert page.url == bare and gw.web_token not in await page.content()
     assert errors == []

@@ -14,12 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import aiohttp
 from playwright.async_api import async_playwright
 
 from gateway.app import Gateway
 from gateway.config.load import load_config
-from tests.conftest import write_config
+from tests.conftest import web_client, web_page_url, write_config
 from tests.fakes.openai_server import FakeModel
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -50,24 +49,25 @@ async def take(out_dir: Path, chromium: str = CHROMIUM) -> list[Path]:
             try:
                 assert gw.http is not None
                 base = f"http://127.0.0.1:{gw.http.port}"
-                async with aiohttp.ClientSession() as http:
+                async with web_client(gw) as http:
                     for question, answer in CONVERSATION:
                         model.reply(answer)
                         async with http.post(base + "/api/chat", json={"session": "web-user", "text": question}) as r:
                             assert r.status == 200, await r.text()
-                return await _shoot(base, out_dir, chromium)
+                return await _shoot(web_page_url(gw), out_dir, chromium)
             finally:
                 await gw.stop(timeout=5)
 
 
-async def _shoot(base: str, out_dir: Path, chromium: str) -> list[Path]:
+async def _shoot(link: str, out_dir: Path, chromium: str) -> list[Path]:
+    """`link`: the page's address with its token (the page signs in and drops it from the address)."""
     saved = []
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             for name, (width, height) in SIZES.items():
                 page = await browser.new_page(viewport={"width": width, "height": height}, color_scheme="light")
-                await page.goto(base + "/")
+                await page.goto(link)
                 await page.locator(".msg.bot table").wait_for(timeout=10_000)
                 await page.fill("#text", "Thanks! Add the museum to my to-do list")
                 path = out_dir / name

@@ -1,11 +1,16 @@
 """The local web chat: a small page and `POST /api/chat` on the gateway's HTTP server.
 
-`{"session": "alice", "text": "hi"}` → `{"reply": "..."}`. A bearer token is required
-whenever one is configured (and config validation demands one off loopback). Without one
-(loopback), a browser is the risk: any site the person visits may POST here, and DNS
-rebinding lets it read the answer. So tokenless requests to /api/* must name this server
-in `Host`, must not come from another origin, and must be JSON (a cross-site form or
-text/plain POST needs no CORS preflight; `application/json` does, which we never grant).
+`{"session": "alice", "text": "hi"}` → `{"reply": "..."}`. Every request to /api/* needs
+the token, on loopback too (SPEC §9; being on this machine proves nothing: a sandboxed
+command with the network on is on it too): `channels.web.token`, else the data dir's own
+(gateway/http/web_token.py). Programs send it as `Authorization: Bearer <token>`. The
+person opens the link the gateway prints (`/?token=…`), which sets an HttpOnly,
+SameSite=Strict cookie and sends the browser on without the token in the address. A
+cookie goes with every request the browser makes here, also those another page of this
+machine makes, so requests it authorizes must name this server in `Host` (on loopback:
+DNS rebinding), must not come from another origin, and a POST must be JSON (a cross-site
+form or text/plain POST needs no CORS preflight; `application/json` does, which we never
+grant). The page's shell loads without a token; its requests are refused until it has one.
 
 With `"stream": true` (or `Accept: text/event-stream`) the answer is Server-Sent Events
 (SPEC §5.1): `delta` {"text"} as the reply grows, `status` {"text"} while tools run
@@ -44,14 +49,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import hdrs, web
 
 from channels.base import ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
 from channels.web.events import RETRY_MS, STREAM_MAX_S, Listener, SessionEvents, StreamLimit
-from gateway.http.same_site import foreign_host, foreign_origin, server_names
+from gateway.http.same_site import cross_site_problem
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.http.throttle import AuthThrottle
+from gateway.http.web_token import cookie_name, cookie_value
 from gateway.types import Inbound
 
 log = logging.getLogger("channels.web")
@@ -65,10 +72,21 @@ HISTORY_DEFAULT, HISTORY_MAX = 50, 200
 VENDOR_FILE = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}\.(js|css|txt)")
 STATIC_TYPES = {"js": "text/javascript", "css": "text/css", "txt": "text/plain", "svg": "image/svg+xml"}
 STATIC_FILES = {"app.js", "app.css", "favicon.svg"}
+# The signed-in page's cookie lasts this long; the link signs in again.
+COOKIE_MAX_AGE_S = 400 * 24 * 3600  # the most browsers keep one
+HOW_TO_GET_IN = ("open the link the gateway printed when it started (http://127.0.0.1:8080/?token=…; "
+                 "`python -m gateway web-link` prints it again), or send Authorization: Bearer <token> "
+                 "(channels.web.token, else the token in the data dir's web-token file)")
+NO_TOKEN = "this gateway needs its token: " + HOW_TO_GET_IN
+WRONG_TOKEN = "the token is not this gateway's: " + HOW_TO_GET_IN
+WRONG_LINK = ("This link's token is not this gateway's (an older link, or another gateway's). "
+              "`python -m gateway web-link` prints the right one.\n")
+SIGN_IN_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
 # Replies are Markdown rendered in the page: whatever a sanitizer misses, no script runs
 # that the page did not load from here, and nothing is fetched from elsewhere.
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
             "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": PAGE_CSP, "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +210,18 @@ class WebReplyStream:
 class WebChannel:
     name = "web"
 
-    def __init__(self, handler: InboundHandler, *, token: str | None, max_chars: int,
+    def __init__(self, handler: InboundHandler, *, token: str, max_chars: int,
                  reply_timeout_s: float, http_host: str = "127.0.0.1",
                  history: HistoryLookup | None = None,
                  observe: StreamObserver | None = None, heartbeat_s: float = HEARTBEAT_S,
                  decide: Decide | None = None, throttle: AuthThrottle | None = None) -> None:
         self.handler = handler
         self.decide = decide
-        self.token = token
+        if not token:
+            raise ValueError("the web API needs a token (channels.web.token, else the data dir's web-token)")
+        self.token = token  # channels.web.token, else the data dir's (gateway/http/web_token.py); may rotate
         self.throttle = throttle if throttle is not None else AuthThrottle("web")  # failed token checks, per address
-        self._names = server_names(http_host)  # what a tokenless request's Host may name
+        self.http_host = http_host  # on loopback, a cookie's request must name this server in Host
         self.max_chars = max_chars
         self.reply_timeout_s = reply_timeout_s
         self.history = history
@@ -351,8 +371,31 @@ class WebChannel:
         return web.Response(body=data, headers={**base, "Content-Type": content_type})
 
     async def page(self, request: web.Request) -> web.Response:
-        return await self._serve_file(request, "static/index.html", "text/html; charset=utf-8", {
-            "Content-Security-Policy": PAGE_CSP, "Referrer-Policy": "no-referrer"})
+        """The page's shell (it holds nothing of anyone's: without the token, its requests
+        are refused and it says how to get in). With `?token=`, the link the gateway
+        printed: a right token signs the browser in with a cookie and sends it on to the
+        same address without the token, so the token is left in no history or screenshot."""
+        if "token" in request.query:
+            return await self._sign_in(request, request.query["token"])
+        return await self._serve_file(request, "static/index.html", "text/html; charset=utf-8", PAGE_HEADERS)
+
+    async def _sign_in(self, request: web.Request, given: str) -> web.Response:
+        wait = self.throttle.refusal(request.remote)
+        if wait is not None:
+            return web.Response(status=429, text="Too many wrong tokens from your address; try again later.\n",
+                                headers={**SIGN_IN_HEADERS, "Retry-After": str(math.ceil(wait))})
+        token = self.token
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            await self.throttle.failed(request.remote)
+            return web.Response(status=401, text=WRONG_LINK, headers=SIGN_IN_HEADERS)
+        rest = [(key, value) for key, value in request.query.items() if key != "token"]
+        # Relative, so a path prefix a reverse proxy adds is kept.
+        resp = web.Response(status=303, headers={**SIGN_IN_HEADERS, "Location": "./" + (
+            "?" + urlencode(rest) if rest else "")})
+        resp.set_cookie(cookie_name(token), cookie_value(token), path="/", httponly=True, samesite="Strict",
+                        secure=request.secure, max_age=COOKIE_MAX_AGE_S)
+        log.info("web page signed in", extra={"client": request.remote})
+        return resp
 
     async def static_file(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -419,7 +462,7 @@ class WebChannel:
             return _error(429, "too many open pages from your address; close some", retry_after=RETRY_MS / 1000)
 
     async def _follow(self, request: web.Request, session: str, listener: Listener,
-                      token: str | None) -> web.StreamResponse:
+                      token: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-store, no-transform",
@@ -465,36 +508,49 @@ class WebChannel:
         return resp
 
     async def _checked(self, request: web.Request, *, log_refusal: bool = False) -> web.Response | None:
-        """The answer to a request from another site or without the right token; None: it may go on."""
-        refused = self._cross_site(request)
-        if refused is not None:
-            if log_refusal:
-                log.info("refused a cross-site request", extra={"host": request.headers.get(hdrs.HOST, "")[:100],
-                                                                 "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
-            return _error(403, refused)
-        return await self._unauthorized(request)
+        """The answer to a request from another site or without the right token; None: it may go on.
 
-    async def _unauthorized(self, request: web.Request) -> web.Response | None:
+        Every request needs the token, on loopback too: a sandboxed command with the network
+        on reaches 127.0.0.1 like the person's browser. A bearer token is sent by programs
+        (a browser never adds one cross-site); the signed-in page's cookie goes with whatever
+        the browser sends here, so a request without a bearer token must also come from
+        this server's own page, and a POST must be JSON (a cross-site form cannot send it
+        without a preflight, which is never granted)."""
+        bearer = _bearer(request)
+        if bearer is None:
+            refused = cross_site_problem(request, self.http_host)
+            if refused is not None:
+                if log_refusal:
+                    log.info("refused a cross-site request",
+                             extra={"host": request.headers.get(hdrs.HOST, "")[:100],
+                                    "origin": request.headers.get(hdrs.ORIGIN, "")[:100]})
+                return _error(403, refused)
+        turned_away = await self._unauthorized(request, bearer)
+        if turned_away is not None:
+            return turned_away
+        if request.method == "POST" and request.content_type != "application/json":
+            return _error(415, "send the body as JSON with Content-Type: application/json")
+        return None
+
+    async def _unauthorized(self, request: web.Request, bearer: str | None) -> web.Response | None:
         """The answer to a request without the right token (None: it may go on). Failed
-        checks are counted per address and answered ever more slowly (gateway/http/throttle.py)."""
-        if not self.token:
-            return None
+        checks are counted per address and answered ever more slowly (gateway/http/throttle.py);
+        a request with no token at all is answered at once (it guesses nothing)."""
         wait = self.throttle.refusal(request.remote)
         if wait is not None:
             return _error(429, "too many wrong tokens from your address; try again later", retry_after=wait)
-        header = request.headers.get("Authorization", "")
-        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        if hmac.compare_digest(given.encode(), self.token.encode()):
-            return None
+        token = self.token
+        cookie = request.cookies.get(cookie_name(token))
+        if bearer is not None:
+            if hmac.compare_digest(bearer.encode(), token.encode()):
+                return None
+        elif cookie is not None:
+            if hmac.compare_digest(cookie.encode(), cookie_value(token).encode()):
+                return None
+        else:
+            return _error(401, NO_TOKEN)
         await self.throttle.failed(request.remote)
-        return _error(401, "a valid bearer token is required (Authorization: Bearer <channels.web.token>)")
-
-    def _cross_site(self, request: web.Request) -> str | None:
-        """Why a tokenless request may come from another site (None when it cannot).
-        With a token there is nothing to fear: a browser never sends one cross-site."""
-        if self.token:
-            return None
-        return foreign_host(request, self._names) or foreign_origin(request)
+        return _error(401, WRONG_TOKEN)
 
     async def api_chat(self, request: web.Request) -> web.Response:
         turned_away = await self._checked(request, log_refusal=True)
@@ -502,8 +558,6 @@ class WebChannel:
             return turned_away
         if not self._running:
             return _error(503, "the gateway is not accepting messages right now")
-        if request.content_type != "application/json":
-            return _error(415, "send the body as JSON with Content-Type: application/json")
         try:
             body: Any = await parse_json_body(await request.read())
         except JsonBodyError as err:
@@ -616,6 +670,15 @@ class WebChannel:
         except Exception as err:  # ConnectionAbortedError: the gateway is shutting down
             return _sse("error", {"error": str(err)})
         return _sse("error", {"error": reply}) if outbox.failed else _sse("done", {"reply": reply})
+
+
+def _bearer(request: web.Request) -> str | None:
+    """The bearer token the request carries ("" for a malformed Authorization header:
+    a wrong token), or None when it sends none."""
+    header = request.headers.get(hdrs.AUTHORIZATION)
+    if header is None:
+        return None
+    return header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
 
 
 def _wants_stream(request: web.Request, body: dict[str, Any]) -> bool:

@@ -41,11 +41,16 @@ def is_secret_key(path: str) -> bool:
     }
 
 
+OPERATOR_SECTIONS = ("mcp", "tools.exec", "approvals")
+
+
 def is_operator_only(path: str) -> bool:
     """MCP servers are programs the gateway starts (command, args, env) and addresses it
-    sends credentials to (url, headers); `exec` runs commands on this machine: config.json
-    only, never from chat."""
-    return path in ("mcp", "tools.exec") or path.startswith(("mcp.", "tools.exec."))
+    sends credentials to (url, headers); `exec` runs commands on this machine; `approvals`
+    decides which tools wait for a person's yes and who gives it: config.json only, never
+    from chat (an admin's account, or a session acting as one, must not wave its own
+    tools through)."""
+    return path in OPERATOR_SECTIONS or path.startswith(tuple(f"{section}." for section in OPERATOR_SECTIONS))
 
 
 def is_host_folder(path: str) -> bool:

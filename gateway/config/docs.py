@@ -169,8 +169,10 @@ MEANINGS: dict[str, str] = {
                                     "answered at the top level, in the channel's session. DMs are unchanged.",
     "channels.web.enabled": "Serve the local chat page at `/` and `POST /api/chat`.",
     "channels.web.token": "Bearer token of the web chat and API; required, at least 16 characters, when "
-                          "`http.host` is not a loopback address. Wrong tokens are answered ever more slowly per "
-                          "address.",
+                          "`http.host` is not a loopback address. `null`: the token the gateway made in "
+                          "`data_dir/web-token` (on loopback too, the API answers only with a token; the "
+                          "page signs in with the link `run` and `web-link` print). Wrong tokens are answered "
+                          "ever more slowly per address.",
     "channels.terminal.enabled": "Allow `python -m gateway chat`.",
     "http.host": "Address the HTTP server listens on (web chat, health, metrics, webhooks).",
     "tools.web_fetch.enabled": "Offer the `web_fetch` tool (a page as readable text; private addresses refused).",
@@ -473,7 +475,7 @@ the running settings stay. The *change* column says how a change reaches a runni
 
 Admins can also change a key from chat with `/config KEY VALUE` (e.g.
 `/config agent_max_context_tokens 80000`); keys marked **file only** (secrets, the
-addresses secrets are sent to, MCP servers and `tools.exec`) can be changed in the file only.
+addresses secrets are sent to, MCP servers, `tools.exec` and `approvals`) can be changed in the file only.
 
 **Several gateways on one PostgreSQL** (`store.url`): a `/config` change is written to the
 config file of the gateway that took it and recorded in the database; every gateway puts the

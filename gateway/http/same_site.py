@@ -1,11 +1,15 @@
-"""Whether a browser request to a tokenless or local API comes from this server's own
-pages (SPEC §9): the `Host` it names (DNS rebinding sends a foreign name to 127.0.0.1)
-and the `Origin` a browser adds to cross-site requests. Shared by the web chat API and
-the admin API."""
+"""Whether a browser's request comes from this server's own pages (SPEC §9): the `Host`
+it names (DNS rebinding sends a foreign name to 127.0.0.1), and the `Origin` and
+`Sec-Fetch-Site` a browser adds to cross-site requests. A cookie goes with every request
+the browser makes to this host, whichever page asks (another port of the same machine is
+the same site), so a request it authorizes must pass these. Shared by the web chat API
+and the admin API."""
 
 from __future__ import annotations
 
 from aiohttp import hdrs, web
+
+from gateway.config.schema import LOOPBACK_HOSTS
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
@@ -40,3 +44,26 @@ def foreign_origin(request: web.Request) -> str | None:
     if origin is not None and origin.strip().lower() not in (f"http://{host}", f"https://{host}"):
         return "cross-site requests are refused (Origin is not this server)"
     return None
+
+
+def foreign_fetch_site(request: web.Request) -> str | None:
+    """Why the browser says another site made this request (None when it does not)."""
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None and fetch_site.strip().lower() not in ("same-origin", "none"):
+        return "cross-site requests are refused (Sec-Fetch-Site is not same-origin)"
+    return None
+
+
+def cross_site_problem(request: web.Request, http_host: str) -> str | None:
+    """Why this request may come from another site (None when it cannot)."""
+    refused = foreign_fetch_site(request)
+    if refused is not None:
+        return refused
+    if http_host in LOOPBACK_HOSTS:
+        # Only this machine can connect, so only its names are right: another name is a
+        # site that rebound its DNS name to 127.0.0.1. (On other addresses the names are
+        # a proxy's or the LAN's; the token and the Origin check guard those.)
+        refused = foreign_host(request, server_names(http_host))
+        if refused is not None:
+            return refused
+    return foreign_origin(request)

@@ -3,7 +3,9 @@ recent messages and context numbers), pairings (approve, revoke), usage, schedul
 channel, model and tool-source state, recent errors.
 
 The page is served only while `http.admin_token` is set (else 404 with what to set), and
-every API request needs it as `Authorization: Bearer <token>`. The token is read from the
+every API request needs it as `Authorization: Bearer <token>`, on loopback too (a sandboxed
+command with the network on is on this machine as well); the web chat's token or cookie
+never stands in for it. The token is read from the
 running config per request, so setting, rotating or removing it applies at once. Like the
 chat API, requests from other sites are refused (403): a foreign `Origin` or
 `Sec-Fetch-Site`, and, while the server listens on loopback only, a `Host` that is not
@@ -29,8 +31,8 @@ from aiohttp import hdrs, web
 from gateway.access import Pairing
 from gateway.agents import agent_of_scope, agent_view, model_chain
 from gateway.config.cron import zone
-from gateway.config.schema import LOOPBACK_HOSTS, Config, secret_text
-from gateway.http.same_site import foreign_host, foreign_origin, server_names
+from gateway.config.schema import Config, secret_text
+from gateway.http.same_site import cross_site_problem
 from gateway.http.server import JsonBodyError, parse_json_body
 from gateway.http.throttle import AuthThrottle
 from gateway.ops.logs import REDACTOR, Redactor
@@ -153,21 +155,6 @@ class RecentErrors(logging.Handler):
 
 
 # ------------------------------------------------------------------------- the API
-
-
-def cross_site_problem(request: web.Request, http_host: str) -> str | None:
-    """Why this request may come from another site (None when it cannot)."""
-    fetch_site = request.headers.get("Sec-Fetch-Site")
-    if fetch_site is not None and fetch_site.strip().lower() not in ("same-origin", "none"):
-        return "cross-site requests are refused (Sec-Fetch-Site is not same-origin)"
-    if http_host in LOOPBACK_HOSTS:
-        # Only this machine can connect, so only its names are right: another name is a
-        # site that rebound its DNS name to 127.0.0.1. (On other addresses the names are
-        # a proxy's or the LAN's; the token and the Origin check guard those.)
-        refused = foreign_host(request, server_names(http_host))
-        if refused is not None:
-            return refused
-    return foreign_origin(request)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -184,6 +184,9 @@ def chat_refusal(key: str, value: Any) -> str | None:
             if path.startswith("tools.exec"):
                 return (f"{path}: running commands on this machine is the operator's decision; change it in "
                         "config.json, not in chat.")
+            if path.startswith("approvals"):
+                return (f"{path}: which tools wait for a person's yes, and who gives it, is the operator's "
+                        "decision; change it in config.json, not in chat.")
             return (f"{path}: MCP servers are programs the gateway runs and addresses it sends credentials "
                     "to; add or change them in config.json, not in chat.")
     return None

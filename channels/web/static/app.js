@@ -207,10 +207,8 @@
     if (!res.ok || !Array.isArray(data.messages)) {
       clearLog();
       shownHistory = "";
-      if (res.status === 401) {
-        openSettings(true);
-        addMessage("error", "This gateway needs its token: enter channels.web.token in the settings (\u2699).");
-      } else {
+      if (res.status === 401) showHowToGetIn();
+      else {
         addMessage("error", data.error || "the history could not be loaded (HTTP " + res.status + ")");
       }
       return;
@@ -231,6 +229,28 @@
       }
     }
     scrollDown(true);
+  }
+
+  // Refused for want of the token (SPEC §9): the page signs in through the gateway's link.
+  function showHowToGetIn() {
+    const box = addMessage("error signin", "");
+    const lines = [
+      ["This page needs the gateway's link to sign in: open the address ", "gateway run", " printed when it started (",
+       location.origin + "/?token=\u2026", ")."],
+      ["To print it again: ", "python -m gateway web-link", "."],
+      ["With channels.web.token set, enter it in the settings (\u2699) instead."],
+    ];
+    for (const parts of lines) {
+      const p = document.createElement("p");
+      parts.forEach((part, i) => {
+        if (i % 2) {
+          const code = document.createElement("code");
+          code.textContent = part;
+          p.appendChild(code);
+        } else p.appendChild(document.createTextNode(part));
+      });
+      box.appendChild(p);
+    }
   }
 
   // -- sending ----------------------------------------------------------------------
@@ -470,8 +490,8 @@
         // Refused before any answer (bad token, busy, too long…), or an older gateway's JSON.
         const data = await res.json().catch(() => ({ error: "unreadable answer (HTTP " + res.status + ")" }));
         if (res.ok && typeof data.reply === "string") reply.done(data.reply);
+        else if (res.status === 401) { reply.drop(); showHowToGetIn(); }
         else { reply.drop(); addMessage("error", data.error || "HTTP " + res.status); }
-        if (res.status === 401) openSettings(true);
       }
     } catch (err) {
       reply.drop();
