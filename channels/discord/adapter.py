@@ -42,7 +42,7 @@ from discord.voice_client import VoiceClient
 from yarl import URL
 
 from channels.base import ApprovalCard, ChannelHooks, ReplyRefSink, ReplyStream
-from channels.discord.approvals import card_content, components, file_name, in_file
+from channels.discord.approvals import card_content, components, file_messages, file_name, in_file
 from channels.discord.format import render_markdown
 from channels.discord.messages import (
     BotIdentity,
@@ -427,9 +427,12 @@ class DiscordChannel:
 
     async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
         """The card with Allow and Deny where the turn's message came from (the arguments
-        as a file posted first when they do not fit); "channel id:message id"."""
+        as a file, and the files it names as messages, posted first when they do not fit);
+        "channel id:message id"."""
         rest = self._require_rest()
         target = await self._target(inbound)
+        for text in file_messages(card):  # the named files that did not fit on the card, read first
+            await self._post(rest, target, text, None, None)
         if in_file(card):
             data = card.arguments.encode("utf-8", "backslashreplace")
             await asyncio.wait_for(rest.upload(target, [Upload(file_name(card), data)]), CALL_TIMEOUT_S)
