@@ -213,26 +213,33 @@ class Gateway:
         except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             await store.close()
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
-        metrics = Metrics()
-        metrics.watch_store(store.write_stats)
-        metrics.leases_held.set_function(leases.held)
-        counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
-        counters = await asyncio.to_thread(self._counters, cfg)
-        services = Services(
-            config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
-            tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
-            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
-        )
-        services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
-        self.exec_tools = ExecTools(lambda: self.holder.current)  # also follows reloads
-        services.tools.add_source(self.exec_tools)
-        await self.exec_tools.prepare()  # probes the sandbox when exec is on
-        services.memory = self._memory(services)
-        services.usage = Usage(store)
-        services.media = Media(lambda: self.holder.current)
-        # Found before the first turn; followed from the end of the start (below).
-        self.skill_watcher = SkillWatcher(cfg.skills.paths(self.holder.base_dir))
-        await self.skill_watcher.load()
+        try:
+            metrics = Metrics()
+            metrics.watch_store(store.write_stats)
+            metrics.leases_held.set_function(leases.held)
+            counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
+            counters = await asyncio.to_thread(self._counters, cfg)
+            services = Services(
+                config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
+                tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
+                model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
+            )
+            services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
+            self.exec_tools = ExecTools(lambda: self.holder.current)  # also follows reloads
+            services.tools.add_source(self.exec_tools)
+            await self.exec_tools.prepare()  # probes the sandbox when exec is on
+            services.memory = self._memory(services)
+            services.usage = Usage(store)
+            services.media = Media(lambda: self.holder.current)
+            # Found before the first turn; followed from the end of the start (below).
+            self.skill_watcher = SkillWatcher(cfg.skills.paths(self.holder.base_dir))
+            await self.skill_watcher.load()
+        except BaseException:
+            # Nothing of this is self.services yet, so stop() would not close it: the
+            # store's worker thread left open kept the process from ever exiting.
+            await leases.stop()
+            await store.close()
+            raise
         services.skills = self.skill_watcher.skills
         self.services = services
         summarizer = Summarizer(services)
