@@ -32,7 +32,7 @@ from gateway.config.load import ConfigError
 from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.hooks import Hooks
-from gateway.http.server import HttpServer, build_app
+from gateway.http.server import HttpServer, build_app, build_probe_app
 from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import session_key, workspace_dir
@@ -273,16 +273,18 @@ class Gateway:
             extra += Hooks(services, self.sessions).routes()  # POST /hooks/<name> (SPEC §5.9)
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
                             channel=self.channels.get, extra_routes=extra, ready_details=self.ready_details)
-            self.http = HttpServer(app, cfg.http)
+            probes = build_probe_app(ready=self.ready, ready_details=self.ready_details) \
+                if cfg.http.probe_port is not None else None
+            self.http = HttpServer(app, cfg.http, probes=probes)
             try:
                 await self.http.start()
             except OSError as err:
-                self.http = None
+                (key, failed), self.http = self.http.binding, None
                 self.services = None  # nothing else started yet: stop() has nothing left to do
                 await leases.stop()
                 await store.close()
                 self.recent_errors.uninstall()
-                raise StartupError(listen_problem(cfg.http.host, cfg.http.port, err)) from None
+                raise StartupError(listen_problem(cfg.http.host, failed, err, key)) from None
         # MCP servers connect in the background (readiness never waits for them); their
         # tools join the registry as each one is ready.
         self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp",
@@ -331,6 +333,8 @@ class Gateway:
             lines.append(f"web chat on http://{cfg.http.host}:{self.http.port}/")
         else:
             lines.append("web chat: off")
+        if self.http is not None and self.http.probe_port is not None:
+            lines.append(f"probes on http://{cfg.http.host}:{self.http.probe_port}/healthz and /readyz")
         telegram = self.channels.get("telegram")
         if telegram is None:
             lines.append("telegram: off")
@@ -838,13 +842,14 @@ class Gateway:
         self.services = None
 
 
-def listen_problem(host: str, port: int, err: OSError) -> str:
-    """One line for a port that cannot be bound (aiohttp's own message repeats the address)."""
+def listen_problem(host: str, port: int, err: OSError, key: str = "http.port") -> str:
+    """One line for a port that cannot be bound (aiohttp's own message repeats the address);
+    `key` is the setting that names it."""
     if err.errno == errno.EADDRINUSE:
         return (f"cannot listen on {host}:{port}: the port is already in use (another gateway running?); "
-                "stop it or set http.port in config.json")
+                f"stop it or set {key} in config.json")
     if err.errno == errno.EACCES:
-        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges); set http.port"
+        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges); set {key}"
     if err.errno == errno.EADDRNOTAVAIL:
         return f"cannot listen on {host}:{port}: {host} is not an address of this machine; check http.host"
     return f"cannot listen on {host}:{port}: {err.strerror or err}"
