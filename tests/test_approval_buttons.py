@@ -39,6 +39,7 @@ from channels.telegram.format import TELEGRAM_TEXT_LIMIT, utf16_len
 from channels.telegram.updates import parse_callback
 from gateway.app import Gateway
 from gateway.approvals import pretty_arguments
+from gateway.keys import workspace_dir
 from tests.approval_screenshots import NAMES, entities_html, take
 from tests.conftest import GatewayFactory
 from tests.fakes import discord_server, slack_server, telegram_server
@@ -234,6 +235,7 @@ async def test_telegram_long_arguments_are_shown_whole(make_gateway: GatewayFact
 HIDDEN_COMMAND = "\n".join([*(f"echo step {i}" for i in range(10)), "rm MEMORY.md\r\x1b[2Kls -la",
                              "echo \u202eok\u202c \u200brm\u2060", *(f"echo step {i}" for i in range(10, 18))])
 EXEC = {"exec": {"enabled": True}}
+FILLER = ("echo " + "f" * 32 + "\n") * 34
 
 
 async def test_telegram_a_hidden_command_and_the_script_it_runs_are_shown(
@@ -273,6 +275,27 @@ async def test_telegram_a_hidden_command_and_the_script_it_runs_are_shown(
                                                                 data=f"ap:{approval_id}:d"))
     await fake_telegram.wait_shown(1, lambda texts: "Not run either." in texts, timeout=15)
     assert "rm -f MEMORY.md\\x1b[1A" in card_text(fake_telegram, second)  # the decided card keeps it
+
+    # Named files too long together for the card: each a message of its own just before it.
+    workspace = workspace_dir(gw.services.data_dir, "telegram:user:1")
+    assert (workspace / "memory" / f"{day}.md").is_file()
+    for name in ("a.sh", "b.sh", "c.sh"):
+        (workspace / name).write_text(f"# {name}\n" + FILLER)  # 1,300 characters each, 35 lines
+    fake_model.tool_call("exec", {"command": "sh a.sh; sh b.sh; sh c.sh"})
+    fake_model.reply("Not run at all.")
+    before = len(fake_telegram.message_ids(1))
+    fake_telegram.push_message(chat_id=1, user_id=1, text="run the three")
+    third = await telegram_card(fake_telegram, 1, after=second)
+    ids = fake_telegram.message_ids(1)
+    shown_before = [card_text(fake_telegram, m) for m in ids[before:ids.index(third)]]
+    assert [t.split("\n")[1].split(" ")[0] for t in shown_before if t.startswith("A workspace file")] == \
+        ["a.sh", "b.sh", "c.sh"]
+    assert all(FILLER in t for t in shown_before if t.startswith("A workspace file"))
+    assert "shown just above: a.sh, b.sh, c.sh" in card_text(fake_telegram, third)
+    (approval_id,) = await pending_ids(gw)
+    await fake_telegram.wait_answer(fake_telegram.push_callback(chat_id=1, user_id=1, message_id=third,
+                                                                data=f"ap:{approval_id}:d"))
+    await fake_telegram.wait_shown(1, lambda texts: "Not run at all." in texts, timeout=15)
 
 
 async def test_telegram_presses_reach_a_webhook(make_gateway: GatewayFactory, fake_model: FakeModel,
