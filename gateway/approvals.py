@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ CARD_FILES = 8
 FILE_SHOWN_CHARS = 1500  # as shown (escaped); fits one Discord message with its heading
 FILE_SHOWN_LINES = 40
 GLOB_MATCHES = 16  # a glob in a command's word: the matches looked at
+INLINE_CARD_CHARS = 10_000  # longer arguments are made visible in a worker thread
 NAME_CHARS = 512  # a longer name is no file a card names (the command itself shows it whole)
 
 # How a wait ended, as stored: a person's allow or deny, or the gateway's deny.
@@ -252,9 +254,16 @@ class Approvals:
         cfg = self.config()
         timeout_s = cfg.approvals.timeout_s
         who = "an admin" if cfg.approvals.approvers == "admins" else "anyone in this conversation"
-        files = await asyncio.to_thread(card_files, workspace, names) if workspace is not None and names else ()
-        card = ApprovalCard(id=await self._new_id(), tool=tool, arguments=pretty_arguments(arguments), who=who,
-                            timeout_s=timeout_s, files=files)
+        files: tuple[CardFile, ...] = ()
+        if workspace is not None and names:
+            try:
+                files = await asyncio.to_thread(card_files, workspace, names)
+            except Exception as err:  # the card still shows the command whole; it says nothing of files then
+                log.warning("could not look at the files a call names", extra={"error": str(err)[:200]})
+        make = functools.partial(ApprovalCard, id=await self._new_id(), tool=tool,
+                                 arguments=pretty_arguments(arguments), who=who, timeout_s=timeout_s, files=files)
+        # Making every character visible takes a while for long arguments: off the loop then.
+        card = await asyncio.to_thread(make) if len(arguments) > INLINE_CARD_CHARS else make()
         now = time.time()
         await self.store.run(
             "INSERT INTO approvals(id, session_key, turn, tool, arguments, asked_by, asked_at, expires_at, inbound) "
