@@ -7,6 +7,7 @@ Adapters know the platform and nothing about the model.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -118,21 +119,104 @@ class WebhookChannel(Protocol):
     async def handle_webhook(self, request: web.Request) -> web.StreamResponse: ...
 
 
+# Characters that draw nothing, or move, erase or reorder what is drawn, whatever their
+# Unicode category says: variation selectors, the grapheme joiner, Hangul and Khmer
+# fillers, Mongolian selectors, the blank Braille pattern.
+_INVISIBLE = frozenset([0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180B, 0x180C, 0x180D, 0x180F, 0x2800,
+                        0x3164, 0xFFA0, *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)])
+# Categories shown escaped: controls (C0, DEL, C1), format characters (bidi controls,
+# zero-width characters, the soft hyphen, tags), line and paragraph separators,
+# surrogates, private use and unassigned code points, and spaces other than U+0020.
+_ESCAPED_CATEGORIES = frozenset(["Cc", "Cf", "Zl", "Zp", "Zs", "Cs", "Co", "Cn"])
+_NAMED = {"\r": "\\r", "\t": "\\t"}
+MAX_MARKS = 2  # combining marks kept on one character; past that a stack could draw over lines
+
+
+def visible(text: str) -> str:
+    """`text` as an approval card shows it (SPEC §5.7): every character that could hide,
+    move, erase or reorder what a person reads is written as a visible escape (`\\r`,
+    `\\t`, `\\x1b`, `\\u202e`, `\\U000e0041`); line breaks stay line breaks. So
+    `rm MEMORY.md\\r\\x1b[2Kls -la` reads as that, never as `ls -la`. A backslash is
+    kept as it is: text that merely looks like an escape only ever looks more alarming
+    than it is. Idempotent: what it returns contains nothing it would escape."""
+    if text.isascii() and text.replace("\n", "").isprintable():
+        return text  # the common case: a plain command
+    out: list[str] = []
+    marks = 0  # combining marks kept on the character before
+    base = False  # whether the last character kept can carry a combining mark
+    for ch in text:
+        code = ord(ch)
+        category = unicodedata.category(ch)
+        mark = category in ("Mn", "Me")
+        if ch in "\n " or not (mark or category in _ESCAPED_CATEGORIES or code in _INVISIBLE):
+            out.append(ch)
+            marks, base = 0, ch not in "\n "
+        elif mark and category == "Mn" and code not in _INVISIBLE and base and marks < MAX_MARKS:
+            out.append(ch)
+            marks += 1
+        else:
+            out.append(_NAMED.get(ch) or (f"\\x{code:02x}" if code <= 0xFF else
+                                         f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"))
+            marks, base = 0, False
+    return "".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class CardFile:
+    """A file in the session's workspace that the command on a card names (SPEC §5.7:
+    `sh memory/<day>.md` shows the script it runs): its workspace-relative name, its
+    size, and its text when it is short text; else `note` says why it is only named."""
+
+    name: str
+    size: int
+    text: str | None = None
+    note: str = ""  # "too long to show", "not text", "a symbolic link to x, not followed here"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", visible(self.name))
+        object.__setattr__(self, "note", visible(self.note))
+        if self.text is not None:
+            object.__setattr__(self, "text", visible(self.text))
+
+    def heading(self) -> str:
+        """One line naming the file, and saying why its text is not shown when it is not."""
+        size = f"{self.size:,} byte{'' if self.size == 1 else 's'}"
+        if self.text is not None:
+            return f"{self.name} ({size}):"
+        return f"{self.name} ({size}; {self.note or 'not shown'}: read it before you allow)"
+
+
 @dataclass(frozen=True, slots=True)
 class ApprovalCard:
     """A tool call waiting for a person's yes (SPEC §5.7), as a channel shows it: the tool
-    and its whole arguments (never cut: a channel that cannot show them in one message
-    sends them as a file or an expandable block), with Allow and Deny."""
+    and its whole arguments (never cut or folded: a channel that cannot show them in one
+    message sends them as a file), the workspace files the call names, and Allow and Deny.
+    Every text on it is `visible()`: made so at construction, whoever builds the card."""
 
     id: str  # what `/allow ID` and `/deny ID` name, and the buttons carry
     tool: str
     arguments: str  # the whole arguments, pretty-printed JSON (a command as it will run)
     who: str  # who may answer, in words ("an admin", "anyone here")
     timeout_s: float
+    files: tuple[CardFile, ...] = ()  # workspace files the arguments name (exec's command)
+
+    def __post_init__(self) -> None:
+        for name in ("tool", "arguments", "who"):
+            object.__setattr__(self, name, visible(getattr(self, name)))
+
+    def files_text(self) -> str:
+        """The files the call names, as plain text ("" when none): each heading, then its text."""
+        if not self.files:
+            return ""
+        parts = ["The command names these workspace files:"]
+        for file in self.files:
+            parts.append(f"- {file.heading()}" + (f"\n{file.text}" if file.text is not None else ""))
+        return "\n".join(parts) + "\n"
 
     def text(self) -> str:
         """The card as plain text (channels without buttons, logs)."""
         return (f"Approval needed ({self.id}): the assistant wants to run {self.tool} with:\n{self.arguments}\n"
+                f"{self.files_text()}"
                 f"{self.who.capitalize()} can answer /allow {self.id} or /deny {self.id} "
                 f"(no answer in {self.timeout_s:g} s is a deny).")
 

@@ -33,7 +33,7 @@ from gateway.config.reload import ConfigWatcher
 from gateway.config.schema import Config, secret_text
 from gateway.hooks import Hooks
 from gateway.http import web_token
-from gateway.http.server import HttpServer, build_app
+from gateway.http.server import HttpServer, build_app, build_probe_app
 from gateway.http.throttle import AuthThrottle
 from gateway.jobs.tasks import TaskScheduler
 from gateway.keys import session_key, workspace_dir
@@ -220,26 +220,33 @@ class Gateway:
         except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             await store.close()
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
-        metrics = Metrics()
-        metrics.watch_store(store.write_stats)
-        metrics.leases_held.set_function(leases.held)
-        counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
-        counters = await asyncio.to_thread(self._counters, cfg)
-        services = Services(
-            config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
-            tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
-            model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
-        )
-        services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
-        self.exec_tools = ExecTools(lambda: self.holder.current)  # also follows reloads
-        services.tools.add_source(self.exec_tools)
-        await self.exec_tools.prepare()  # probes the sandbox when exec is on
-        services.memory = self._memory(services)
-        services.usage = Usage(store)
-        services.media = Media(lambda: self.holder.current)
-        # Found before the first turn; followed from the end of the start (below).
-        self.skill_watcher = SkillWatcher(cfg.skills.paths(self.holder.base_dir))
-        await self.skill_watcher.load()
+        try:
+            metrics = Metrics()
+            metrics.watch_store(store.write_stats)
+            metrics.leases_held.set_function(leases.held)
+            counter = await asyncio.to_thread(TokenCounter, cfg.model.name)
+            counters = await asyncio.to_thread(self._counters, cfg)
+            services = Services(
+                config=self.holder, data_dir=data_dir, store=store, metrics=metrics, counter=counter,
+                tools=ToolRegistry.default(cfg), models=self._models(cfg, metrics),
+                model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), leases=leases, counters=counters,
+            )
+            services.tools.add_source(WebTools(lambda: self.holder.current))  # follows reloads
+            self.exec_tools = ExecTools(lambda: self.holder.current)  # also follows reloads
+            services.tools.add_source(self.exec_tools)
+            await self.exec_tools.prepare()  # probes the sandbox when exec is on
+            services.memory = self._memory(services)
+            services.usage = Usage(store)
+            services.media = Media(lambda: self.holder.current)
+            # Found before the first turn; followed from the end of the start (below).
+            self.skill_watcher = SkillWatcher(cfg.skills.paths(self.holder.base_dir))
+            await self.skill_watcher.load()
+        except BaseException:
+            # Nothing of this is self.services yet, so stop() would not close it: the
+            # store's worker thread left open kept the process from ever exiting.
+            await leases.stop()
+            await store.close()
+            raise
         services.skills = self.skill_watcher.skills
         self.services = services
         summarizer = Summarizer(services)
@@ -273,16 +280,18 @@ class Gateway:
             extra += Hooks(services, self.sessions).routes()  # POST /hooks/<name> (SPEC §5.9)
             app = build_app(ready=self.ready, metrics=lambda: (metrics.render(), metrics.content_type),
                             channel=self.channels.get, extra_routes=extra, ready_details=self.ready_details)
-            self.http = HttpServer(app, cfg.http)
+            probes = build_probe_app(ready=self.ready, ready_details=self.ready_details) \
+                if cfg.http.probe_port is not None else None
+            self.http = HttpServer(app, cfg.http, probes=probes)
             try:
                 await self.http.start()
             except OSError as err:
-                self.http = None
+                (key, failed), self.http = self.http.binding, None
                 self.services = None  # nothing else started yet: stop() has nothing left to do
                 await leases.stop()
                 await store.close()
                 self.recent_errors.uninstall()
-                raise StartupError(listen_problem(cfg.http.host, cfg.http.port, err)) from None
+                raise StartupError(listen_problem(cfg.http.host, failed, err, key)) from None
         # MCP servers connect in the background (readiness never waits for them); their
         # tools join the registry as each one is ready.
         self.mcp = services.mcp = McpManager(base_dir=self.holder.base_dir, log_dir=data_dir / "mcp",
@@ -354,6 +363,8 @@ class Gateway:
             lines.append(f"web chat on http://{cfg.http.host}:{self.http.port}/")
         else:
             lines.append("web chat: off")
+        if self.http is not None and self.http.probe_port is not None:
+            lines.append(f"probes on http://{cfg.http.host}:{self.http.probe_port}/healthz and /readyz")
         telegram = self.channels.get("telegram")
         if telegram is None:
             lines.append("telegram: off")
@@ -861,13 +872,14 @@ class Gateway:
         self.services = None
 
 
-def listen_problem(host: str, port: int, err: OSError) -> str:
-    """One line for a port that cannot be bound (aiohttp's own message repeats the address)."""
+def listen_problem(host: str, port: int, err: OSError, key: str = "http.port") -> str:
+    """One line for a port that cannot be bound (aiohttp's own message repeats the address);
+    `key` is the setting that names it."""
     if err.errno == errno.EADDRINUSE:
         return (f"cannot listen on {host}:{port}: the port is already in use (another gateway running?); "
-                "stop it or set http.port in config.json")
+                f"stop it or set {key} in config.json")
     if err.errno == errno.EACCES:
-        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges); set http.port"
+        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges); set {key}"
     if err.errno == errno.EADDRNOTAVAIL:
         return f"cannot listen on {host}:{port}: {host} is not an address of this machine; check http.host"
     return f"cannot listen on {host}:{port}: {err.strerror or err}"

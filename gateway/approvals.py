@@ -15,15 +15,22 @@ there and the waiting gateway reads it within POLL_S.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fnmatch
+import functools
 import json
 import logging
+import os
+import posixpath
 import secrets
+import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from channels.base import ApprovalCard
+from channels.base import ApprovalCard, CardFile, visible
 from gateway.access import is_admin
 from gateway.config.schema import Config
 from gateway.keys import session_key
@@ -36,6 +43,13 @@ ID_ALPHABET = "23456789abcdefghjkmnpqrstuvwxyz"  # no look-alikes: people type i
 ID_LENGTH = 6
 POLL_S = 1.0  # a shared database: how often a waiting turn looks for a decision made elsewhere
 SHOW_TIMEOUT_S = 30.0  # showing or settling a card; the wait itself is approvals.timeout_s
+# The workspace files a card shows (SPEC §5.7): how many, and what is short enough to show.
+CARD_FILES = 8
+FILE_SHOWN_CHARS = 1500  # as shown (escaped); fits one Discord message with its heading
+FILE_SHOWN_LINES = 40
+GLOB_MATCHES = 16  # a glob in a command's word: the matches looked at
+INLINE_CARD_CHARS = 10_000  # longer arguments are made visible in a worker thread
+NAME_CHARS = 512  # a longer name is no file a card names (the command itself shows it whole)
 
 # How a wait ended, as stored: a person's allow or deny, or the gateway's deny.
 ALLOW, DENY, TIMEOUT, RESTART, STOPPED = "allow", "deny", "timeout", "restart", "stopped"
@@ -61,7 +75,7 @@ class _Waiting:
 
 def pretty_arguments(arguments: str) -> str:
     """The arguments as a person reads them: a lone command as it will run, else
-    indented JSON; never shortened."""
+    indented JSON; never shortened (the card then shows every character: `visible`)."""
     try:
         parsed = json.loads(arguments or "{}")
     except ValueError:
@@ -69,6 +83,120 @@ def pretty_arguments(arguments: str) -> str:
     if isinstance(parsed, dict) and set(parsed) == {"command"} and isinstance(parsed["command"], str):
         return parsed["command"]
     return json.dumps(parsed, indent=2, ensure_ascii=False)
+
+
+def card_files(root: Path, names: Sequence[str]) -> tuple[CardFile, ...]:
+    """The workspace files among `names` (candidates a tool found in its arguments), read
+    beneath `root` without following a symlink, each shown when short text (blocking: run
+    it in a thread). Names that are no file (a program, an option) are left out."""
+    files: list[CardFile] = []
+    seen: set[str] = set()
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return ()  # no workspace yet: nothing in it to name
+    try:
+        for name in _expanded(root_fd, names):
+            if len(files) >= CARD_FILES:
+                break
+            if name not in seen and len(name) <= NAME_CHARS:
+                seen.add(name)
+                found = _card_file(root_fd, name)
+                if found is not None:
+                    files.append(found)
+    finally:
+        os.close(root_fd)
+    return tuple(files)
+
+
+def _expanded(root_fd: int, names: Sequence[str]) -> list[str]:
+    """The names, a glob in a name's last part (`memory/*.md`) replaced by its matches."""
+    out: list[str] = []
+    for name in names:
+        folder, last = posixpath.split(name)
+        if not any(ch in last for ch in "*?["):
+            out.append(name)
+            continue
+        try:
+            fd = _open_beneath(root_fd, folder, directory=True) if folder else os.dup(root_fd)
+        except OSError:
+            continue
+        try:
+            matches = sorted(entry for entry in os.listdir(fd) if fnmatch.fnmatchcase(entry, last)
+                             and not (entry.startswith(".") and not last.startswith(".")))
+        except OSError:
+            matches = []
+        finally:
+            os.close(fd)
+        out.extend(posixpath.join(folder, entry) for entry in matches[:GLOB_MATCHES])
+    return out
+
+
+def _open_beneath(root_fd: int, relative: str, *, directory: bool = False) -> int:
+    """`relative` opened beneath `root_fd`, one part at a time, never through a symlink
+    (ELOOP) and never above the root. Swap for gateway/workspace.py's beneath API once it lands."""
+    parts = [part for part in relative.split("/") if part not in ("", ".")]
+    if not parts or ".." in parts:
+        raise OSError(errno.EACCES, "not beneath the workspace")
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        # O_NONBLOCK: opening a FIFO planted under the name never waits for a writer.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_DIRECTORY if directory else 0)
+        return os.open(parts[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _card_file(root_fd: int, name: str) -> CardFile | None:
+    try:
+        fd = _open_beneath(root_fd, name)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a symlink: the shell would follow it, the card says where
+            return _link(root_fd, name)
+        return None  # no such file (a program's name, an option): not a file the command names
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            return CardFile(name, 0, note="not a regular file")
+        if info.st_size > FILE_SHOWN_CHARS * 4:
+            return CardFile(name, info.st_size, note="too long to show")
+        data = os.read(fd, FILE_SHOWN_CHARS * 4 + 1)
+    except OSError:
+        return CardFile(name, 0, note="could not be read")
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return CardFile(name, len(data), note="not text")
+    if "\x00" in text:
+        return CardFile(name, len(data), note="not text")
+    shown = visible(text)
+    lines = shown.count("\n") + (not shown.endswith("\n"))
+    if len(shown) > FILE_SHOWN_CHARS or lines > FILE_SHOWN_LINES:
+        return CardFile(name, len(data), note="too long to show")
+    return CardFile(name, len(data), text=shown)
+
+
+def _link(root_fd: int, name: str) -> CardFile | None:
+    folder, last = posixpath.split(name)
+    try:
+        fd = _open_beneath(root_fd, folder, directory=True) if folder else os.dup(root_fd)
+    except OSError:
+        return None  # a symlink on the way: the name leads out of what the card follows
+    try:
+        target = os.readlink(last, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return CardFile(name, 0, note=f"a symbolic link to {target[:200]}, not followed here")
 
 
 def outcome_text(decision: str, by: str | None, timeout_s: float) -> str:
@@ -118,13 +246,24 @@ class Approvals:
                             extra={"approval": row["id"], "error": str(err)[:200]})
             log.warning("approval denied: the gateway restarted while it waited", extra={"approval": row["id"]})
 
-    async def ask(self, *, session: str, turn: int, inbound: Inbound, tool: str, arguments: str) -> Verdict:
-        """Show the card and wait for the answer (at most `approvals.timeout_s`)."""
+    async def ask(self, *, session: str, turn: int, inbound: Inbound, tool: str, arguments: str,
+                  workspace: Path | None = None, names: Sequence[str] = ()) -> Verdict:
+        """Show the card and wait for the answer (at most `approvals.timeout_s`). `names`:
+        paths the arguments name (the tool's `files_named`), shown when they are files in
+        `workspace`."""
         cfg = self.config()
         timeout_s = cfg.approvals.timeout_s
         who = "an admin" if cfg.approvals.approvers == "admins" else "anyone in this conversation"
-        card = ApprovalCard(id=await self._new_id(), tool=tool, arguments=pretty_arguments(arguments), who=who,
-                            timeout_s=timeout_s)
+        files: tuple[CardFile, ...] = ()
+        if workspace is not None and names:
+            try:
+                files = await asyncio.to_thread(card_files, workspace, names)
+            except Exception as err:  # the card still shows the command whole; it says nothing of files then
+                log.warning("could not look at the files a call names", extra={"error": str(err)[:200]})
+        make = functools.partial(ApprovalCard, id=await self._new_id(), tool=tool,
+                                 arguments=pretty_arguments(arguments), who=who, timeout_s=timeout_s, files=files)
+        # Making every character visible takes a while for long arguments: off the loop then.
+        card = await asyncio.to_thread(make) if len(arguments) > INLINE_CARD_CHARS else make()
         now = time.time()
         await self.store.run(
             "INSERT INTO approvals(id, session_key, turn, tool, arguments, asked_by, asked_at, expires_at, inbound) "
@@ -187,7 +326,7 @@ class Approvals:
     async def _settle(self, waiting: _Waiting, text: str) -> None:
         try:
             async with asyncio.timeout(SHOW_TIMEOUT_S):
-                await self.settle(waiting.inbound, waiting.card, waiting.ref, text)
+                await self.settle(waiting.inbound, waiting.card, waiting.ref, visible(text))
         except Exception as err:
             log.warning("could not update an approval card", extra={"approval": waiting.card.id,
                                                                    "error": str(err)[:200]})

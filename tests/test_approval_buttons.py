@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +28,8 @@ from slack_sdk.web.async_client import AsyncWebClient
 from telegram import Bot, InlineKeyboardButton, InlineKeyboardMarkup
 from telegram.error import BadRequest
 
-from channels.base import ApprovalCard
-from channels.discord.approvals import card_content, components
+from channels.base import ApprovalCard, CardFile, visible
+from channels.discord.approvals import card_content, components, file_messages
 from channels.discord.format import DISCORD_TEXT_LIMIT
 from channels.discord.transport import DiscordHttp, DiscordRest
 from channels.slack.approvals import SECTION_LIMIT, card_blocks, code_pieces, unescape
@@ -38,6 +39,7 @@ from channels.telegram.format import TELEGRAM_TEXT_LIMIT, utf16_len
 from channels.telegram.updates import parse_callback
 from gateway.app import Gateway
 from gateway.approvals import pretty_arguments
+from gateway.keys import workspace_dir
 from tests.approval_screenshots import NAMES, entities_html, take
 from tests.conftest import GatewayFactory
 from tests.fakes import discord_server, slack_server, telegram_server
@@ -215,17 +217,85 @@ async def test_telegram_long_arguments_are_shown_whole(make_gateway: GatewayFact
     query = fake_telegram.push_callback(chat_id=1, user_id=1, message_id=card, data=f"ap:{approval_id}:d")
     await fake_telegram.wait_answer(query)
 
-    # Long but within a message: an expandable blockquote holding all of it.
+    # Long but within a message: one pre block holding all of it, never folded.
     second = await telegram_card(fake_telegram, 1, after=card)
     parsed = next(p for mid, p in zip(fake_telegram.message_ids(), fake_telegram.shown_parsed(), strict=True)
                   if mid == second)
-    quote = next(e for e in parsed.entities if e["type"] == "expandable_blockquote")
+    assert [e["type"] for e in parsed.entities] == ["bold", "code", "pre"]
+    quote = parsed.entities[2]
     assert json.loads(parsed.text[quote["offset"]:quote["offset"] + quote["length"]]) == medium
     (approval_id,) = await pending_ids(gw)
     query = fake_telegram.push_callback(chat_id=1, user_id=1, message_id=second, data=f"ap:{approval_id}:d")
     await fake_telegram.wait_answer(query)
     await fake_telegram.wait_shown(1, lambda texts: "Both denied." in texts, timeout=15)
     assert len(fake_telegram.uploads) == 1
+
+
+# A command the red team hid (issue 31), in the middle of 20 lines (Telegram folded 15+ lines).
+HIDDEN_COMMAND = "\n".join([*(f"echo step {i}" for i in range(10)), "rm MEMORY.md\r\x1b[2Kls -la",
+                             "echo \u202eok\u202c \u200brm\u2060", *(f"echo step {i}" for i in range(10, 18))])
+EXEC = {"exec": {"enabled": True}}
+FILLER = ("echo " + "f" * 32 + "\n") * 34
+
+
+async def test_telegram_a_hidden_command_and_the_script_it_runs_are_shown(
+        make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
+    gw = await make_gateway(**telegram_settings(fake_telegram, tools={"exec": "ask"}), tools=EXEC)
+    fake_model.tool_call("exec", {"command": HIDDEN_COMMAND})
+    fake_model.reply("Not run.")
+    fake_telegram.push_message(chat_id=1, user_id=1, text="tidy up")
+    card = await telegram_card(fake_telegram, 1)
+    parsed = next(p for mid, p in zip(fake_telegram.message_ids(), fake_telegram.shown_parsed(), strict=True)
+                  if mid == card)
+    assert [e["type"] for e in parsed.entities] == ["bold", "code", "pre"]  # one block, nothing folded
+    pre = parsed.entities[2]
+    shown = parsed.text[pre["offset"]:pre["offset"] + pre["length"]]
+    assert shown == visible(HIDDEN_COMMAND) and shown.count("\n") == 19
+    assert "rm MEMORY.md\\r\\x1b[2Kls -la" in shown and "echo \\u202eok\\u202c \\u200brm\\u2060" in shown
+    assert RAW.search(parsed.text) is None and fake_telegram.uploads == []
+    (approval_id,) = await pending_ids(gw)
+    await fake_telegram.wait_answer(fake_telegram.push_callback(chat_id=1, user_id=1, message_id=card,
+                                                                data=f"ap:{approval_id}:d"))
+    await fake_telegram.wait_shown(1, lambda texts: "Not run." in texts, timeout=15)
+
+    # A script staged in today's note with memory_write, then run with sh: the card shows it.
+    assert gw.services is not None
+    day = gw.services.memory.today()
+    script = "echo hello\nrm -f MEMORY.md\x1b[1A\x1b[2K\n"
+    fake_model.tool_call("memory_write", {"text": script, "target": "daily"})
+    fake_model.tool_call("exec", {"command": f"sh memory/{day}.md"})
+    fake_model.reply("Not run either.")
+    fake_telegram.push_message(chat_id=1, user_id=1, text="run my note")
+    second = await telegram_card(fake_telegram, 1, after=card)
+    text = card_text(fake_telegram, second)
+    assert f"memory/{day}.md (" in text and "rm -f MEMORY.md\\x1b[1A\\x1b[2K" in text, text
+    assert RAW.search(text) is None
+    (approval_id,) = await pending_ids(gw)
+    await fake_telegram.wait_answer(fake_telegram.push_callback(chat_id=1, user_id=1, message_id=second,
+                                                                data=f"ap:{approval_id}:d"))
+    await fake_telegram.wait_shown(1, lambda texts: "Not run either." in texts, timeout=15)
+    assert "rm -f MEMORY.md\\x1b[1A" in card_text(fake_telegram, second)  # the decided card keeps it
+
+    # Named files too long together for the card: each a message of its own just before it.
+    workspace = workspace_dir(gw.services.data_dir, "telegram:user:1")
+    assert (workspace / "memory" / f"{day}.md").is_file()
+    for name in ("a.sh", "b.sh", "c.sh"):
+        (workspace / name).write_text(f"# {name}\n" + FILLER)  # 1,300 characters each, 35 lines
+    fake_model.tool_call("exec", {"command": "sh a.sh; sh b.sh; sh c.sh"})
+    fake_model.reply("Not run at all.")
+    before = len(fake_telegram.message_ids(1))
+    fake_telegram.push_message(chat_id=1, user_id=1, text="run the three")
+    third = await telegram_card(fake_telegram, 1, after=second)
+    ids = fake_telegram.message_ids(1)
+    shown_before = [card_text(fake_telegram, m) for m in ids[before:ids.index(third)]]
+    assert [t.split("\n")[1].split(" ")[0] for t in shown_before if t.startswith("A workspace file")] == \
+        ["a.sh", "b.sh", "c.sh"]
+    assert all(FILLER in t for t in shown_before if t.startswith("A workspace file"))
+    assert "shown just above: a.sh, b.sh, c.sh" in card_text(fake_telegram, third)
+    (approval_id,) = await pending_ids(gw)
+    await fake_telegram.wait_answer(fake_telegram.push_callback(chat_id=1, user_id=1, message_id=third,
+                                                                data=f"ap:{approval_id}:d"))
+    await fake_telegram.wait_shown(1, lambda texts: "Not run at all." in texts, timeout=15)
 
 
 async def test_telegram_presses_reach_a_webhook(make_gateway: GatewayFactory, fake_model: FakeModel,
@@ -458,6 +528,24 @@ async def test_slack_long_arguments_are_shown_whole(make_gateway: GatewayFactory
     await fake_slack.wait_for(lambda: "Both denied." in fake_slack.visible("D1"), timeout=15)
 
 
+async def test_slack_a_hidden_command_is_shown_escaped(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                     fake_slack: FakeSlack) -> None:
+    settings_ = slack_settings(fake_slack, approvals={"tools": {"exec": "ask"}})
+    gw = await make_gateway(**settings_, tools=EXEC)
+    await fake_slack.wait_connected()
+    fake_model.tool_call("exec", {"command": HIDDEN_COMMAND})
+    fake_model.reply("Not run.")
+    await fake_slack.push_event({"type": "message", "channel_type": "im", "user": "U1", "text": "tidy up",
+                                 "ts": "700.1", "channel": "D1"})
+    card = await slack_card(fake_slack, "D1")
+    code = [unescape(s[3:-3]) for s in card.section_texts() if s.startswith("```")]
+    assert code == [visible(HIDDEN_COMMAND)] and RAW.search("".join(card.section_texts())) is None
+    assert "rm MEMORY.md\\r\\x1b[2Kls -la" in code[0]
+    assert (await pending_ids(gw)) and fake_slack.uploads == []
+    await fake_slack.push_block_action(user="U1", channel="D1", ts=card.ts, action_id="approval_deny")
+    await fake_slack.wait_for(lambda: "Not run." in fake_slack.visible("D1"), timeout=15)
+
+
 async def test_slack_participants_of_a_thread_answer(make_gateway: GatewayFactory, fake_model: FakeModel,
                                                       fake_slack: FakeSlack) -> None:
     gw = await make_gateway(**slack_settings(fake_slack, approvals={"approvers": "participants"}))
@@ -501,8 +589,9 @@ def discord_settings(fake: FakeDiscord, **approvals: Any) -> dict[str, Any]:
             "channels": {"discord": {"enabled": True, "token": fake.token, "api_base": fake.api_base}}}
 
 
-async def discord_gateway(make_gateway: GatewayFactory, fake: FakeDiscord, **approvals: Any) -> Gateway:
-    gw = await make_gateway(**discord_settings(fake, **approvals))
+async def discord_gateway(make_gateway: GatewayFactory, fake: FakeDiscord, enabled: dict[str, Any] | None = None,
+                          **approvals: Any) -> Gateway:
+    gw = await make_gateway(**discord_settings(fake, **approvals), **({"tools": enabled} if enabled else {}))
     await fake.wait_connected()
     await until(lambda: gw.channels["discord"].is_ready())
     return gw
@@ -639,6 +728,22 @@ async def test_discord_long_arguments_are_shown_whole(make_gateway: GatewayFacto
     await fake_discord.wait_visible(dm, lambda shown: "Denied." in shown, timeout=15)
 
 
+async def test_discord_a_hidden_command_is_shown_escaped(make_gateway: GatewayFactory, fake_model: FakeModel,
+                                                       fake_discord: FakeDiscord) -> None:
+    gw = await discord_gateway(make_gateway, fake_discord, EXEC, tools={"exec": "ask"})
+    dm = fake_discord.dm_channel(PERSON)
+    fake_model.tool_call("exec", {"command": HIDDEN_COMMAND})
+    fake_model.reply("Not run.")
+    fake_discord.push_message(user_id=PERSON, content="tidy up", dm=True)
+    card = await discord_card(fake_discord, dm)
+    content = fake_discord.messages[card]["content"]
+    assert f"```sh\n{visible(HIDDEN_COMMAND)}\n```" in content and RAW.search(content) is None
+    (approval_id,) = await pending_ids(gw)
+    press = fake_discord.push_click(user_id=PERSON, message_id=card, custom_id=f"ap:{approval_id}:d")
+    await fake_discord.wait_response(press)
+    await fake_discord.wait_visible(dm, lambda shown: "Not run." in shown, timeout=15)
+
+
 # ---------------------------------------------------------------------------- the layouts alone
 
 
@@ -658,7 +763,7 @@ def test_every_card_shows_the_arguments_whole_within_the_limits(arguments: str) 
     for outcome in OUTCOMES:
         message = render_card(card, outcome)
         assert utf16_len(message.text) <= TELEGRAM_TEXT_LIMIT
-        shown = arguments if arguments.strip() else "(no arguments)"
+        shown = visible(arguments) if visible(arguments).strip() else "(no arguments)"
         if message.document is None and outcome is None:
             assert shown in message.text
         elif outcome is None:
@@ -681,10 +786,85 @@ def test_the_buttons_fit_the_platforms() -> None:
     assert [c["custom_id"] for c in components(card)[0]["components"]] == ["ap:k3m9qa:a", "ap:k3m9qa:d"]
     short = render_card(card)
     assert [e["type"] for e in short.entities] == ["bold", "code", "pre"]
-    folded = render_card(make_card("echo hi\n" * 40))
-    assert "expandable_blockquote" in [e["type"] for e in folded.entities]
-    odd = render_card(make_card("printf 'a\x00b'"))  # a NUL cannot travel in a message: a file
-    assert odd.document is not None and odd.document[1] == b"printf 'a\x00b'"
+    odd = render_card(make_card("printf 'a\x00b'"))  # a NUL cannot travel in a message: shown escaped
+    assert odd.document is None and "printf 'a\\x00b'" in odd.text
+
+
+# The red team's (issue 31): the terminal showed `ls -la`, and the call deleted MEMORY.md.
+RED = "rm MEMORY.md\r\x1b[2Kls -la"
+HIDDEN = [
+    (RED, "rm MEMORY.md\\r\\x1b[2Kls -la"),
+    ("ls -la #\u202e dm.YROMEM mr", "ls -la #\\u202e dm.YROMEM mr"),  # an override reads it backwards
+    ("\u2066rm MEMORY.md\u2069\u200f ls", "\\u2066rm MEMORY.md\\u2069\\u200f ls"),  # isolates, a mark
+    ("rm\u200b -rf\u2060 ~\ufeff/x\u200d", "rm\\u200b -rf\\u2060 ~\\ufeff/x\\u200d"),  # zero-width
+    ("echo\u00ad ok\x9b2K\x7f\x08\x08\tx", "echo\\xad ok\\x9b2K\\x7f\\x08\\x08\\tx"),  # C1 CSI, DEL, BS
+    ("x\U000e0072\U000e006d\u2028y", "x\\U000e0072\\U000e006d\\u2028y"),  # tags, line separator
+    ("a\u0336\u0336\u0336\u0336b", "a\u0336\u0336\\u0336\\u0336b"),  # a stack of marks
+]
+# What no card may carry raw: C0 but the line break, DEL, C1, bidi, zero-width and tag characters.
+RAW = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                 "\u2060-\u206f\ufeff\U000e0000-\U000e007f]")
+
+
+def shown_everywhere(card: ApprovalCard) -> dict[str, str]:
+    """Everything a person could read of the card on each platform, first shown and decided."""
+    out: dict[str, str] = {"text": card.text()}
+    for outcome in (None, "Denied by telegram:1."):
+        telegram = render_card(card, outcome)
+        out[f"telegram {outcome}"] = telegram.text + "".join(m.text for m in telegram.before) + (
+            telegram.document[1].decode() if telegram.document else "")
+        # (as Discord renders it: a Markdown character's escape shows as the character)
+        out[f"discord {outcome}"] = re.sub(r"\\([\\*_~`|>#\-\[\]()<:@])", r"\1",
+                                           card_content(card, outcome) + "".join(file_messages(card)))
+        out[f"slack {outcome}"] = "\n".join(unescape(b["text"]["text"]) for b in card_blocks(card, outcome=outcome)
+                                            if b["type"] == "section")
+    return out
+
+
+@pytest.mark.parametrize(("payload", "escaped"), HIDDEN)
+def test_every_card_shows_hidden_characters_as_escapes(payload: str, escaped: str) -> None:
+    assert visible(payload) == escaped and visible(escaped) == escaped
+    card = ApprovalCard(id="k3m9qa", tool="exec", arguments=payload, who="an admin", timeout_s=300,
+                        files=(CardFile("run\u202e.sh", 20, text=payload),))
+    for where, text in shown_everywhere(card).items():
+        assert escaped in text, where
+        assert RAW.search(text.replace("\t", "")) is None, (where, RAW.search(text))
+        assert "run\\u202e.sh" in text, where
+    assert "\t" not in card.text()
+
+
+def test_a_long_command_is_shown_whole_and_never_folded_on_telegram() -> None:
+    command = "\n".join(f"echo step {i}" for i in range(19)) + "\n" + RED
+    shown = render_card(make_card(command))
+    assert shown.document is None
+    assert [e["type"] for e in shown.entities] == ["bold", "code", "pre"]  # no (expandable) quote
+    pre = next(e for e in shown.entities if e["type"] == "pre")
+    assert shown.text[pre["offset"]:pre["offset"] + pre["length"]] == visible(command)
+    longer = render_card(make_card("echo hi\n" * 300))  # still in one message: one pre block, no fold
+    assert [e["type"] for e in longer.entities] == ["bold", "code", "pre"]
+
+
+def test_named_files_show_on_the_card_or_just_before_it() -> None:
+    script = "".join(f"echo this is line number {i:02} of the script\n" for i in range(34)) + RED + "\n"
+    files = (CardFile("memory/2025-01-01.md", len(script), text=script), CardFile("big.bin", 90_000, note="not text"))
+    card = ApprovalCard(id="k3m9qa", tool="exec", arguments="sh memory/2025-01-01.md", who="an admin",
+                        timeout_s=300, files=files)
+    telegram = render_card(card)
+    assert not telegram.before and visible(script) in telegram.text and "big.bin (90,000 bytes; not text" in \
+        telegram.text
+    discord = card_content(card)  # Discord's 2,000 characters: the file goes as a message of its own first
+    assert len(discord) <= DISCORD_TEXT_LIMIT and "shown just above: memory/2025\\-01\\-01.md, big.bin" in discord
+    (first, second) = file_messages(card)
+    assert visible(script) in first and len(first) <= DISCORD_TEXT_LIMIT and "big.bin" in second
+    assert card_content(card, "Denied.").startswith(discord.rsplit("\n", 1)[0])  # the same layout once decided
+    slack = "\n".join(unescape(b["text"]["text"]) for b in card_blocks(card) if b["type"] == "section")
+    assert visible(script) in slack and "big.bin (90,000 bytes; not text" in slack
+    # Many long files do not fit one Telegram message: each goes first, the card names them.
+    many = ApprovalCard(id="k3m9qa", tool="exec", arguments="cat a b c", who="an admin", timeout_s=300,
+                        files=tuple(CardFile(n, 1400, text="y" * 1400) for n in "abc"))
+    crowded = render_card(many)
+    assert len(crowded.before) == 3 and "y" * 1400 in crowded.before[0].text and "y" * 1400 not in crowded.text
+    assert "shown just above: a, b, c" in crowded.text and render_card(many, "Denied.").before == ()
 
 
 JUNK = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=80)),

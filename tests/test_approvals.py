@@ -5,10 +5,13 @@ run where the exec sandbox cannot."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 from gateway.app import Gateway
+from gateway.approvals import card_files
+from gateway.tools.command_files import files_named
 from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes import telegram_server
 from tests.fakes.openai_server import FakeModel
@@ -150,3 +153,45 @@ async def test_approvals_are_config_json_s_alone_never_chat_s(make_gateway: Gate
     assert (tmp_path / "config.json").read_text() == before
     assert gw.cfg.approvals.tools == {"exec": "ask"} and gw.cfg.approvals.approvers == "admins"
     assert "approvals.tools.exec" in await chat(gw, "boss", "/config approvals.tools.exec")  # still shown
+
+
+# -- the workspace files a command names (issue 31: `sh memory/<day>.md` ran a staged script)
+
+
+def test_the_files_a_command_names_are_found_without_running_it() -> None:
+    assert files_named("sh memory/2025-01-01.md")[-1] == "memory/2025-01-01.md"
+    assert {"a.sh", "b.py", "c.txt", "d.env", "e.sh", "f.md", "g.csv"} <= set(files_named(
+        "bash ./a.sh && python3 b.py < c.txt; . d.env; source e.sh | cat /workspace/f.md --in=g.csv"))
+    assert "out.txt" not in files_named("cat a > out.txt") and "log" not in files_named("x 2>> log")
+    assert "run.sh" in files_named("sh -c 'bash run.sh'") and "k" in files_named("echo $(cat k)")
+    assert "memory/day.md" in files_named("cd memory && sh day.md")
+    assert "memory/x.md" in files_named("F=memory/x.md; sh $F")
+    assert files_named("cat ../../etc/passwd /etc/shadow ~/.ssh/id_rsa") == ["cat"]
+    assert files_named("sh 'unclosed") == ["sh", "'unclosed"]  # an unbalanced quote: still words
+    assert len(files_named(" ".join(f"f{i}" for i in range(1000)))) == 64
+
+
+def test_card_files_are_read_beneath_the_workspace_and_shown_when_short(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    (root / "memory").mkdir(parents=True)
+    (root / "memory" / "2025-01-01.md").write_text("# 2025-01-01\n\nrm -f MEMORY.md\x1b[2K\n")
+    (root / "long.sh").write_text("echo hi\n" * 41)  # over 40 lines
+    (root / "huge.sh").write_text("x" * 100_000)
+    (root / "blob").write_bytes(b"\x7fELF\x00\x01")
+    (tmp_path / "secret").write_text("the other scope's secret")
+    (root / "link").symlink_to(tmp_path / "secret")
+    (root / "hop").symlink_to(tmp_path)  # a directory symlink on the way
+    os.mkfifo(root / "fifo")  # opening it must not wait for a writer
+    names = ["sh", "memory/2025-01-01.md", "long.sh", "huge.sh", "blob", "link", "hop/secret", "fifo", "memory",
+             "../secret", "missing", "memory/*.md"]
+    files = {f.name: f for f in card_files(root, names)}
+    assert list(files) == ["memory/2025-01-01.md", "long.sh", "huge.sh", "blob", "link", "fifo"]
+    note = files["memory/2025-01-01.md"]
+    assert note.text == "# 2025-01-01\n\nrm -f MEMORY.md\\x1b[2K\n" and note.size == 34  # escaped, like the command
+    assert files["long.sh"].text is None and files["long.sh"].note == "too long to show"
+    assert files["huge.sh"].text is None and files["huge.sh"].size == 100_000
+    assert files["blob"].note == "not text" and files["fifo"].note == "not a regular file"
+    assert files["link"].text is None and str(tmp_path / "secret") in files["link"].note  # named, never read
+    assert all("secret" not in (f.text or "") for f in files.values())
+    assert [f.name for f in card_files(root, ["memory/*.md"])] == ["memory/2025-01-01.md"]  # a glob's matches
+    assert card_files(tmp_path / "none", ["x"]) == ()

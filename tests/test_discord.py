@@ -286,6 +286,37 @@ async def test_an_image_reaches_the_model_as_an_image(
     assert saved.read_bytes() == png
 
 
+async def test_one_persons_large_files_never_hold_up_anyone_elses_message(
+    fake_discord: FakeDiscord, make_gateway: GatewayFactory, fake_model: FakeModel
+) -> None:
+    """Issue 31: one message with ten large files held every other Discord user for 102 s.
+    The downloads now run beside the receiving, per chat and person, a few at a time each."""
+    gw = await discord_gateway(make_gateway, fake_discord)
+    release = fake_discord.hold_downloads()  # every file sends 64 KB, then waits for the test
+    big = [fake_discord.add_file(f"part{i}.bin", bytes([i]) * 300_000, "application/octet-stream")
+           for i in range(10)]  # Discord's most attachments in one message
+    files = fake_discord.push_message(user_id=PERSON, content="here are my files", dm=True, attachments=big)
+    await until(lambda: fake_discord.downloads_held >= 1)
+    later = fake_discord.push_message(user_id=PERSON, content="and did you get them?", dm=True)  # waits its turn
+    fake_model.reply("Hello other.")
+    other = fake_discord.push_message(user_id=OTHER, content="hi", dm=True)
+    await answered(gw, "discord", str(other))  # while every one of the ten is still held
+    assert fake_discord.downloads_held >= 1 and len(fake_model.requests) == 1
+    assert "hi" in json.dumps(fake_model.requests[0]["messages"][-1])
+    assert fake_discord.downloads_held <= 2 and len(fake_discord.downloads) <= 2  # a few at a time per person
+    fake_model.reply("Got ten.")
+    fake_model.reply("Yes.")
+    release.set()
+    await answered(gw, "discord", str(files))
+    await answered(gw, "discord", str(later))
+    first = json.dumps(fake_model.requests[1]["messages"][-1])
+    assert "here are my files" in first and all(f"files/part{i}.bin" in first for i in range(10)), first
+    assert "and did you get them?" in json.dumps(fake_model.requests[2]["messages"][-1])  # in its order
+    assert gw.services is not None
+    saved = workspace_dir(gw.services.data_dir, f"discord:user:{PERSON}") / "files"
+    assert sorted(p.name for p in saved.iterdir()) == sorted(f"part{i}.bin" for i in range(10))
+
+
 async def test_a_strangers_dm_gets_the_pairing_reply_and_their_file_is_never_fetched(
     fake_discord: FakeDiscord, make_gateway: GatewayFactory, fake_model: FakeModel
 ) -> None:
@@ -508,3 +539,52 @@ async def test_a_notice_to_someone_known_by_id_alone_opens_their_dm(fake_discord
     await channel.send(admin, "and another")
     assert fake_discord.visible(fake_discord.dm_channel(OTHER)) == ["config change refused", "and another"]
     assert fake_discord.calls.count(("POST", "/users/@me/channels")) == 1  # remembered after the first
+
+
+async def test_lanes_keep_each_chats_order_and_run_side_by_side() -> None:
+    from channels.discord.lanes import Lanes, PersonFiles
+
+    gates = {key: asyncio.Event() for key in ("a", "b")}
+    done: list[tuple[str, int]] = []
+
+    async def run(item: tuple[str, int]) -> None:
+        key, n = item
+        if n == 0 and key in gates:
+            await gates[key].wait()
+        if n == 2 and key == "a":
+            raise RuntimeError("one message failing is logged; the lane goes on")
+        done.append(item)
+
+    lanes: Lanes[tuple[str, int]] = Lanes(run, backlog=5)
+    for n in range(3):
+        await lanes.put("a", ("a", n))
+    await lanes.put("b", ("b", 0))
+    await lanes.put("b", ("b", 1))
+    putting = asyncio.ensure_future(lanes.put("c", ("c", 0)))  # the backlog is full: it waits
+    await asyncio.sleep(0.05)
+    assert not putting.done() and len(lanes) == 5
+    gates["b"].set()  # b goes on while a is held
+    await until(lambda: ("c", 0) in done)
+    assert done[:2] == [("b", 0), ("b", 1)] and not any(key == "a" for key, _ in done)
+    gates["a"].set()
+    assert await lanes.join(5)
+    assert [item for item in done if item[0] == "a"] == [("a", 0), ("a", 1)]
+    await lanes.close(1)
+
+    limits = PersonFiles(at_once=2, queued=10)
+    assert limits.take(1, 10) and not limits.take(1, 1) and limits.take(2, 10)
+    limits.done(1, 10)
+    assert limits.take(1, 1)
+    inside = 0
+    most = 0
+
+    async def fetch() -> None:
+        nonlocal inside, most
+        async with limits.slot(1):
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.01)
+            inside -= 1
+
+    await asyncio.gather(*(fetch() for _ in range(8)))
+    assert most == 2 and limits._slots == {}

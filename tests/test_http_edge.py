@@ -186,11 +186,13 @@ async def test_one_address_cannot_hold_every_connection(make_gateway: GatewayFac
             close(writer)
 
 
-async def get(gw: Gateway, path: str, source: str) -> bytes:
-    """One request on a fresh connection from `source`; everything the server sent."""
-    reader, writer = await connect(gw, source=source)
+async def get(gw: Gateway, path: str, source: str, port: int | None = None) -> bytes:
+    """One request on a fresh connection from `source` (to `port`, else the main one);
+    everything the server sent."""
+    port = port or port_of(gw)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port_of(gw)}\r\nConnection: close\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
         with contextlib.suppress(ConnectionResetError):
             await writer.drain()
         return await read_until_closed(reader, within=5)
@@ -249,6 +251,96 @@ async def test_many_addresses_cannot_take_every_connection_nor_blind_the_probes(
     await until_open(gw, 0)
     page = await get(gw, "/", source="127.0.0.2")
     assert page.startswith(b"HTTP/1.1 200"), page[:200]
+
+
+class Crowd:
+    """Idle connections from many addresses that come back the moment the server closes
+    one (issue 31's attack: 40 addresses; the probes' places past the cap went to whoever
+    reconnected first, and /healthz failed 5 of 7 times)."""
+
+    def __init__(self, port: int, sources: list[str], per_source: int) -> None:
+        self.port, self.sources, self.per_source = port, sources, per_source
+        self.stopping = asyncio.Event()
+        self.connected = 0  # connections made, reconnections included
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for source in self.sources:
+            for _ in range(self.per_source):
+                self.tasks.append(asyncio.get_running_loop().create_task(self._hold(source)))
+
+    async def _hold(self, source: str) -> None:
+        while not self.stopping.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(source, 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            self.connected += 1
+            try:
+                with contextlib.suppress(OSError):
+                    while await reader.read(65536):  # never a byte sent; back as soon as it is closed
+                        pass
+            finally:
+                close(writer)
+            await asyncio.sleep(0.005)  # (the same loop serves the test: leave it some time)
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def test_the_probe_port_answers_whatever_crowd_holds_the_main_port(make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway(http={"max_connections": 24, "header_timeout_s": 60, "probe_port": 0})
+    assert gw.http is not None and gw.http.probe_port
+    probe_port = gw.http.probe_port
+    crowd = Crowd(port_of(gw), [f"127.0.0.{2 + n}" for n in range(40)], per_source=1)
+    crowd.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        while gw.http.watch.open < 24:  # every place held, the probes' too
+            assert asyncio.get_running_loop().time() < deadline, gw.http.watch.open
+            await asyncio.sleep(0.02)
+        for attempt in range(7):
+            health = await get(gw, "/healthz", source=f"127.0.1.{attempt + 1}", port=probe_port)
+            assert health.startswith(b"HTTP/1.1 200") and b'"ok"' in health, health[:200]
+            ready = await get(gw, "/readyz", source=f"127.0.1.{attempt + 1}", port=probe_port)
+            assert ready.startswith(b"HTTP/1.1 200") and b'"ready": true' in ready, ready[:300]
+        # The probes' port serves nothing else.
+        assert (await get(gw, "/", source="127.0.1.9", port=probe_port)).startswith(b"HTTP/1.1 404")
+        assert (await get(gw, "/metrics", source="127.0.1.9", port=probe_port)).startswith(b"HTTP/1.1 404")
+    finally:
+        await crowd.stop()
+
+
+async def test_a_crowd_on_the_probe_port_itself_makes_way_for_the_probes(make_gateway: GatewayFactory,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "PROBE_CONNECTIONS_MAX", 64)
+    gw = await make_gateway(http={"probe_port": 0})
+    assert gw.http is not None and gw.http.probe_port
+    watch = gw.http.probe_watch
+    crowd = Crowd(gw.http.probe_port, [f"127.0.0.{2 + n}" for n in range(40)], per_source=8)  # 320 > 64
+    crowd.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        while crowd.connected < 320:  # each address at its 8, and then some reconnected after making way
+            assert asyncio.get_running_loop().time() < deadline, crowd.connected
+            await asyncio.sleep(0.02)
+        for attempt in range(7):
+            health = await get(gw, "/healthz", source=f"127.0.1.{attempt + 1}", port=gw.http.probe_port)
+            assert health.startswith(b"HTTP/1.1 200") and b'"ok"' in health, health[:200]
+            assert watch.open <= 64
+        assert max(watch.per_client.values()) <= server_module.PROBE_PER_CLIENT
+    finally:
+        await crowd.stop()
+
+
+def test_the_probe_port_is_not_the_main_one() -> None:
+    with pytest.raises(ValueError, match="probe_port must differ"):
+        HttpConfig(port=8080, probe_port=8080)
+    assert HttpConfig(port=0, probe_port=0).probe_port == 0 and HttpConfig().probe_port is None
 
 
 async def test_run_raises_the_open_files_limit_and_derives_the_cap_from_it(fake_model: FakeModel,

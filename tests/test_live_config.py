@@ -823,6 +823,7 @@ ROWS = [
     Row("http.keepalive_timeout_s", 3, "restart", p_still_serving),
     Row("http.max_connections_per_client", 8, "restart", p_still_serving),
     Row("http.max_connections", 100, "restart", p_still_serving),
+    Row("http.probe_port", 18_090, "restart", p_still_serving),
     Row("http.admin_token", "admin-token-after-0123456789", "live", p_admin_token),
     Row("limits.max_concurrent_model_calls", 2, "live", p_model_slots),
     Row("limits.session_queue_size", 1, "live", p_queue_size),

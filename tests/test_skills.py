@@ -8,11 +8,14 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 import gateway.skills.watcher
@@ -444,3 +447,110 @@ async def test_skills_dirs_follow_a_config_reload(fake_model: FakeModel, tmp_pat
         assert gw.skill_watcher.skills().names == ["first", "second", "third"]
     finally:
         await gw.stop(timeout=5)
+
+
+# -- SKILL.md files that attack the parser (issue 31: a 5,000-digit integer stopped the
+# watcher, and a restart hung serving nothing)
+
+HUGE_INT = "---\nname: {name}\ndescription: Fine otherwise.\nversion: " + "9" * 5000 + "\n---\n"
+NO_DATE = "---\nname: {name}\ndescription: Fine otherwise.\ndate: 2001-02-30\n---\n"
+DEEP = "---\nname: {name}\ndescription: " + "[" * 3000 + "]" * 3000 + "\n---\n"
+LAUGHS = "\n".join(["---", "name: {name}", 'l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]',
+                    *(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 10)),
+                    "description: *l9", "---", ""])
+HOSTILE = {"huge-int": HUGE_INT, "no-date": NO_DATE, "deep": DEEP, "laughs": LAUGHS}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_front_matter_is_a_reason_not_an_exception(name: str) -> None:
+    reason = why(HOSTILE[name].format(name=name), folder=name)
+    assert reason and len(reason) < 300
+
+
+def test_scan_skips_a_hostile_skill_md_and_names_it(tmp_path: Path) -> None:
+    for name, text in HOSTILE.items():
+        make_skill(tmp_path, name, text.format(name=name))
+    make_skill(tmp_path, "good", skill_md("good", "Still here."))
+    found = scan([tmp_path])
+    assert found.skills.names == ["good"]
+    assert sorted(p.file.parent.name for p in found.problems) == sorted(HOSTILE)
+    assert any("Exceeds the limit" in p.reason for p in found.problems if p.file.parent.name == "huge-int")
+
+
+async def test_the_watcher_outlives_a_hostile_edit_and_takes_the_next_good_one(
+        make_gateway: GatewayFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture, quick_watch: None) -> None:
+    root = tmp_path / "skills"
+    big = make_skill(root, "big", HUGE_INT.format(name="big"))  # there at the start
+    make_skill(root, "good", skill_md("good", "Still here."))
+    gw = await make_gateway()
+    watcher = gw.skill_watcher
+    assert watcher is not None and watcher.skills().names == ["good"]
+    assert any(str(big) in line and "Exceeds the limit" in line for line in skill_warnings(caplog))
+    # Fixed while running: taken.
+    big.write_text(skill_md("big", "Now a skill."))
+    await until(lambda: watcher.skills().names == ["big", "good"])
+    # Broken again, with each of the others in turn, and fixed: the watcher follows every time.
+    for name, text in HOSTILE.items():
+        big.write_text(text.format(name="big"))
+        await until(lambda: watcher.skills().names == ["good"])
+        big.write_text(skill_md("big", f"Back after {name}."))
+        await until(lambda: watcher.skills().names == ["big", "good"])
+    assert watcher._task is not None and not watcher._task.done()
+
+
+async def test_a_start_that_fails_after_the_store_opened_closes_it(
+        fake_model: FakeModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hang on restart: a start that raised after the database opened left its worker
+    thread running, and the process never exited."""
+    import threading
+
+    from gateway.config.load import load_config
+    from tests.conftest import write_config
+
+    async def broken(self: object) -> None:
+        raise RuntimeError("an unexpected failure while loading skills")
+
+    def holding() -> set[threading.Thread]:
+        """Threads that keep a process alive, but the loop's own executor (asyncio.run ends it)."""
+        return {t for t in threading.enumerate() if not t.daemon and t.is_alive() and
+                not t.name.startswith("asyncio_") and t is not threading.main_thread()}
+
+    monkeypatch.setattr(gateway.skills.watcher.SkillWatcher, "load", broken)
+    before = holding()
+    path = write_config(tmp_path, fake_model)
+    gw = Gateway(load_config(path), config_path=path)
+    with pytest.raises(RuntimeError, match="unexpected failure"):
+        await gw.start()
+    await gw.stop(timeout=5)
+    await until(lambda: holding() <= before)
+
+
+async def test_gateway_run_starts_and_serves_with_hostile_skills(fake_model: FakeModel, tmp_path: Path) -> None:
+    from tests.conftest import write_config
+
+    for name, text in HOSTILE.items():
+        make_skill(tmp_path / "skills", name, text.format(name=name))
+    make_skill(tmp_path / "skills", "good", skill_md("good", "Still here."))
+    path = write_config(tmp_path, fake_model)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "run", "--config", str(path), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+        assert line.startswith(b"gateway running"), line
+        port = int(line.split(b"127.0.0.1:")[1].split(b"/")[0])
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/healthz", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                assert resp.status == 200
+        proc.send_signal(signal.SIGINT)
+        _out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0
+    said = err.decode()
+    for name in HOSTILE:
+        assert str(tmp_path / "skills" / name / "SKILL.md") in said, said
+    assert "Traceback" not in said

@@ -420,6 +420,29 @@ async def test_an_approval_is_a_y_or_n_question_in_the_terminal(fake_model: Fake
         await window.close()
 
 
+async def test_an_approval_card_shows_a_hidden_command_as_escapes(fake_model: FakeModel, tmp_path: Path) -> None:
+    """Issue 31: `rm MEMORY.md` hidden behind a carriage return and an erase-line showed as
+    `ls -la` on this card. Now the window shows the escapes, and so the real command."""
+    config = write_config(tmp_path, fake_model, tools={"exec": {"enabled": True}}, approvals={"tools": {"exec": "ask"}})
+    window = Window()
+    try:
+        await window.start(config, tmp_path)
+        await window.at_prompt()
+        fake_model.tool_call("exec", {"command": "rm MEMORY.md\r\x1b[2Kls -la\necho \u202eok\u200b"})
+        fake_model.reply("Not run.")
+        window.type("tidy up\r")
+        await window.until(r"Allow exec\? \[y/N\]\Z")
+        assert "rm MEMORY.md\\r\\x1b[2Kls -la" in window.lines
+        assert "echo \\u202eok\\u200b" in window.lines
+        window.type("n\r")
+        await window.until(r"Not run\..*you>\Z")
+        assert "Denied by terminal:local." in window.text
+        window.type("\x04")
+        assert await window.exit_code() == 0
+    finally:
+        await window.close()
+
+
 # -- long answers as a newcomer reads them --------------------------------------------------
 
 ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")

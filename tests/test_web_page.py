@@ -371,3 +371,34 @@ async def test_the_printed_link_signs_the_browser_in_and_leaves_no_token_behind(
     assert await page.locator(".msg.user").all_text_contents() == ["hello with a cookie"]
     assert page.url == bare and gw.web_token not in await page.content()
     assert errors == []
+
+
+async def test_an_approval_card_shows_a_hidden_command_and_its_script_whole(
+        make_gateway: GatewayFactory, fake_model: FakeModel, browser: Browser) -> None:
+    """Issue 31: the card shows escapes for what would hide (never the raw characters), the
+    script a command runs, and all of it, nothing folded or scrolled out of sight."""
+    gw = await make_gateway(admins=["web:web-user"], tools={"exec": {"enabled": True}},
+                            approvals={"tools": {"exec": "ask"}})
+    assert gw.http is not None and gw.services is not None
+    day = gw.services.memory.today()
+    command = "\n".join([*(f"echo step {i}" for i in range(18)), "rm MEMORY.md\r\x1b[2Kls -la",
+                         f"sh memory/{day}.md \u202e\u200b"])
+    fake_model.tool_call("memory_write", {"text": "rm -rf /workspace/*\u2066", "target": "daily"})
+    fake_model.tool_call("exec", {"command": command})
+    fake_model.reply("Not run.")
+    page, errors = await open_page(browser, web_page_url(gw))
+    await page.fill("#text", "tidy up")
+    await page.press("#text", "Enter")
+    card = page.locator(".msg.approval")
+    await card.wait_for(timeout=10_000)
+    shown = await card.locator(".approval-args").first.inner_text()
+    assert "rm MEMORY.md\\r\\x1b[2Kls -la" in shown and f"sh memory/{day}.md \\u202e\\u200b" in shown
+    assert not any(ch in shown for ch in "\r\x1b\u202e\u200b") and shown.count("\n") >= 19
+    script = await card.locator(".approval-args").nth(1).inner_text()
+    assert "rm -rf /workspace/*\\u2066" in script and "\u2066" not in script
+    assert f"memory/{day}.md (" in await card.locator(".approval-file").inner_text()
+    # Whole on the page: no box cuts it to a few lines with a scroll bar.
+    assert await card.locator(".approval-args").first.evaluate("e => e.scrollHeight <= e.clientHeight + 1")
+    await card.locator("button", has_text="Deny").click()
+    await expect(page.locator(".msg.bot:not([hidden])").last).to_have_text("Not run.", timeout=10_000)
+    assert errors == []

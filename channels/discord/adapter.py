@@ -10,9 +10,12 @@ a RESUME (op 6) with the last sequence number it saw, so Discord replays what wa
 a message it replays that was already handled is the same event (`Inbound.event_id` is
 the message id) and the router's dedup drops it, also across restarts.
 
-Messages are handed to the router one at a time, in the order they arrived; a file is
-downloaded only for a sender the router admits (`hooks.admits`), capped by
-`limits.max_inbound_file_mb`. Replies go where the message was written (a thread is a
+Messages are handled beside the receiving, in lanes (channels/discord/lanes.py): each chat
+and person's messages one at a time, in the order they arrived, lanes side by side, so one
+person's slow files never hold up anyone else's message. A file is downloaded only for a
+sender the router admits (`hooks.admits`), capped by `limits.max_inbound_file_mb`, at most
+PERSON_DOWNLOADS at once per person and PERSON_QUEUED_FILES waiting (more are refused, and
+the turn says so). Replies go where the message was written (a thread is a
 channel of its own), quoting the person's message in guild channels; nobody is pinged
 by what the model writes. `send(..., components=...)` carries Discord message
 components (buttons) on the last message of a reply.
@@ -42,8 +45,9 @@ from discord.voice_client import VoiceClient
 from yarl import URL
 
 from channels.base import ApprovalCard, ChannelHooks, ReplyRefSink, ReplyStream
-from channels.discord.approvals import card_content, components, file_name, in_file
+from channels.discord.approvals import card_content, components, file_messages, file_name, in_file
 from channels.discord.format import render_markdown
+from channels.discord.lanes import Lanes, PersonFiles
 from channels.discord.messages import (
     BotIdentity,
     ParsedMessage,
@@ -77,6 +81,9 @@ TYPING_INTERVAL_S = 8.0  # Discord shows "typing" for 10 s
 TYPING_DELAY_S = 0.5  # the indicator starts once a turn takes longer than this
 UPLOAD_MAX_BYTES = 10 * 1024 * 1024  # what a bot may upload to any server without boosts
 DOWNLOAD_TIMEOUT_S = 120.0
+PERSON_DOWNLOADS = 2  # files of one person fetched at once
+PERSON_QUEUED_FILES = 50  # files of one person waiting in messages not handled yet; more are refused
+TOO_MANY_FILES = "you sent more files than I fetch at once; send this one again in a moment"
 DOWNLOAD_READ_TIMEOUT_S = 30.0
 PLACES_CACHE = 4096  # channels whose kind was looked up over REST
 # A press must be answered within 3 s; the decision gets most of that, then the presser is
@@ -144,6 +151,10 @@ class DiscordChannel:
         self._receiving = False
         self._connected = False
         self._inbox: asyncio.Queue[discord.Message] = asyncio.Queue(maxsize=INBOX_SIZE)
+        # (message, whether its files may be fetched), handled per chat and person
+        self._lanes: Lanes[tuple[discord.Message, bool]] = Lanes(self._handle_received, backlog=INBOX_SIZE,
+                                                                 name="discord-message")
+        self._person_files = PersonFiles(at_once=PERSON_DOWNLOADS, queued=PERSON_QUEUED_FILES)
         self._places: OrderedDict[int, Place] = OrderedDict()
         self._downloads: aiohttp.ClientSession | None = None
         self._paces = ChannelPaces()
@@ -185,6 +196,7 @@ class DiscordChannel:
         if not self._started or self._stopping or self._receiver is not None:
             return
         self._receiving = True
+        self._lanes.reopen()
         self._receiver = asyncio.create_task(self._receive(), name="discord-gateway")
         self._consumer = asyncio.create_task(self._consume(), name="discord-inbox")
 
@@ -201,10 +213,14 @@ class DiscordChannel:
             receiver.cancel()
             await asyncio.wait({receiver}, timeout=STOP_TIMEOUT_S + 1)
         if consumer is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DRAIN_TIMEOUT_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox.join(), DRAIN_TIMEOUT_S)
+            await self._lanes.join(max(0.0, deadline - loop.time()))
             consumer.cancel()
             await asyncio.wait({consumer}, timeout=STOP_TIMEOUT_S)
+        await self._lanes.close(STOP_TIMEOUT_S)
         self._connected = False
 
     async def stop(self) -> None:
@@ -319,18 +335,28 @@ class DiscordChannel:
             backoff = min(backoff * 2, 60.0)
 
     async def _consume(self) -> None:
+        """The inbox, in Discord's order, into the lanes: one per chat and person."""
         while True:
             message = await self._inbox.get()
             try:
-                await self._process(message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("discord: message %s could not be handled", message.id)
+                counted = self._person_files.take(message.author.id, len(message.attachments))
+                await self._lanes.put((message.channel.id, message.author.id), (message, counted))
             finally:
                 self._inbox.task_done()
 
-    async def _process(self, message: discord.Message) -> None:
+    async def _handle_received(self, item: tuple[discord.Message, bool]) -> None:
+        message, counted = item
+        try:
+            await self._process(message, fetch=counted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discord: message %s could not be handled", message.id)
+        finally:
+            if counted:
+                self._person_files.done(message.author.id, len(message.attachments))
+
+    async def _process(self, message: discord.Message, *, fetch: bool = True) -> None:
         me, rest = self._me, self._rest
         if me is None or rest is None:
             return
@@ -344,7 +370,8 @@ class DiscordChannel:
             rest.remember_dm(message.author.id, place.channel_id)
         inbound = parsed.inbound
         if parsed.files and await self._hooks.admits(inbound):
-            inbound = await self._with_files(parsed)
+            inbound = await self._with_files(parsed, message.author.id) if fetch else \
+                replace(inbound, attachments=tuple(_refused(p, TOO_MANY_FILES) for p in parsed.files))
         for attempt in range(1, HANDLER_ATTEMPTS + 1):
             try:
                 taken = await self._hooks.handle(inbound)
@@ -427,9 +454,12 @@ class DiscordChannel:
 
     async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
         """The card with Allow and Deny where the turn's message came from (the arguments
-        as a file posted first when they do not fit); "channel id:message id"."""
+        as a file, and the files it names as messages, posted first when they do not fit);
+        "channel id:message id"."""
         rest = self._require_rest()
         target = await self._target(inbound)
+        for text in file_messages(card):  # the named files that did not fit on the card, read first
+            await self._post(rest, target, text, None, None)
         if in_file(card):
             data = card.arguments.encode("utf-8", "backslashreplace")
             await asyncio.wait_for(rest.upload(target, [Upload(file_name(card), data)]), CALL_TIMEOUT_S)
@@ -454,27 +484,29 @@ class DiscordChannel:
 
     # ------------------------------------------------------------ attachments
 
-    async def _with_files(self, parsed: ParsedMessage) -> Inbound:
+    async def _with_files(self, parsed: ParsedMessage, person: int) -> Inbound:
         """The message with its files saved under the scope's files/, or with what stopped
-        each one (the turn says so)."""
+        each one (the turn says so); a few of the person's at once, in their order."""
         inbound = parsed.inbound
         workspace = self._hooks.workspace_for(inbound)
         limit = self._hooks.file_limit()
-        saved: list[Attachment] = []
-        for pending in parsed.files:
+
+        async def one(pending: PendingFile) -> Attachment:
             try:
                 if pending.size > limit:
                     raise too_large(limit)  # never fetched: the size Discord reported is enough
-                relative, size = await save_download(self._fetch(pending.url), workspace, pending.name, limit=limit)
+                async with self._person_files.slot(person):
+                    relative, size = await save_download(self._fetch(pending.url), workspace, pending.name,
+                                                         limit=limit)
             except FileRefused as exc:
-                saved.append(_refused(pending, str(exc)))
-                continue
+                return _refused(pending, str(exc))
             except (_DownloadFailed, aiohttp.ClientError, OSError, TimeoutError, PathNotAllowed) as exc:
                 log.warning("discord: file %s of message %s not saved: %s", pending.id, inbound.event_id, exc)
-                saved.append(_refused(pending, "the download from Discord failed"))
-                continue
-            saved.append(Attachment(name=safe_file_name(pending.name), path=relative, mime=pending.mime, size=size,
-                                    kind=pending.kind, duration_s=pending.duration_s))
+                return _refused(pending, "the download from Discord failed")
+            return Attachment(name=safe_file_name(pending.name), path=relative, mime=pending.mime, size=size,
+                              kind=pending.kind, duration_s=pending.duration_s)
+
+        saved = await asyncio.gather(*(one(pending) for pending in parsed.files))
         return replace(inbound, attachments=tuple(saved))
 
     async def _fetch(self, url: str) -> AsyncIterator[bytes]:

@@ -6,21 +6,27 @@ arguments exactly); an actions block holds Allow and Deny (`approval_allow` /
 `approval_deny`, the approval id as their value). Arguments that would need more than
 MAX_CODE_SECTIONS sections, or that hold ``` (which would end a code block early; a
 backtick at a piece's edge too), go as a file uploaded with the card, and the card names
-it. Once decided the actions block gives way to the outcome.
+it. The workspace files the command names follow, each a heading and its text in code
+blocks (a ``` in a file's text written with its last backtick as the escape `\x60`; a
+file past the blocks Slack allows is named only). Everything is `visible()` already (the
+card made it so): an escape sequence reads as `\x1b`, never folded or hidden. Once
+decided the actions block gives way to the outcome.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
-from channels.base import ApprovalCard
+from channels.base import ApprovalCard, CardFile
 
 ALLOW_ACTION, DENY_ACTION = "approval_allow", "approval_deny"
 ACTIONS = re.compile(r"approval_(allow|deny)")
 SECTION_LIMIT = 3000  # characters of a section's text
 FENCE = "```"
 MAX_CODE_SECTIONS = 12  # past this (about 35,000 characters) the arguments go as a file
+MAX_BLOCKS = 50  # of a message
 _ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 
 
@@ -86,6 +92,7 @@ def card_blocks(card: ApprovalCard, *, outcome: str | None = None, buttons: bool
     blocks: list[dict[str, Any]] = [_section(title)]
     for piece in pieces or ():
         blocks.append(_section(FENCE + escape(piece) + FENCE))
+    blocks.extend(_file_blocks(card.files, room=MAX_BLOCKS - len(blocks) - 3))
     if outcome is not None:
         blocks.append(_section(f"*{escape(outcome)}*"[:SECTION_LIMIT]))
         return blocks
@@ -99,6 +106,22 @@ def card_blocks(card: ApprovalCard, *, outcome: str | None = None, buttons: bool
             _button("Allow", ALLOW_ACTION, card.id, "primary"),
             _button("Deny", DENY_ACTION, card.id, "danger"),
         ]})
+    return blocks
+
+
+def _file_blocks(files: tuple[CardFile, ...], room: int) -> list[dict[str, Any]]:
+    """The named files: a heading each, then its text's code blocks while there is room."""
+    if not files:
+        return []
+    blocks = [_section("The command names these workspace files:")]
+    for index, file in enumerate(files):
+        pieces = code_pieces(file.text.replace(FENCE, "``\\x60") or " ") if file.text is not None else None
+        left = room - len(blocks) - (len(files) - index)  # a heading for each file still to come
+        if file.text is not None and (pieces is None or len(pieces) + 1 > left):
+            file = dataclasses.replace(file, text=None, note="too long for this card")
+            pieces = None
+        blocks.append(_section(f"_{escape(file.heading())}_"))
+        blocks.extend(_section(FENCE + escape(piece) + FENCE) for piece in pieces or ())
     return blocks
 
 

@@ -676,12 +676,15 @@ class TelegramChannel:
 
     async def ask_approval(self, inbound: Inbound, card: ApprovalCard) -> str | None:
         """The card, with Allow and Deny under it, where the turn's message came from (its
-        arguments as a file sent just before it when they do not fit); "chat:message id"."""
+        arguments as a file, and the files it names as messages, sent just before it when
+        they do not fit); "chat:message id"."""
         bot = self._require_bot()
         chat: int | str = _chat_ref(inbound.chat_id)
         thread = _int_or_none(inbound.thread_id)
         reply_to = _int_or_none(inbound.message_id) if inbound.is_group else None
         shown = render_card(card)
+        for file in shown.before:  # the named files that did not fit on the card, read first
+            await self._deliver(bot, chat, Chunk(file.text, file.entities), thread, reply_to)
         if shown.document is not None:
             name, data = shown.document
             doc = await bot.send_document(chat_id=chat, document=data, filename=name, message_thread_id=thread,

@@ -1,18 +1,22 @@
 """An approval card as Telegram shows it (SPEC §5.7). Pure, no I/O.
 
 The card is one message: a bold title, the tool, its whole arguments and, under it, an
-inline keyboard with Allow and Deny. The arguments are never cut: a short one is a `pre`
-block; a long one that still fits Telegram's 4,096 UTF-16 units is an expandable
-blockquote (the chat shows a few lines and a tap opens the rest); one that does not fit,
-or holds characters a message cannot carry, goes as a file sent just before the card,
-which then names the file. Each button carries `ap:<id>:a` or `ap:<id>:d` (at most 64
-bytes, Telegram's limit), so a click is answered from the data alone, also after a restart.
+inline keyboard with Allow and Deny. The arguments are never cut nor folded (no
+expandable blockquote: a person would see a few lines and allow the rest unread): they
+are one `pre` block, or, when they do not fit Telegram's 4,096 UTF-16 units, a file sent
+just before the card, which then names the file. The workspace files the command names
+follow, each a heading and a `pre` block; when they do not fit on the card they go as
+messages of their own just before it. Everything is `visible()` already (the card made
+it so): an escape sequence or a bidi control reads as `\x1b` or `\u202e`. Each button
+carries `ap:<id>:a` or `ap:<id>:d` (at most 64 bytes, Telegram's limit), so a click is
+answered from the data alone, also after a restart.
 
 Once decided the card is edited: the last line gives the outcome and the keyboard is gone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -20,18 +24,13 @@ from typing import Any
 
 from telegram import InlineKeyboardButton, InlineKeyboardMarkup
 
-from channels.base import ApprovalCard
+from channels.base import ApprovalCard, CardFile
 from channels.telegram.format import TELEGRAM_TEXT_LIMIT, utf16_len
 
 CALLBACK_DATA_LIMIT = 64  # bytes of a button's callback_data
 # Room kept for the card's last line: who may answer, and later the outcome in its place.
 FOOTER_RESERVE = 512
-PRE_MAX_LINES = 15  # longer arguments read better folded (an expandable blockquote)
-PRE_MAX_UNITS = 1200
 _CALLBACK = re.compile(r"ap:([a-z0-9]{1,32}):([ad])")
-# What a message cannot carry as it is: control characters other than tab and newline
-# (Telegram drops or refuses them), lone surrogates. Such arguments go as a file.
-_UNSENDABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +38,7 @@ class CardMessage:
     text: str
     entities: tuple[dict[str, Any], ...]
     document: tuple[str, bytes] | None = None  # (file name, bytes) sent before the card
+    before: tuple[CardMessage, ...] = ()  # the named workspace files that did not fit: sent first
 
 
 def callback_data(approval_id: str, allow: bool) -> str:
@@ -93,23 +93,17 @@ class _Text:
 
 def render_card(card: ApprovalCard, outcome: str | None = None) -> CardMessage:
     """The card as first shown (`outcome` None: who may answer on the last line), or as
-    it reads once decided (the outcome in that line's place). The same arguments always
-    take the same form, so a decided card keeps the layout people saw."""
+    it reads once decided (the outcome in that line's place). The same card always takes
+    the same form, so a decided card keeps the layout people saw."""
     arguments = card.arguments if card.arguments.strip() else "(no arguments)"
     out = _Text()
     out.add(f"Approval needed ({card.id})", "bold")
     out.add("\nThe assistant wants to run ")
     out.add(card.tool, "code")
-    fits = (not _UNSENDABLE.search(arguments)
-            and out.length + utf16_len(arguments) + FOOTER_RESERVE <= TELEGRAM_TEXT_LIMIT)
     document: tuple[str, bytes] | None = None
-    if fits:
+    if out.length + utf16_len(arguments) + FOOTER_RESERVE <= TELEGRAM_TEXT_LIMIT:
         out.add(" with:\n")
-        folded = arguments.count("\n") >= PRE_MAX_LINES or utf16_len(arguments) > PRE_MAX_UNITS
-        if folded:
-            out.add(arguments, "expandable_blockquote")
-        else:
-            out.add(arguments, "pre", **({"language": "sh"} if card.tool == "exec" else {}))
+        out.add(arguments, "pre", **({"language": "sh"} if card.tool == "exec" else {}))
     else:
         name = file_name(card)
         out.add(f". Its arguments ({len(arguments):,} characters) are in the file ")
@@ -117,10 +111,40 @@ def render_card(card: ApprovalCard, outcome: str | None = None) -> CardMessage:
         out.add(", sent with this card.")
         if outcome is None:
             document = (name, arguments.encode("utf-8", "backslashreplace"))
+    before: tuple[CardMessage, ...] = ()
+    if card.files:
+        inline = _Text()
+        _add_files(inline, card.files)
+        if out.length + inline.length + FOOTER_RESERVE <= TELEGRAM_TEXT_LIMIT:
+            out.add("\n\nThe command names these workspace files:")
+            _add_files(out, card.files)
+        else:
+            out.add("\n\nThe workspace files the command names are shown just above: "
+                    + ", ".join(f.name for f in card.files)[:FOOTER_RESERVE] + ".")
+            before = tuple(_file_message(f) for f in card.files)
     out.add("\n\n")
     if outcome is None:
         out.add(f"{card.who.capitalize() or 'An approver'} can answer with the buttons below, or with "
                 f"/allow {card.id} or /deny {card.id}. No answer in {card.timeout_s:g} s is a deny.")
     else:
         out.add(outcome[:FOOTER_RESERVE - 16], "bold")
-    return out.message(document)
+    return dataclasses.replace(out.message(document), before=before if outcome is None else ())
+
+
+def _add_files(out: _Text, files: tuple[CardFile, ...]) -> None:
+    for file in files:
+        out.add("\n")
+        out.add(file.heading(), "italic")
+        if file.text:
+            out.add("\n")
+            out.add(file.text, "pre")
+
+
+def _file_message(file: CardFile) -> CardMessage:
+    """One named file as a message of its own, before the card."""
+    out = _Text()
+    out.add("A workspace file the command on the next card names:")
+    shown = file if file.text is None or utf16_len(file.heading() + file.text) + 100 <= TELEGRAM_TEXT_LIMIT \
+        else dataclasses.replace(file, text=None, note="too long for a message")
+    _add_files(out, (shown,))
+    return out.message()

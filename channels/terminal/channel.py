@@ -102,8 +102,10 @@ class TerminalChannel:
         gateway only shows the card here and waits for the decision)."""
         self._cards.add(card.id)
         rule = "-" * 40
+        # Everything on the card is visible() (the card made it so): an escape sequence in the
+        # arguments is printed as `\x1b`, never sent to this terminal to erase what precedes it.
         self.write(f"\r\033[K\n{rule}\nApproval needed ({card.id}): {card.tool} wants to run:\n"
-                   f"{card.arguments}\n{rule}\n")
+                   f"{card.arguments}\n{card.files_text()}{rule}\n")
         if self.ask_line is None or self.decide is None:
             self.write(f"Answer /allow {card.id} or /deny {card.id}.\n")
         else:

@@ -28,7 +28,8 @@ requests waits (a scheduled task's, one that came after the page stopped waiting
 `resync` when a reconnecting page missed more than is kept (channels/web/events.py).
 
 A tool that waits for a person's yes (SPEC §5.7) shows as an `approval` event {"id", "tool",
-"arguments", "who", "timeout_s"} in the streamed reply, and `approval_done` {"id",
+"arguments", "who", "timeout_s", "files": [{"heading", "text"}]} in the streamed reply (all
+of it `visible()`: control characters and bidi controls as escapes), and `approval_done` {"id",
 "outcome"} once decided; the page's buttons answer with `POST /api/approvals/<id>`
 {"session", "decision": "allow"|"deny"}."""
 
@@ -319,7 +320,8 @@ class WebChannel:
         if outbox is None or outbox.closed:
             return None
         outbox.put_data("approval", {"id": card.id, "tool": card.tool, "arguments": card.arguments,
-                                     "who": card.who, "timeout_s": card.timeout_s})
+                                     "who": card.who, "timeout_s": card.timeout_s,
+                                     "files": [{"heading": f.heading(), "text": f.text} for f in card.files]})
         return card.id
 
     async def settle_approval(self, inbound: Inbound, card: ApprovalCard, ref: str | None, outcome: str) -> None:

@@ -71,7 +71,7 @@ def is_credential_destination(path: str) -> bool:
 # Read once at start: a change is saved but takes effect after a restart.
 RESTART_KEYS = frozenset({"data_dir", "store.url", "http.host", "http.port", "http.header_timeout_s",
                           "http.body_timeout_s", "http.keepalive_timeout_s", "http.max_connections_per_client",
-                          "http.max_connections",
+                          "http.max_connections", "http.probe_port",
                           "channels.web.enabled", "channels.terminal.enabled"})
 # A change restarts that channel alone (it reconnects with its new settings).
 CHANNEL_SECTIONS = ("channels.telegram", "channels.slack", "channels.discord")

@@ -38,7 +38,7 @@ QUERY_TIMEOUT_S = 5.0
 # Each gateway's own: where it finds the shared data (relative to its own file) and where it
 # listens (two gateways on one host need two ports). Set in chat, they change the config file
 # of the gateway that took the command, and only that one.
-INSTANCE_KEYS = frozenset({"data_dir", "http.host", "http.port"})
+INSTANCE_KEYS = frozenset({"data_dir", "http.host", "http.port", "http.probe_port"})
 
 Check = Callable[[Config], list[str]]
 Apply = Callable[[], Awaitable[None]]

@@ -220,6 +220,10 @@ MEANINGS: dict[str, str] = {
     "http.admin_token": "Bearer token of the admin page at `/admin` (off while unset); at least 16 characters, "
                         "not the web chat's token.",
     "http.port": "Port of the HTTP server.",
+    "http.probe_port": "A second port, on `http.host`, that answers only `/healthz` and `/readyz` (null: off; 0: "
+                       "any free port). Point the orchestrator's probes at it: no crowd of connections to "
+                       "`http.port` can make them fail. Its connections have short deadlines and the longest idle "
+                       "one makes way for a newcomer when it is full.",
     "http.header_timeout_s": "Seconds from connecting (or a request's first byte) to the request's complete "
                              "head; slower connections are closed.",
     "http.body_timeout_s": "Seconds a request body may take (else 408).",
@@ -482,7 +486,7 @@ config file of the gateway that took it and recorded in the database; every gate
 latest chat change of each key over its own file, at start, when its file is reloaded and
 within about 2 seconds of the change. A chat change wins over the files for its key until
 `python -m gateway config-reset KEY` gives the key back to the files (without KEY it lists the
-chat changes in effect). `data_dir`, `http.host` and `http.port` stay each gateway's own, and
+chat changes in effect). `data_dir`, `http.host`, `http.port` and `http.probe_port` stay each gateway's own, and
 a change a gateway cannot run (a feature whose secret it lacks) is left out there, logged. A
 lone gateway on SQLite records its chat changes but runs its file only.
 

@@ -246,8 +246,17 @@ class HttpConfig(_Strict):
     max_connections_per_client: int = Field(default=64, ge=1)  # open connections from one address
     # Open connections in all (None: from the open-files limit, leaving the rest its descriptors).
     max_connections: int | None = Field(default=None, ge=8)
+    # A listener of its own for /healthz and /readyz (None: off; 0: any free port), on `host`:
+    # a crowd of connections to `port` never blinds the orchestrator's probes.
+    probe_port: int | None = Field(default=None, ge=0, le=65535)
     # The admin page (/admin) is served only while this is set; its API needs it as a bearer token.
     admin_token: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _probe_port_is_another(self) -> HttpConfig:
+        if self.probe_port is not None and self.probe_port != 0 and self.probe_port == self.port:
+            raise ValueError("http.probe_port must differ from http.port (the probes' listener is a second one)")
+        return self
 
 
 class LimitsConfig(_Strict):

@@ -17,6 +17,13 @@ a connection that arrives when the rest are taken may ask only for /healthz or /
 too the one that has waited longest without sending a request (at least a second) gives
 its place up. So a crowd of idle connections can neither take the server's descriptors
 nor blind its probes. (A flood of new connections is a firewall's or a proxy's to stop.)
+
+Those places can still be outrun: a crowd that reconnects the moment it loses one holds them
+too. The robust answer is `http.probe_port`, a listener of its own that serves /healthz and
+/readyz only (`build_probe_app`): tiny requests (a 1 KB body cap, GETs), short deadlines,
+at most PROBE_PER_CLIENT connections an address, and past PROBE_CONNECTIONS_MAX the
+longest idle connection makes way for the newcomer (`ConnectionWatch(..., evict=True)`),
+so a crowd there holds nothing for long and the crowd on `http.port` does not reach it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ PROBE_GRACE_S = 1.0  # a probe's place is never given up sooner: time for its re
 FD_HEADROOM_MIN = 320
 AUTO_CONNECTIONS_MAX = 16_384
 REFUSED_LINGERING_MAX = 128  # refused connections given a moment to read their 503; more are cut at once
+# The probes' own listener (`http.probe_port`): a probe's request comes at once and is tiny.
+PROBE_CONNECTIONS_MAX = 256
+PROBE_PER_CLIENT = 8  # an orchestrator's liveness, readiness and startup probes, with room
+PROBE_HEAD_S = 2.0
+PROBE_IDLE_S = 5.0
+PROBE_BODY_BYTES = 1024
 
 
 def raise_open_files_limit() -> int:
@@ -125,12 +138,11 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def build_app(*, ready: ReadyCheck, metrics: Callable[[], tuple[bytes, str]],
-              channel: ChannelLookup, extra_routes: list[web.RouteDef] | None = None,
-              client_max_size: int = 4 * 1024 * 1024,
-              ready_details: Callable[[], dict[str, Any]] | None = None) -> web.Application:
-    """`ready_details` adds informative entries to /readyz (MCP servers) that never make it fail."""
-    app = web.Application(client_max_size=client_max_size)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _probes(ready: ReadyCheck, ready_details: Callable[[], dict[str, Any]] | None) -> tuple[Handler, Handler]:
+    """/healthz and /readyz, the same on the main port and the probes' own."""
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -154,6 +166,26 @@ def build_app(*, ready: ReadyCheck, metrics: Callable[[], tuple[bytes, str]],
             except Exception as err:
                 log.warning("readiness details failed", extra={"error": f"{type(err).__name__}: {err}"[:300]})
         return web.json_response(body, status=503 if reasons else 200)
+
+    return healthz, readyz
+
+
+def build_probe_app(*, ready: ReadyCheck, ready_details: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    """The probes' own listener (`http.probe_port`): /healthz and /readyz, nothing else."""
+    app = web.Application(client_max_size=PROBE_BODY_BYTES)
+    healthz, readyz = _probes(ready, ready_details)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+def build_app(*, ready: ReadyCheck, metrics: Callable[[], tuple[bytes, str]],
+              channel: ChannelLookup, extra_routes: list[web.RouteDef] | None = None,
+              client_max_size: int = 4 * 1024 * 1024,
+              ready_details: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    """`ready_details` adds informative entries to /readyz (MCP servers) that never make it fail."""
+    app = web.Application(client_max_size=client_max_size)
+    healthz, readyz = _probes(ready, ready_details)
 
     async def metrics_view(_request: web.Request) -> web.Response:
         body, content_type = metrics()
@@ -195,6 +227,7 @@ class _Watched(asyncio.Protocol):
         self._busy = False  # a request is being handled (its body has its own deadline)
         self._heading = False  # bytes of the next request head have arrived
         self.probe_only = False  # admitted past the cap: /healthz and /readyz only
+        self.leaving = False  # made way for a newcomer (the probes' listener), closing
         self.opened_at = 0.0
         self._lingering = False  # refused, given a moment to read its 503
 
@@ -295,6 +328,11 @@ class _Watched(asyncio.Protocol):
         self._transport.close()
 
     @property
+    def heading(self) -> bool:
+        """Bytes of a request head have come (it is not just idle)."""
+        return self._heading
+
+    @property
     def waiting(self) -> bool:
         """Admitted and not in a request: an idle or still-arriving head may give its place up."""
         return not self._busy and self._transport is not None and not self._transport.is_closing()
@@ -314,8 +352,9 @@ class ConnectionWatch:
     """The connections of one server: counts per client address and in all, the probes'
     places past the cap, deadlines per connection."""
 
-    def __init__(self, cfg: HttpConfig, max_connections: int | None = None) -> None:
+    def __init__(self, cfg: HttpConfig, max_connections: int | None = None, *, evict: bool = False) -> None:
         self.cfg = cfg
+        self.evict = evict  # when full, the longest idle connection makes way (the probes' listener)
         self.per_client: Counter[str] = Counter()
         self.handlers: dict[asyncio.Protocol, _Watched] = {}  # aiohttp's protocol → its watcher
         self._refusing: set[str] = set()  # addresses at the cap (one warning each time they reach it)
@@ -341,6 +380,12 @@ class ConnectionWatch:
                             extra={"client": client, "limit": self.cfg.max_connections_per_client})
             return None
         kind = "open"
+        if self.evict:
+            if self.open >= self.max_connections and not self._make_way():
+                return None
+            self.per_client[client] += 1
+            self.open += 1
+            return kind
         if self.open - len(self.probes) >= self.max_connections - self.probe_places:
             if not self.full:
                 self.full = True
@@ -367,8 +412,21 @@ class ConnectionWatch:
         oldest.give_up_place()
         return True
 
+    def _make_way(self) -> bool:
+        """The connection that has waited longest without sending a byte (else the one whose
+        request head is slowest) is closed for a newcomer; None waiting: no place."""
+        waiting = [c for c in self.handlers.values() if c.waiting and not c.leaving]
+        if not waiting:
+            return False
+        longest = min(waiting, key=lambda c: (c.heading, c.opened_at))
+        longest.leaving = True  # counted until it is gone (its release), never picked twice
+        longest.give_up_place()
+        self.open -= 1  # its place is the newcomer's now
+        return True
+
     def release(self, client: str, conn: _Watched) -> None:
-        self.open -= 1
+        if not (self.evict and conn.leaving):  # a connection that made way gave its place already
+            self.open -= 1
         self.probes.discard(conn)
         self.per_client[client] -= 1
         if self.per_client[client] <= 0:
@@ -452,37 +510,67 @@ class _WatchedSite(web.BaseSite):
 
 
 class HttpServer:
-    def __init__(self, app: web.Application, cfg: HttpConfig) -> None:
+    """The main listener (`http.port`), and the probes' own when `probes` is given
+    (`http.probe_port`)."""
+
+    def __init__(self, app: web.Application, cfg: HttpConfig, *, probes: web.Application | None = None) -> None:
         self.app = app
         self.cfg = cfg
         self.host = cfg.host
         self.port = cfg.port
         self.watch = ConnectionWatch(cfg)
+        self.probes = probes
+        self.probe_port: int | None = cfg.probe_port if probes is not None else None
+        # Short deadlines, a few connections an address; when full the longest idle one goes.
+        self.probe_watch = ConnectionWatch(
+            cfg.model_copy(update={"header_timeout_s": min(cfg.header_timeout_s, PROBE_HEAD_S),
+                                   "keepalive_timeout_s": min(cfg.keepalive_timeout_s, PROBE_IDLE_S),
+                                   "body_timeout_s": min(cfg.body_timeout_s, PROBE_HEAD_S),
+                                   "max_connections_per_client": min(cfg.max_connections_per_client,
+                                                                     PROBE_PER_CLIENT)}),
+            PROBE_CONNECTIONS_MAX, evict=True)
         self._runner: web.AppRunner | None = None
+        self._probe_runner: web.AppRunner | None = None
+        self.binding = ("http.port", self.port)  # the key and port being bound (a failed start names them)
 
     async def start(self) -> None:
         self.app.middlewares.append(self.watch.middleware)
-        # aiohttp's own idle timer (recent versions also run it before the first request) only
-        # as a backstop behind the watch's; lingering (reading what is left of a body after
-        # the response) is bounded like the body itself.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     keepalive_timeout=max(self.cfg.keepalive_timeout_s,
-                                                           self.cfg.header_timeout_s) + 1,
-                                     lingering_time=min(2.0, self.cfg.body_timeout_s),
-                                     shutdown_timeout=5)
-        await self._runner.setup()
+        self._runner = await self._serve(self.app, self.cfg, self.watch)
         site = _WatchedSite(self._runner, self.host, self.port, self.watch)
         try:
             await site.start()
+            self.port = site.bound_port or self.port  # the bound port matters when 0 was asked for
+            if self.probes is not None and self.probe_port is not None:
+                self.binding = ("http.probe_port", self.probe_port)
+                await self._start_probes(self.probes, self.probe_port)
         except OSError:
-            await self._runner.cleanup()
-            self._runner = None
+            await self.stop()
             raise
-        self.port = site.bound_port or self.port  # the bound port matters when 0 was asked for
         log.info("http server listening", extra={"host": self.host, "port": self.port,
-                                                 "max_connections": self.watch.max_connections})
+                                                 "max_connections": self.watch.max_connections,
+                                                 "probe_port": self.probe_port})
+
+    async def _start_probes(self, probes: web.Application, port: int) -> None:
+        probes.middlewares.append(self.probe_watch.middleware)
+        self._probe_runner = await self._serve(probes, self.probe_watch.cfg, self.probe_watch)
+        site = _WatchedSite(self._probe_runner, self.host, port, self.probe_watch)
+        await site.start()
+        self.probe_port = site.bound_port or port
+
+    @staticmethod
+    async def _serve(app: web.Application, cfg: HttpConfig, watch: ConnectionWatch) -> web.AppRunner:
+        # aiohttp's own idle timer (recent versions also run it before the first request) only
+        # as a backstop behind the watch's; lingering (reading what is left of a body after
+        # the response) is bounded like the body itself.
+        runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                               keepalive_timeout=max(cfg.keepalive_timeout_s, cfg.header_timeout_s) + 1,
+                               lingering_time=min(2.0, cfg.body_timeout_s), shutdown_timeout=5)
+        await runner.setup()
+        return runner
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for name in ("_probe_runner", "_runner"):
+            runner = getattr(self, name)
+            if runner is not None:
+                setattr(self, name, None)
+                await runner.cleanup()

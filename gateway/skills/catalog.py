@@ -142,6 +142,10 @@ def front_matter(data: bytes) -> dict[str, Any]:
         raise SkillError(f"the front matter is not valid YAML ({type(err).__name__})") from None
     except RecursionError:
         raise SkillError("the front matter is not valid YAML: nested too deeply") from None
+    except (ValueError, TypeError, ArithmeticError, MemoryError) as err:
+        # What PyYAML's constructors let through: an integer past Python's 4,300 digits
+        # (ValueError "Exceeds the limit"), a date that is none (2001-02-30), ...
+        raise SkillError(f"the front matter holds a value that cannot be read: {_shown(str(err))}") from None
     if not isinstance(fields, dict):
         raise SkillError("the front matter is not a mapping of fields (name: …, description: …)")
     return fields
@@ -258,6 +262,9 @@ def scan(dirs: Sequence[Path], *, max_skills: int = MAX_SKILLS) -> Scan:
                 continue
             except OSError as err:
                 problems.append(Problem(where, f"cannot be read: {err.strerror or type(err).__name__}"))
+                continue
+            except Exception as err:  # whatever else one file does, the other skills and the watcher go on
+                problems.append(Problem(where, f"cannot be read as a skill ({type(err).__name__})"))
                 continue
             if skill is None:
                 continue

@@ -44,8 +44,13 @@ class SkillWatcher:
         return self._scan.problems
 
     async def load(self) -> None:
-        """The first scan (before the first turn)."""
-        await self.rescan(settle=False)
+        """The first scan (before the first turn). It never stops the start: a scan that
+        fails leaves no skills until the watcher's next one (a bad SKILL.md alone is a
+        Problem of its own, skipped)."""
+        try:
+            await self.rescan(settle=False)
+        except Exception:
+            log.exception("scanning the skills folders failed; starting without skills")
 
     async def start(self) -> None:
         self._stop.clear()

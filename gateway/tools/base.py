@@ -108,13 +108,29 @@ def check_arguments(parameters: dict[str, Any], args: dict[str, Any]) -> None:
 
 class Tool(Protocol):
     """A tool may also have `status(args) -> str`: the short line a person sees while it
-    runs ("fetching example.com…"); `status_line` falls back to a generic one."""
+    runs ("fetching example.com…"); `status_line` falls back to a generic one. And
+    `files_named(args) -> list[str]`: the workspace paths the call would read, which its
+    approval card shows (`files_named` below)."""
 
     name: str
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolOutput: ...
+
+
+def files_named(tool: Tool, args: dict[str, Any]) -> list[str]:
+    """Workspace paths a call's arguments name, for its approval card (SPEC §5.7): a tool
+    may have `files_named(args) -> list[str]` (exec: the files its command reads); none
+    otherwise, and none when the arguments confuse it."""
+    named = getattr(tool, "files_named", None)
+    if not callable(named):
+        return []
+    try:
+        found = named(args)
+    except Exception:  # the arguments are the model's: a bad one must not break the turn
+        return []
+    return [name for name in found if isinstance(name, str)] if isinstance(found, list) else []
 
 
 def status_line(tool: Tool, args: dict[str, Any]) -> str:

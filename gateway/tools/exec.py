@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.config.schema import Config, ExecConfig
-from gateway.tools import sandbox
+from gateway.tools import command_files, sandbox
 from gateway.tools.base import Tool, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments
 from gateway.workspace import make_private_dir
 
@@ -118,6 +118,11 @@ class Exec:
         line = " ".join(command.split())
         shown = line if len(line) <= STATUS_CHARS else line[:STATUS_CHARS - 1] + "…"
         return f"running `{shown}`…"
+
+    def files_named(self, args: dict[str, Any]) -> list[str]:
+        """What the command names in the workspace, for its approval card (a script it runs)."""
+        command = args.get("command")
+        return command_files.files_named(command) if isinstance(command, str) else []
 
     async def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
         check_arguments(self.parameters, args)

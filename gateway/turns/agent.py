@@ -33,7 +33,7 @@ from gateway.model.errors import RETRYABLE_KINDS, ModelError
 from gateway.model.replies import ModelReply
 from gateway.services import Services
 from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
-from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput
+from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput, files_named
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession, SubTurn
 from gateway.turns.streaming import StepFeed, clean_reply, stopped_reply
@@ -532,7 +532,8 @@ class Agent:
         if approvals is not None and live.inbound is not None and approvals.needed(cfg, call.name):
             # Asked before each call, outside the tool's own timeout: a person takes what it takes.
             verdict = await approvals.ask(session=live.key, turn=live.ctx.current_turn, inbound=live.inbound,
-                                          tool=call.name, arguments=call.arguments)
+                                          tool=call.name, arguments=call.arguments, workspace=live.workspace,
+                                          names=files_named(tool, args))
             if not verdict.allowed:
                 return ToolOutput(f"error: the call was not run. {verdict.note}"), "denied"
         async def delegate(task: str, agent: str | None) -> ToolOutput:

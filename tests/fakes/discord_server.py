@@ -157,6 +157,10 @@ class FakeDiscord:
         self.identifies: list[dict[str, Any]] = []
         self.resumes: list[dict[str, Any]] = []
         self.downloads: list[str] = []
+        # Set (to a cleared event) by `hold_downloads`: each CDN download sends its first
+        # bytes, then waits for it (a large file on a slow link, deterministically).
+        self._held: asyncio.Event | None = None
+        self.downloads_held = 0  # downloads waiting on the hold now
         # What happened to the bot's messages, in order: (what, channel, id, content).
         self.history: list[tuple[str, int, int, str]] = []
         self._sessions: dict[str, _Session] = {}
@@ -602,6 +606,12 @@ class FakeDiscord:
         self.deleted.append(message_id)
         self._notify()
 
+    def hold_downloads(self) -> asyncio.Event:
+        """From now on, every download sends its first 64 KB and then waits until the
+        returned event is set (the test's `release`)."""
+        self._held = asyncio.Event()
+        return self._held
+
     async def _on_cdn(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         found = self._files.get(path)
@@ -610,7 +620,21 @@ class FakeDiscord:
         self.downloads.append(path)
         self._notify()
         data, content_type = found
-        return web.Response(body=data, content_type=content_type)
+        held = self._held
+        if held is None or held.is_set():
+            return web.Response(body=data, content_type=content_type)
+        resp = web.StreamResponse(headers={"Content-Type": content_type, "Content-Length": str(len(data))})
+        await resp.prepare(request)
+        await resp.write(data[:65536])
+        self.downloads_held += 1
+        self._notify()
+        try:
+            await held.wait()
+        finally:
+            self.downloads_held -= 1
+        await resp.write(data[65536:])
+        await resp.write_eof()
+        return resp
 
     # ---------------------------------------------------------------- gateway
 

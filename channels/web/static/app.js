@@ -341,7 +341,27 @@
     title.textContent = "Approval needed: " + data.tool;
     const args = document.createElement("pre");
     args.className = "approval-args";
-    args.textContent = data.arguments; // whole, never cut; it scrolls
+    args.textContent = data.arguments; // whole, never cut nor folded; escapes visible (the server's)
+    // The workspace files the command names (a script it runs), each with its text when short.
+    const files = document.createElement("div");
+    files.className = "approval-files";
+    if ((data.files || []).length) {
+      const intro = document.createElement("div");
+      intro.textContent = "The command names these workspace files:";
+      files.append(intro);
+    }
+    for (const file of data.files || []) {
+      const heading = document.createElement("div");
+      heading.className = "approval-file";
+      heading.textContent = file.heading;
+      files.append(heading);
+      if (typeof file.text === "string") {
+        const text = document.createElement("pre");
+        text.className = "approval-args";
+        text.textContent = file.text;
+        files.append(text);
+      }
+    }
     const note = document.createElement("div");
     note.className = "approval-note";
     note.textContent = "Who may answer: " + data.who + ". No answer in " + data.timeout_s + " s is a deny.";
@@ -358,7 +378,7 @@
       button.addEventListener("click", () => answerApproval(data.id, decision, card));
     }
     buttons.append(allow, deny);
-    card.append(title, args, note, buttons);
+    card.append(title, args, files, note, buttons);
     log.append(card);
     cards.set(data.id, card);
     scrollDown(stick);
