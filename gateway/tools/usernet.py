@@ -64,9 +64,11 @@ class Stack:
             if os.geteuid() == 0:  # else it becomes nobody, who may not enter the sandbox's namespaces
                 args[:0] = ["--runas", f"{os.geteuid()}:{os.getegid()}"]
             return prefix + args
-        return [*prefix, "--configure", "--mtu=65520", "--disable-host-loopback", "--disable-dns",
-                "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_fd}", "--netns-type=path",
-                f"--userns-path={userns}", netns, "eth0"]
+        args = ["--configure", "--mtu=65520", "--disable-host-loopback", "--disable-dns", "--enable-seccomp",
+                f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
+        if os.geteuid() == 0:  # it drops its capabilities; unprivileged, it would need a uid 0 the namespace lacks
+            args[:0] = ["--enable-sandbox"]
+        return prefix + args
 
     def resolv_conf(self) -> str:
         """The sandbox's /etc/resolv.conf."""
