@@ -31,7 +31,20 @@ from gateway.tools import sandbox, seccomp, usernet
 from gateway.tools.base import ToolContext, ToolError
 from tests.conftest import GatewayFactory, chat
 from tests.fakes.openai_server import FakeModel
-from tests.test_exec import NO_ASKING, SECRET, exec_config, host_sh, python_paths, section, sh, tool_results, until
+from tests.test_exec import (
+    NO_ASKING,
+    SECRET,
+    call_tools,
+    exec_config,
+    host_sh,
+    mcp_ready,
+    python_paths,
+    section,
+    sh,
+    snoop_servers,
+    tool_results,
+    until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534
@@ -589,3 +602,38 @@ async def test_exec_is_refused_when_the_workspace_is_over_quota_and_may_delete(t
     with pytest.raises(ConfigError):
         exec_config(disk_mb=0)
     assert exec_config().tools.exec.disk_mb == 1024
+
+
+async def test_a_sandboxed_mcp_server_with_the_network_on_cannot_reach_the_hosts_loopback(
+        make_gateway: GatewayFactory, fake_model: FakeModel, tmp_path: Path) -> None:
+    if not STACKS:
+        pytest.skip("no network stack")
+    servers = snoop_servers(tmp_path)
+    servers["boxed"]["network"] = True
+    servers["boxed"]["env"] = {}
+    servers["open"]["env"] = {}
+    gw = await make_gateway(mcp={"servers": servers})
+    await mcp_ready(gw, "open", "boxed")
+    assert gw.http is not None
+    results = await call_tools(gw, fake_model, [("open__connect", {"port": gw.http.port}),
+                                                ("boxed__connect", {"port": gw.http.port})])
+    # Outside the sandbox a server reaches the gateway's own API; inside, with the network on, not.
+    assert results == ["connected", "cannot connect: Connection refused"], results
+
+
+async def test_a_sandboxed_mcp_server_with_the_network_on_is_refused_without_a_stack(
+        make_gateway: GatewayFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(usernet, "find", lambda prefer=(): "neither pasta nor slirp4netns is installed")
+    sandbox._checked.clear()
+    try:
+        servers = snoop_servers(tmp_path)
+        servers["boxed"]["network"] = True
+        servers["boxed"]["env"] = {}
+        del servers["open"]
+        gw = await make_gateway(mcp={"servers": servers}, admins=["web:boss"])
+        assert gw.mcp is not None
+        await until(lambda: gw.mcp is not None and gw.mcp.statuses()[0].error is not None, what="refused")
+        assert "- boxed: failed: sandbox: the network cannot be on: neither pasta nor slirp4netns is installed " \
+               "(network is true)" in await chat(gw, "boss", "/tools")
+    finally:
+        sandbox._checked.clear()
