@@ -638,7 +638,7 @@ class Running:
             return
         self._closed = True
         self.kill()
-        waits = [self.proc.wait()] + ([self.stack.wait()] if self.stack is not None else [])
+        waits = [self.proc.wait(), self._until_init_ended()] + ([self.stack.wait()] if self.stack is not None else [])
         reaping = asyncio.ensure_future(asyncio.gather(*waits, return_exceptions=True))
         try:
             with contextlib.suppress(TimeoutError):
@@ -650,6 +650,20 @@ class Running:
             if not self.started.done():
                 self.started.set_exception(SandboxError(self.failure or "the sandbox ended before its command started"))
             self._close_fds()
+
+    async def _until_init_ended(self) -> None:
+        """Wait for the PID namespace's first process to end: the kernel ends it only once
+        every other process of the namespace is gone (bwrap itself may be reaped before)."""
+        if self.pidfd is None:
+            return
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        fd = self.pidfd
+        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))  # a pidfd is readable once it ended
+        try:
+            await ended
+        finally:
+            loop.remove_reader(fd)
 
     def _close_fds(self) -> None:
         for fd in (self.pidfd, self.info_fd, self.block_fd):
