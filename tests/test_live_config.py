@@ -605,11 +605,11 @@ async def p_no_exec(r: Rig) -> None:
 
 
 async def p_exec_network(r: Rig) -> None:
-    port = r.model.base_url.rsplit(":", 1)[1].split("/")[0]
-    probe = (f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5); "
-             "print('reached')\"")
+    # On, the sandbox has a network of its own (an interface the network stack connects);
+    # the host's loopback stays out of reach (tests/test_sandbox.py).
+    probe = "python3 -c \"print(open('/proc/net/dev').read().count('eth0:'))\""
     result = await r.tool_result("exec", "exec", {"command": probe})
-    assert result == "exit code 0\n--- stdout ---\nreached", result
+    assert result == "exit code 0\n--- stdout ---\n1", result
 
 
 async def p_exec_timeout(r: Rig) -> None:
@@ -620,6 +620,12 @@ async def p_exec_timeout(r: Rig) -> None:
 async def p_exec_memory(r: Rig) -> None:
     result = await r.tool_result("exec", "exec", {"command": "grep 'Max address space' /proc/self/limits"})
     assert f"Max address space         {64 << 20}" in result, result
+
+
+async def p_exec_disk(r: Rig) -> None:
+    result = await r.tool_result("exec", "exec", {"command": "grep 'Max file size' /proc/self/limits"})
+    found = re.search(r"Max file size\s+(\d+)", result)
+    assert found and 0 < int(found.group(1)) <= 2 << 20, result  # what is left of the 2 MB
 
 
 # Restart-only keys: the running gateway keeps the value it started with.
@@ -858,6 +864,7 @@ ROWS = [
     Row("tools.exec.network", True, "live", p_exec_network),
     Row("tools.exec.timeout_s", 0.5, "live", p_exec_timeout),
     Row("tools.exec.memory_mb", 64, "live", p_exec_memory),
+    Row("tools.exec.disk_mb", 2, "live", p_exec_disk),
 ]
 
 

@@ -186,10 +186,13 @@ MEANINGS: dict[str, str] = {
     "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
     "tools.exec.enabled": "Offer the `exec` tool: shell commands in a bubblewrap sandbox that sees the scope's "
                           "workspace and the system read-only, nothing else (needs `bwrap`).",
-    "tools.exec.network": "Let `exec` commands use the network (off: no network at all, not even loopback).",
+    "tools.exec.network": "Let `exec` commands use the network, through a network of their own (pasta or "
+                          "slirp4netns) that never reaches this machine's loopback (off: no network at all).",
     "tools.exec.timeout_s": "Seconds one `exec` command may run; then it and everything it started are killed.",
     "tools.exec.memory_mb": "Address space of each process an `exec` command starts, in MB; also the size of its "
                             "private `/tmp`.",
+    "tools.exec.disk_mb": "What one scope's workspace may hold on disk, in MB; a command that grows it past that "
+                          "is killed, and the disk's last 5 % (256 MB to 4 GB) is never the sandbox's.",
     "mcp.servers": "MCP tool servers by name; their tools are offered as `<name>__<tool>`.",
     "mcp.servers.<name>.command": "The program of a stdio server (give this or `url`).",
     "mcp.servers.<name>.args": "Its arguments.",
@@ -204,7 +207,8 @@ MEANINGS: dict[str, str] = {
     "mcp.servers.<name>.sandbox": "Run this stdio server in the `exec` sandbox: it sees its `cwd` (or "
                                   "`data/mcp/<name>/`) read-write, the system and `read_only_paths` read-only, "
                                   "not the gateway's files or environment.",
-    "mcp.servers.<name>.network": "With `sandbox`: whether the server may use the network.",
+    "mcp.servers.<name>.network": "With `sandbox`: whether the server may use the network (as `exec`'s: never "
+                                  "this machine's loopback).",
     "mcp.servers.<name>.read_only_paths": "With `sandbox`: more paths the server may read, at the same path (its "
                                           "virtualenv, `node_modules`); relative to the config file.",
     "tasks.max_per_scope": "Most scheduled tasks one scope (a person's chats, or a group) may have at once; "

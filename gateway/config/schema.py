@@ -333,6 +333,10 @@ class ExecConfig(_Strict):
     # Wall clock of one command; the agent bounds a tool call at 600 s whatever it says.
     timeout_s: float = Field(default=30, gt=0, le=600)
     memory_mb: int = Field(default=512, ge=64, le=65_536)  # address space of each process in the sandbox
+    # What one scope's workspace may hold on disk: room for a checkout, a virtualenv and
+    # its data, like the 1 GB a single file may reach. The disk also keeps a reserve (5 %,
+    # 256 MB to 4 GB) that no sandbox eats into, for the gateway's own data.
+    disk_mb: int = Field(default=1024, ge=1, le=1_048_576)
 
 
 class ToolsConfig(_Strict):

@@ -2,7 +2,8 @@
 
 The command runs with `/bin/sh -c` in gateway/tools/sandbox.py's sandbox: the scope's
 workspace read-write at /workspace (its working directory), the system read-only, no
-network unless `tools.exec.network`, `timeout_s` and `memory_mb` as limits. The result
+network unless `tools.exec.network` (then one of its own, never the host's loopback),
+`timeout_s`, `memory_mb` and the workspace's `disk_mb` as limits. The result
 (exit code, stdout, stderr) is text like any tool's, so a long one is cut by stage 1
 (§4.1) and saved whole under tool_results/.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +31,8 @@ MAX_COMMAND_CHARS = 100_000
 MAX_STDIN_BYTES = 1_000_000
 KILL_GRACE_S = 5.0  # past timeout_s: the sandbox's own "timed out" result comes before the agent's bound
 STATUS_CHARS = 60
+# What a workspace over its quota may still run: deleting, and nothing else.
+DELETE_ONLY = re.compile(r"\s*rm(?:\s+[-\w./@%+=:,*?\[\]]+)+\s*")
 
 
 def _text(data: bytes) -> str:
@@ -40,8 +44,8 @@ def _ending(outcome: sandbox.Outcome, cfg: ExecConfig) -> str:
     if outcome.timed_out:
         return (f"timed out after {cfg.timeout_s:g} s (tools.exec.timeout_s): the command and everything it "
                 "started were killed")
-    if outcome.too_many_tasks:
-        return f"killed: more than {sandbox.MAX_TASKS} processes and threads in the sandbox"
+    if outcome.killed_for is not None:
+        return f"killed: {outcome.killed_for}"
     code = outcome.returncode
     if code is None:
         return "ended without an exit code"
@@ -73,15 +77,51 @@ def result_text(outcome: sandbox.Outcome, cfg: ExecConfig) -> str:
     if outcome.killed or outcome.returncode != 0:
         network = "network on" if cfg.network else "no network"
         parts.append(f"(sandbox limits: {cfg.memory_mb} MB of memory per process, {sandbox.MAX_TASKS} processes "
-                     f"and threads, files up to {sandbox.FILE_MAX_BYTES >> 30} GB, /tmp {cfg.memory_mb} MB, "
-                     f"{cfg.timeout_s:g} s; {network})")
+                     f"and threads, files up to {sandbox.FILE_MAX_BYTES >> 30} GB, the workspace {cfg.disk_mb:,} MB, "
+                     f"/tmp {cfg.memory_mb} MB, {cfg.timeout_s:g} s; {network})")
     return "\n".join(parts)
 
 
-def box_for(ctx: ToolContext, cfg: ExecConfig) -> sandbox.Box:
+def box_for(ctx: ToolContext, cfg: ExecConfig, *, file_bytes: int = sandbox.FILE_MAX_BYTES,
+            quota_bytes: int | None = None) -> sandbox.Box:
     return sandbox.Box(ctx.workspace, network=cfg.network,
-                       limits=sandbox.Limits(memory_mb=cfg.memory_mb, tmp_mb=cfg.memory_mb),
-                       setenv=sandbox.exec_environment(), idle=True)
+                       limits=sandbox.Limits(memory_mb=cfg.memory_mb, tmp_mb=cfg.memory_mb, file_bytes=file_bytes),
+                       setenv=sandbox.exec_environment(), idle=True,
+                       disk=sandbox.Disk(cfg.disk_mb << 20 if quota_bytes is None else quota_bytes))
+
+
+def _over_quota(held: sandbox.Usage, cfg: ExecConfig, top: list[tuple[str, int]]) -> str:
+    if held.entries > sandbox.DISK_MAX_ENTRIES:
+        what = f"holds more than {sandbox.DISK_MAX_ENTRIES:,} files and directories"
+    else:
+        what = f"uses {held.used_bytes / (1 << 20):,.1f} MB of its {cfg.disk_mb:,} MB (tools.exec.disk_mb)"
+    listed = ", ".join(f"{name} ({size / (1 << 20):,.1f} MB)" for name, size in top) or "nothing listable"
+    return (f"the workspace {what}: no command runs in it until files are deleted. Largest: {listed}. Until then "
+            "exec runs a command that only deletes, `rm` and its arguments alone (e.g. `rm -rf build old.tar`)")
+
+
+async def _disk_box(ctx: ToolContext, cfg: ExecConfig, command: str) -> sandbox.Box:
+    """The sandbox for a command in this workspace, as far as its disk allows (ToolError
+    when nothing may run: the disk is down to its reserve, or the workspace is over its quota
+    and the command does more than delete)."""
+    quota = cfg.disk_mb << 20
+
+    def measure() -> tuple[int, sandbox.Usage, list[tuple[str, int]]]:
+        room = sandbox.disk_room(ctx.workspace)
+        held = sandbox.usage(ctx.workspace)
+        over = held.used_bytes >= quota or held.entries > sandbox.DISK_MAX_ENTRIES
+        return room, held, sandbox.largest(ctx.workspace) if over else []
+
+    try:
+        room, held, top = await asyncio.to_thread(measure)
+    except sandbox.SandboxError as err:
+        raise ToolError(str(err)) from None
+    if held.used_bytes < quota and held.entries <= sandbox.DISK_MAX_ENTRIES:
+        return box_for(ctx, cfg, file_bytes=min(room, quota - held.used_bytes))
+    if DELETE_ONLY.fullmatch(command) is None:
+        raise ToolError(_over_quota(held, cfg, top))
+    # Deleting: no file may grow, nor the workspace past what it holds now.
+    return box_for(ctx, cfg, file_bytes=0, quota_bytes=max(quota, held.used_bytes))
 
 
 class Exec:
@@ -143,11 +183,15 @@ class Exec:
         if not cfg.enabled:
             raise ToolError("exec is switched off (tools.exec.enabled is false)")
         found = await sandbox.availability()
-        if found.tools is None:
-            raise ToolError(f"exec cannot run here: {found.reason}")
+        refused = found.refusal(cfg.network)
+        if refused is not None:
+            raise ToolError(f"exec cannot run here: {refused}" + (" (tools.exec.network is true)" if found.tools
+                                                                  else ""))
+        assert found.tools is not None
         await asyncio.to_thread(make_private_dir, ctx.workspace)
+        box = await _disk_box(ctx, cfg, command)
         try:
-            outcome = await sandbox.run(found.tools, box_for(ctx, cfg), ["/bin/sh", "-c", command], stdin=stdin,
+            outcome = await sandbox.run(found.tools, box, ["/bin/sh", "-c", command], stdin=stdin,
                                         timeout_s=cfg.timeout_s)
         except sandbox.SandboxError as err:
             raise ToolError(str(err)) from None
@@ -179,7 +223,8 @@ class ExecTools:
                 self._found = sandbox.Availability(None, f"the sandbox check failed: {type(err).__name__}: {err}")
 
     def _offered(self) -> bool:
-        return self._config().tools.exec.enabled and self._found is not None and self._found.tools is not None
+        cfg = self._config().tools.exec
+        return cfg.enabled and self._found is not None and self._found.refusal(cfg.network) is None
 
     @property
     def version(self) -> int:
@@ -198,7 +243,7 @@ class ExecTools:
             return "off"
         if self._found is None:
             return "checking"
-        return "ready" if self._found.tools is not None else "unavailable"
+        return "ready" if self._found.refusal(self._config().tools.exec.network) is None else "unavailable"
 
     @property
     def detail(self) -> str | None:
@@ -210,5 +255,7 @@ class ExecTools:
             return "not offered yet: checking that the sandbox works"
         if state == "unavailable":
             assert self._found is not None
-            return f"not offered: {self._found.reason}"
+            network = self._config().tools.exec.network
+            why = self._found.refusal(network)
+            return f"not offered: {why}" + (" (tools.exec.network is true)" if network and self._found.tools else "")
         return None

@@ -16,14 +16,15 @@ that reconnects with the same tools leaves the tool list, and `version`, as they
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -60,6 +61,9 @@ STDERR_LOG_MAX_BYTES = 1_000_000  # a server's stderr log is started afresh past
 REASON_MAX_CHARS = 300
 STDERR_TAIL_BYTES = 4096  # how much of a server's stderr log is read for its last line
 STDERR_SHOWN_CHARS = 200
+SANDBOX_START_S = 30.0  # for a sandboxed server's sandbox to be made (its network connected)
+STDIO_EXIT_S = 2.0  # for a sandboxed server to exit once its stdin is closed (then it is killed)
+MESSAGE_MAX_BYTES = 64 << 20  # one message from a sandboxed server
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's (and most providers') rule for function names
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_-]")
@@ -269,6 +273,7 @@ class _Server:
         self._in_flight = 0
         self._stderr_path: Path | None = None
         self._stderr_mark = 0  # the log's size when this connection's process started
+        self._killed_for: str | None = None  # why the sandbox's watchdog killed the server, if it did
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -394,13 +399,12 @@ class _Server:
         from mcp.client.streamable_http import streamable_http_client
         cfg = self.cfg
         if cfg.command is not None:
-            if cfg.sandbox:
-                command, args, cwd = await self._sandboxed()
-            else:
-                command, args, cwd = cfg.command, list(cfg.args), self._cwd()
             errlog = await self._stderr_log()
             stack.push_async_callback(asyncio.to_thread, errlog.close)
-            params = StdioServerParameters(command=command, args=args, env=self._environment(), cwd=cwd)
+            if cfg.sandbox:
+                return await stack.enter_async_context(self._sandboxed(errlog))
+            params = StdioServerParameters(command=cfg.command, args=list(cfg.args), env=self._environment(),
+                                           cwd=self._cwd())
             read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
             return read, write
         assert cfg.url is not None
@@ -422,21 +426,84 @@ class _Server:
         path = Path(self.cfg.cwd)
         return str(path if path.is_absolute() else self.manager.base_dir / path)
 
-    async def _sandboxed(self) -> tuple[str, list[str], None]:
-        """bwrap's command line for this server: its working directory (`cwd`, or a
-        directory of its own under data/mcp/) read-write at the same path, the system and
-        `read_only_paths` read-only, the network as `network` says. Its environment is what
-        it would get outside (SAFE_ENV and its `env`), handed to bwrap as a process
-        environment, never on a command line."""
+    @asynccontextmanager
+    async def _sandboxed(self, errlog: IO[str]) -> AsyncIterator[tuple[Any, Any]]:
+        """The server in the sandbox, spoken to over its stdin and stdout as the SDK's
+        stdio client does (which cannot start a sandbox: bwrap needs file descriptors
+        passed, and the sandbox a watchdog for its whole life). It sees its working
+        directory (`cwd`, or a directory of its own under data/mcp/) read-write at the same
+        path, the system and `read_only_paths` read-only, the network as `network` says. Its
+        environment is what it would get outside (SAFE_ENV and its `env`), handed to bwrap
+        as a process environment, never on a command line. It has exec's process cap and
+        watchdog, also under a root gateway."""
+        from mcp import types
+        from mcp.shared.message import SessionMessage
         found = await sandbox.availability()
-        if found.tools is None:
-            raise SandboxError(f"sandbox: {found.reason}")
+        refused = found.refusal(self.cfg.network)
+        if refused is not None:
+            raise SandboxError(f"sandbox: {refused}" + (" (network is true)" if found.tools else ""))
+        assert found.tools is not None
         workdir, read_only = await asyncio.to_thread(self._sandbox_paths)
         box = sandbox.Box(workdir, inside=str(workdir), network=self.cfg.network,
                           limits=sandbox.Limits(memory_mb=None), read_only=read_only, clear_env=False,
-                          setenv={"HOME": str(workdir)}, unsetenv=("TMPDIR",))
-        argv = sandbox.command_line(found.tools, box, [self.cfg.command or "", *self.cfg.args])
-        return argv[0], argv[1:], None
+                          setenv={"HOME": str(workdir)}, unsetenv=("TMPDIR",), disk=sandbox.Disk(None))
+        self._killed_for = None
+        running = await sandbox.start(found.tools, box, [self.cfg.command or "", *self.cfg.args],
+                                      stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errlog,
+                                      env=self._environment())
+        try:
+            await running.until_started(SANDBOX_START_S)
+            to_session, from_server = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+            to_server, from_session = anyio.create_memory_object_stream[SessionMessage](0)
+            proc = running.proc
+            assert proc.stdin is not None and proc.stdout is not None
+
+            async def read_server() -> None:
+                assert proc.stdout is not None
+                async with to_session:
+                    buffer = b""
+                    while chunk := await proc.stdout.read(65_536):
+                        *lines, buffer = (buffer + chunk).split(b"\n")
+                        if len(buffer) > MESSAGE_MAX_BYTES:
+                            raise ConnectionLost(f"the server sent a message of more than {MESSAGE_MAX_BYTES:,} bytes")
+                        for line in lines:
+                            if not line.strip():
+                                continue
+                            try:
+                                message = types.JSONRPCMessage.model_validate_json(line)
+                            except Exception as err:  # the session reports it (as the SDK's client does)
+                                await to_session.send(err)
+                                continue
+                            await to_session.send(SessionMessage(message))
+                    self._killed_for = running.killed_for
+
+            async def write_server() -> None:
+                assert proc.stdin is not None
+                async with from_session:
+                    async for outgoing in from_session:
+                        proc.stdin.write(outgoing.message.model_dump_json(by_alias=True, exclude_none=True).encode()
+                                         + b"\n")
+                        await proc.stdin.drain()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_server)
+                tg.start_soon(write_server)
+                try:
+                    yield from_server, to_server
+                finally:
+                    # As the SDK's stdio client: stdin closed, a moment to exit, then killed.
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
+                    with anyio.move_on_after(STDIO_EXIT_S, shield=True):
+                        await proc.wait()
+                    tg.cancel_scope.cancel()
+                    for end in (from_server, to_server):
+                        await end.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await running.close()
+            if self._killed_for is None:
+                self._killed_for = running.killed_for
 
     def _sandbox_paths(self) -> tuple[Path, tuple[Path, ...]]:
         """The server's working directory (made if missing) and its read-only paths, each
@@ -645,6 +712,8 @@ class _Server:
             text = str(leaf)
         else:
             text = f"{type(leaf).__name__}: {leaf}"
+        if self._killed_for is not None:  # whatever the client noticed first, the watchdog's kill is why
+            text, leaf = f"the sandbox was killed: {self._killed_for}", ConnectionLost()
         if started and self._stderr_path is not None and isinstance(leaf, (ConnectionLost, TimeoutError, McpError)):
             last = await asyncio.to_thread(_last_line, self._stderr_path, self._stderr_mark)
             if last:
