@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -29,7 +28,7 @@ from aiohttp import web
 from gateway.config.load import ConfigError
 from gateway.tools import sandbox, seccomp, usernet
 from gateway.tools.base import ToolContext, ToolError
-from tests.conftest import GatewayFactory, chat
+from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes.openai_server import FakeModel
 from tests.test_exec import (
     NO_ASKING,
@@ -265,17 +264,19 @@ async def test_a_sandbox_with_the_network_on_never_reaches_the_hosts_loopback(
 
 async def test_exec_with_the_network_on_cannot_use_the_gateways_own_api(make_gateway: GatewayFactory,
                                                                         fake_model: FakeModel) -> None:
-    """The red team's attack: read another person's history from the web API on 127.0.0.1."""
+    """The red team's attack: read another person's history from the web API on 127.0.0.1.
+    The attacker is even given the web token, so only the network's door is tested here."""
     if not STACKS:
         pytest.skip("no network stack")
     gw = await make_gateway(tools={"exec": {"enabled": True, "network": True}}, approvals=NO_ASKING)
     assert gw.http is not None
     assert await chat(gw, "victim", f"my secret is {SECRET}") == f"echo: my secret is {SECRET}"
     api = f"http://127.0.0.1:{gw.http.port}/api/history?session=victim"
-    async with aiohttp.ClientSession() as http, http.get(api) as resp:  # it is there, from the host
+    async with web_client(gw) as http, http.get(api) as resp:  # it is there, from the host
         assert resp.status == 200 and SECRET in await resp.text()
     steal = (f"python3 -c \"import urllib.request as u\nfor h in ('127.0.0.1', '{usernet.GATEWAY}'):\n"
-             f"  try: print(u.urlopen('http://' + h + ':{gw.http.port}/api/history?session=victim', "
+             f"  try: print(u.urlopen(u.Request('http://' + h + ':{gw.http.port}/api/history?session=victim', "
+             f"headers={{'Authorization': 'Bearer {gw.web_token}'}}), "
              "timeout=4).read()[:300])\n  except OSError as e: print(h, 'failed:', e)\"")
     fake_model.tool_call("exec", {"command": steal})
     fake_model.reply("tried")
