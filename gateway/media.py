@@ -198,7 +198,15 @@ async def save_download(chunks: AsyncIterator[bytes], workspace: Path, name: str
     """Write a download under the workspace's files/ with a safe, unique name, refusing it
     once it grows past `limit` bytes (whatever size the platform announced). Returns
     (workspace-relative path, size). Nothing is left behind when it fails."""
-    saving, rel = await asyncio.to_thread(_start_saving, workspace, name)
+    starting = asyncio.ensure_future(asyncio.to_thread(_start_saving, workspace, name))
+    try:
+        saving, rel = await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        # The thread goes on for a few system calls; what it reserves is removed after it.
+        with contextlib.suppress(Exception):
+            begun, _ = await starting
+            await asyncio.to_thread(_end_saving, begun, False)
+        raise
     try:
         size = 0
         block = bytearray()
