@@ -121,32 +121,34 @@ def _link_refused(relative: str) -> PathNotAllowed:
                           "not followed (one could lead outside the workspace)")
 
 
-def _explain(dir_fd: int, parts: tuple[str, ...], relative: str, err: OSError) -> BaseException:
-    """What an ENOTDIR or ELOOP meant: a link on the way (PathNotAllowed) or a file where
-    a directory was expected. Only the message depends on this look; nothing is opened
-    for use."""
+def _explain(dir_fd: int, parts: tuple[str, ...], relative: str, err: OSError, *,
+             want_dir: bool) -> BaseException:
+    """What an ENOTDIR or ELOOP meant: a link on the way (PathNotAllowed), or a file where
+    a directory was expected (`err` itself). Only the message depends on this look; nothing
+    is opened for use. When every component looks right by now, it changed meanwhile (a
+    link swapped in and out): refused as a link."""
     if err.errno == errno.ELOOP:
         return _link_refused(relative)
     fd = os.dup(dir_fd)
     try:
-        for name in parts:
+        for i, name in enumerate(parts):
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
-                break
+                return err
             if stat.S_ISLNK(st.st_mode):
                 return _link_refused(relative)
-            if not stat.S_ISDIR(st.st_mode):
-                break
+            if not stat.S_ISDIR(st.st_mode):  # as it said, unless only a directory was asked for last
+                return err if i < len(parts) - 1 or want_dir else _link_refused(relative)
             try:
                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError:
-                break
+                return err
             os.close(fd)
             fd = child
     finally:
         os.close(fd)
-    return err
+    return _link_refused(relative)
 
 
 def _open_beneath(dir_fd: int, parts: tuple[str, ...], flags: int, mode: int, relative: str) -> int:
@@ -162,7 +164,7 @@ def _open_beneath(dir_fd: int, parts: tuple[str, ...], flags: int, mode: int, re
         if err.errno == errno.EXDEV:
             raise PathNotAllowed(f"{relative!r} is outside the workspace") from None
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            explained = _explain(dir_fd, parts, relative, err)
+            explained = _explain(dir_fd, parts, relative, err, want_dir=bool(flags & os.O_DIRECTORY))
             if explained is not err:
                 raise explained from None
         err.filename = relative

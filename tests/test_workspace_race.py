@@ -63,8 +63,8 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOwnerKey owner@host\n"
 BOB_SECRET = "his sister is called Ada"
 INJECTED = "ssh-ed25519 AAAAinjected attacker@evil"
 MIN_ROUNDS = 250  # the gateway's side runs at least this often,
-MAX_ROUNDS = 10_000  # and on until it has met each state MIN_EACH times (never more than this)
-MIN_EACH = 5
+MIN_FLIPS = 20  # and on until its outcome changed (worked / refused) this often,
+MAX_ROUNDS = 10_000  # but never more than this
 ATTACK_TIMEOUT_S = 120.0
 OLD = 1000.0  # the purge's cut-off in these tests: files written in 1970 are past it
 NOBODY = 65534
@@ -74,8 +74,10 @@ REFUSALS = (PathNotAllowed, FileNotFoundError, NotADirectoryError, ToolError)
 # and b (a real entry and a symlink) until a file `stop` appears, and keeps replanting what
 # the gateway's side removes, in the real directory a (wherever it is named at the moment):
 # `suid:NAME` a file of mode 04777, `fifo:NAME` a FIFO, `old:NAME` a file last written in 1970.
+# It swaps at random lengths: flat out, the attacker and the gateway (both waiting on the
+# directory's lock) could fall into step, and one state be all the gateway meets.
 ATTACKER = r"""
-import ctypes, os, sys
+import ctypes, os, random, sys
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 a, b = sys.argv[1].encode(), sys.argv[2].encode()
@@ -100,10 +102,13 @@ plant()
 open("ready", "w").close()
 swaps = 0
 while not os.path.exists("stop"):
-    for _ in range(64):
+    batch = random.randrange(1, 128)  # odd batches too: the pause between two is either state
+    for _ in range(batch):
         if libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0:
             sys.exit("renameat2: " + os.strerror(ctypes.get_errno()))
-    swaps += 64
+        for _ in range(random.randrange(24)):  # and each state lasts a moment, at random
+            pass
+    swaps += batch
     if real is not None:
         plant()
 print(swaps)
@@ -122,30 +127,34 @@ class Report:
 Op = Callable[[], Awaitable[bool]]  # one operation of the gateway's side: True when it worked
 
 
-async def race(ws: Path, swap: tuple[str, str], op: Op, *, plants: tuple[str, ...] = ()) -> tuple[int, int, int]:
+async def race(ws: Path, swap: tuple[str, str], op: Op, *, plants: tuple[str, ...] = (),
+               min_flips: int = MIN_FLIPS) -> tuple[int, int, int]:
     """Run `op` while a sandbox of `ws` exchanges the names `swap`: (worked, refused, swaps)."""
     found = await sandbox.availability()
     assert found.tools is not None, f"the race needs the real sandbox: {found.reason}"
     box = sandbox.Box(ws, limits=sandbox.Limits(memory_mb=256, tmp_mb=1))
     argv = ["/usr/bin/python3", "-c", ATTACKER, *swap, *plants]
     attack = asyncio.ensure_future(sandbox.run(found.tools, box, argv, timeout_s=ATTACK_TIMEOUT_S))
-    worked = refused = 0
+    worked = refused = flips = 0
     try:
         deadline = time.monotonic() + 60
         while not (ws / "ready").exists():
             assert not attack.done(), f"the attacker did not start: {attack.result()}"
             assert time.monotonic() < deadline, "the attacker did not start within 60 s"
             await asyncio.sleep(0.01)
+        last: bool | None = None
         for rounds in range(1, MAX_ROUNDS + 1):
             try:
-                if await op():
-                    worked += 1
-                else:
-                    refused += 1
+                ok = await op()
             except REFUSALS:
-                refused += 1
-            if rounds >= MIN_ROUNDS and worked >= MIN_EACH and refused >= MIN_EACH:
+                ok = False
+            worked, refused = worked + ok, refused + (not ok)
+            flips += last is not None and ok != last
+            last = ok
+            if rounds >= MIN_ROUNDS and flips >= min_flips:
                 break
+            if rounds % 100 == 0 and flips < min_flips:
+                await asyncio.sleep(0.005)  # a loaded machine: let the attacker have a core a moment
         assert not attack.done(), "the attacker stopped before the gateway's side was done"
     finally:
         (ws / "stop").touch()
@@ -311,7 +320,8 @@ async def tidy_after_exec(w: World) -> tuple[int, int, int]:
     async def op() -> bool:
         return await asyncio.to_thread(sandbox.tidy, w.ws) > 0
 
-    return await race(w.ws, swap, op, plants=("suid:config.json", "fifo:pipe"))
+    # Its window is the shortest (a stat, then the chmod): more meetings of the swap.
+    return await race(w.ws, swap, op, plants=("suid:config.json", "fifo:pipe"), min_flips=4 * MIN_FLIPS)
 
 
 async def dialog_into_bobs_archive(w: World) -> tuple[int, int, int]:
