@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from channels.base import ApprovalCard, CardFile, visible
+from gateway import beneath
 from gateway.access import is_admin
+from gateway.beneath import PathNotAllowed
 from gateway.config.schema import Config
 from gateway.keys import session_key
 from gateway.store.api import StoreBackend
@@ -133,22 +135,20 @@ def _expanded(root_fd: int, names: Sequence[str]) -> list[str]:
 
 
 def _open_beneath(root_fd: int, relative: str, *, directory: bool = False) -> int:
-    """`relative` opened beneath `root_fd`, one part at a time, never through a symlink
-    (ELOOP) and never above the root. Swap for gateway/workspace.py's beneath API once it lands."""
-    parts = [part for part in relative.split("/") if part not in ("", ".")]
-    if not parts or ".." in parts:
-        raise OSError(errno.EACCES, "not beneath the workspace")
-    fd = os.dup(root_fd)
+    """`relative` opened beneath `root_fd` through gateway/beneath.py (never through a link,
+    never above the root). A link on the way is ELOOP here: the card names it."""
     try:
-        for part in parts[:-1]:
-            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        # O_NONBLOCK: opening a FIFO planted under the name never waits for a writer.
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_DIRECTORY if directory else 0)
-        return os.open(parts[-1], flags, dir_fd=fd)
-    finally:
-        os.close(fd)
+        parts = beneath.split(relative)
+    except PathNotAllowed:
+        raise OSError(errno.EACCES, "not beneath the workspace") from None
+    if not parts:
+        raise OSError(errno.EACCES, "not beneath the workspace")
+    # O_NONBLOCK: opening a FIFO planted under the name never waits for a writer.
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECTORY if directory else 0)
+    try:
+        return beneath.Dir(root_fd).open_fd(relative, flags)  # borrows root_fd: not closed here
+    except PathNotAllowed:
+        raise OSError(errno.ELOOP, "a symbolic link on the way") from None
 
 
 def _card_file(root_fd: int, name: str) -> CardFile | None:

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import unicodedata
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -30,12 +31,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from context.images import image_reference
+from gateway.beneath import Dir, PathNotAllowed, normalized
 from gateway.config.schema import Config
 from gateway.model.errors import ModelError
 from gateway.model.transcribe import Transcriber, TranscriptionSettings, transcription_failure
 from gateway.parsing.readers import ImageRefused, read_image
 from gateway.types import Attachment, AttachmentKind, Inbound
-from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
+from gateway.workspace import make_private_dir
 
 log = logging.getLogger("gateway.media")
 
@@ -92,54 +94,120 @@ def describe_duration(seconds: float | None) -> str | None:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _claim(workspace: Path, name: str) -> tuple[Path, str]:
-    """Reserve a new, unused name for `name` under files/ (created 0600, empty): `name`,
-    else `stem-2.ext`, `stem-3.ext`, …. Runs in a worker thread."""
-    directory = resolve_in_workspace(workspace, FILES_DIR)
-    make_private_dir(directory)
+def _files_dir(workspace: Path) -> Dir:
+    """The workspace's files/, made (0700) when missing, private when it was not. Opened
+    without following a link: the sandbox may swap names in the workspace at any moment."""
+    make_private_dir(workspace)  # the workspace itself: the gateway's own path (data dir/scopes/…)
+    with Dir.open(workspace) as ws:
+        files = ws.subdir(FILES_DIR, create=True, mode=0o700)
+    try:
+        mode = stat.S_IMODE(os.fstat(files.fd).st_mode)
+        if mode & 0o077:
+            os.fchmod(files.fd, mode & 0o700)
+    except OSError as err:  # not the owner: say so, the file is still saved
+        log.warning("cannot make %s private: %s", workspace / FILES_DIR, err.strerror or err)
+    except BaseException:
+        files.close()
+        raise
+    return files
+
+
+def _claim(files: Dir, name: str) -> tuple[str, str]:
+    """Reserve a new, unused name for `name` in files/ (created 0600, empty): `name`,
+    else `stem-2.ext`, `stem-3.ext`, …; (its name, its workspace path). Runs in a worker thread."""
     stem, ext = os.path.splitext(safe_file_name(name))
     for n in range(1, 10_000):
         candidate = f"{stem}{'' if n == 1 else f'-{n}'}{ext}"
-        rel = f"{FILES_DIR}/{candidate}"
-        target = resolve_in_workspace(workspace, rel)  # a planted symlink never leads out
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:  # O_EXCL: whatever is there already, a link included, is left alone
+            fd = files.open_fd(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
         os.close(fd)
-        return target, rel
+        return candidate, f"{FILES_DIR}/{candidate}"
     raise FileRefused("there are too many files of that name already")
 
 
-def _open_part(target: Path) -> IO[bytes]:
-    part = target.with_name(f".{target.name}.part")
-    return open(part, "wb", opener=lambda p, flags: os.open(p, flags, 0o600))
+@dataclass(slots=True)
+class _Saving:
+    """A file being saved under files/: its directory held open, the partial file beside
+    the reserved name, renamed over it when complete."""
 
+    files: Dir
+    name: str
+    fh: IO[bytes] | None = None
 
-def _finish(fh: IO[bytes], target: Path) -> None:
-    fh.flush()
-    os.fsync(fh.fileno())
-    fh.close()
-    os.replace(fh.name, target)
+    @property
+    def part(self) -> str:
+        return f".{self.name}.part"
 
+    def open(self) -> None:
+        self.fh = self.files.open_file(self.part, "wb", mode=0o600)
 
-def _discard(fh: IO[bytes] | None, target: Path) -> None:
-    if fh is not None:
-        fh.close()
+    def write(self, data: bytes) -> None:
+        assert self.fh is not None
+        self.fh.write(data)
+
+    def finish(self) -> None:
+        assert self.fh is not None
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.rename(self.part, self.name, src_dir_fd=self.files.fd, dst_dir_fd=self.files.fd)
+
+    def discard(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.part, dir_fd=self.files.fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(fh.name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(target)
+            os.unlink(self.name, dir_fd=self.files.fd)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _start_saving(workspace: Path, name: str) -> tuple[_Saving, str]:
+    files = _files_dir(workspace)
+    try:
+        saved, rel = _claim(files, name)
+        saving = _Saving(files, saved)
+        saving.open()
+    except BaseException:
+        files.close()
+        raise
+    return saving, rel
+
+
+def _end_saving(saving: _Saving, ok: bool) -> None:
+    """Rename the complete file into place (`ok`), else leave nothing behind; then let go
+    of files/."""
+    try:
+        if ok:
+            try:
+                saving.finish()
+                return
+            except BaseException:
+                saving.discard()
+                raise
+        saving.discard()
+    finally:
+        saving.close()
 
 
 async def save_download(chunks: AsyncIterator[bytes], workspace: Path, name: str, *, limit: int) -> tuple[str, int]:
     """Write a download under the workspace's files/ with a safe, unique name, refusing it
     once it grows past `limit` bytes (whatever size the platform announced). Returns
     (workspace-relative path, size). Nothing is left behind when it fails."""
-    target, rel = await asyncio.to_thread(_claim, workspace, name)
-    fh: IO[bytes] | None = None
+    starting = asyncio.ensure_future(asyncio.to_thread(_start_saving, workspace, name))
     try:
-        fh = await asyncio.to_thread(_open_part, target)
+        saving, rel = await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        # The thread goes on for a few system calls; what it reserves is removed after it.
+        with contextlib.suppress(Exception):
+            begun, _ = await starting
+            await asyncio.to_thread(_end_saving, begun, False)
+        raise
+    try:
         size = 0
         block = bytearray()
         async for chunk in chunks:
@@ -148,14 +216,14 @@ async def save_download(chunks: AsyncIterator[bytes], workspace: Path, name: str
                 raise too_large(limit)
             block += chunk
             if len(block) >= WRITE_BLOCK:
-                await asyncio.to_thread(fh.write, bytes(block))
+                await asyncio.to_thread(saving.write, bytes(block))
                 block.clear()
         if block:
-            await asyncio.to_thread(fh.write, bytes(block))
-        await asyncio.to_thread(_finish, fh, target)
+            await asyncio.to_thread(saving.write, bytes(block))
     except BaseException:
-        await asyncio.shield(asyncio.to_thread(_discard, fh, target))
+        await asyncio.shield(asyncio.to_thread(_end_saving, saving, False))
         raise
+    await asyncio.shield(asyncio.to_thread(_end_saving, saving, True))
     return rel, size
 
 
@@ -170,11 +238,12 @@ async def local_chunks(path: Path, block: int = WRITE_BLOCK) -> AsyncIterator[by
 
 
 def _unlink_saved(workspace: Path, paths: list[str]) -> None:
-    for rel in paths:
-        try:
-            resolve_in_workspace(workspace, rel).unlink()
-        except (FileNotFoundError, PathNotAllowed):
-            pass
+    with Dir.open(workspace) as ws:
+        for rel in paths:
+            try:
+                ws.unlink(rel)  # unlinkat: a link is removed itself, never what it names
+            except (FileNotFoundError, NotADirectoryError, PathNotAllowed):
+                pass
 
 
 async def discard_saved(workspace: Path, inbound: Inbound) -> None:
@@ -224,9 +293,8 @@ async def image_for_model(workspace: Path, rel: str,
     Pillow reads it in a child process under limits (gateway.parsing.readers). An
     ImageRefused when it is kept as a file only (too many pixels to decode, or it could
     not be read in time); None when it is not an image Pillow can read."""
-    path = resolve_in_workspace(workspace, rel)
     try:
-        fh = await asyncio.to_thread(open, path, "rb")
+        fh = await asyncio.to_thread(_open_in, workspace, rel)
     except OSError as err:
         log.info("not an image the model can be shown: %s (%s)", rel, err)
         return None
@@ -246,17 +314,29 @@ async def image_for_model(workspace: Path, rel: str,
     return ImageInfo(seen.width, seen.height, preview, seen.original_width, seen.original_height)
 
 
+def _open_in(workspace: Path, rel: str) -> IO[bytes]:
+    with Dir.open(workspace) as ws:
+        return ws.open_file(rel)
+
+
+def _save_whole(workspace: Path, name: str, data: bytes) -> str:
+    """Save `data` under files/ with a safe, unique name like `name`; its workspace path.
+    Runs in a worker thread."""
+    saving, rel = _start_saving(workspace, name)
+    ok = False
+    try:
+        saving.write(data)
+        ok = True
+    finally:
+        _end_saving(saving, ok)
+    return rel
+
+
 def _save_copy(workspace: Path, rel: str, ext: str, data: bytes) -> str:
     """Save a scaled copy as `<stem>.preview<ext>` beside the file; its workspace path.
     Runs in a worker thread."""
     stem = os.path.splitext(os.path.basename(rel))[0]
-    target, preview = _claim(workspace, f"{stem}.preview{ext}")
-    try:
-        target.write_bytes(data)
-    except BaseException:
-        _discard(None, target)
-        raise
-    return preview
+    return _save_whole(workspace, f"{stem}.preview{ext}", data)
 
 
 def prepare_image(workspace: Path, rel: str, max_side: int = MAX_IMAGE_SIDE) -> ImageInfo | None:
@@ -277,15 +357,7 @@ def _save_tool_file(workspace: Path, name: str, data: str, limit: int) -> tuple[
         raise FileRefused("it is not valid base64") from None
     if len(raw) > limit:
         raise too_large(limit)
-    target, rel = _claim(workspace, name)
-    try:
-        with _open_part(target) as fh:
-            fh.write(raw)
-            _finish(fh, target)
-    except BaseException:
-        _discard(None, target)
-        raise
-    return rel, len(raw)
+    return _save_whole(workspace, name, raw), len(raw)
 
 
 async def save_tool_image(workspace: Path, name: str, mime: str, data: str, limit: int) -> tuple[Attachment, str]:
@@ -308,34 +380,53 @@ _REPLY_FILE = re.compile(r"(?<![\w/.])files/[\w.\-/]+")
 
 @dataclass(frozen=True, slots=True)
 class ReplyFile:
-    """A file under files/ that a reply names, to be sent after its text."""
+    """A file under files/ that a reply names, to be sent after its text. Its bytes are
+    read with `read_bytes` (blocking), beneath the workspace, never through a link."""
 
-    path: Path
+    workspace: Path
+    rel: str  # files/…
     name: str
-    size: int
+    size: int  # when the reply named it: what a channel checks against its limits
     is_image: bool
+
+    @property
+    def path(self) -> Path:
+        """Where it is, for logs (never opened by this name)."""
+        return self.workspace / self.rel
+
+    def read_bytes(self) -> bytes:
+        """The file's bytes, at most `size` of them (an OSError when it grew since: a
+        channel checked that size against its limit)."""
+        with Dir.open(self.workspace) as ws:
+            return ws.read_bytes(self.rel, limit=self.size)
 
 
 def reply_files(workspace: Path, text: str) -> list[ReplyFile]:
     """The files under the scope's files/ that `text` names and that exist, in order,
     at most REPLY_FILES_MAX. Runs in a worker thread."""
     out: list[ReplyFile] = []
-    seen: set[Path] = set()
-    for found in _REPLY_FILE.finditer(text):
-        rel = found.group(0).rstrip(".")  # a sentence's full stop is not part of the name
-        try:
-            path = resolve_in_workspace(workspace, rel)
-            # Only what lies under files/: "files/../memory/…" names no file to send.
-            if path in seen or not path.is_relative_to(resolve_in_workspace(workspace, FILES_DIR)) \
-                    or not path.is_file():
+    seen: set[str] = set()
+    try:
+        ws = Dir.open(workspace)
+    except OSError:
+        return out
+    with ws:
+        for found in _REPLY_FILE.finditer(text):
+            try:
+                # Only what lies under files/ ("files/../memory/…" is refused: no `..`).
+                rel = normalized(found.group(0).rstrip("."))  # a sentence's full stop is not part of the name
+                if rel in seen or not rel.startswith(f"{FILES_DIR}/"):
+                    continue
+                st = ws.stat(rel)
+            except (PathNotAllowed, OSError):
                 continue
-            size = path.stat().st_size
-        except (PathNotAllowed, OSError):
-            continue
-        seen.add(path)
-        out.append(ReplyFile(path, path.name, size, path.suffix.lower() in _MIME_OF_EXT))
-        if len(out) == REPLY_FILES_MAX:
-            break
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            seen.add(rel)
+            name = rel.rsplit("/", 1)[-1]
+            out.append(ReplyFile(workspace, rel, name, st.st_size, os.path.splitext(name)[1].lower() in _MIME_OF_EXT))
+            if len(out) == REPLY_FILES_MAX:
+                break
     return out
 
 
@@ -523,8 +614,8 @@ class Media:
             self._data_urls.move_to_end(stamp)
             return cached
         try:
-            url = await asyncio.to_thread(_encode, Path(stamp[0]))
-        except OSError:
+            url = await asyncio.to_thread(_encode, workspace, rel)
+        except (OSError, PathNotAllowed):
             return None
         self._data_urls[stamp] = url
         self._data_url_chars += len(url)
@@ -535,15 +626,18 @@ class Media:
 
 
 def _read_file(workspace: Path, rel: str) -> bytes:
-    return resolve_in_workspace(workspace, rel).read_bytes()
+    with Dir.open(workspace) as ws:
+        return ws.read_bytes(rel)
 
 
 def _stamp(workspace: Path, rel: str) -> tuple[str, int, int]:
-    path = resolve_in_workspace(workspace, rel)
-    st = path.stat()
-    return str(path), st.st_mtime_ns, st.st_size
+    with Dir.open(workspace) as ws:
+        st = ws.stat(rel)
+    return str(workspace / normalized(rel)), st.st_mtime_ns, st.st_size
 
 
-def _encode(path: Path) -> str:
-    mime = _MIME_OF_EXT.get(path.suffix.lower(), "image/jpeg")
-    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+def _encode(workspace: Path, rel: str) -> str:
+    mime = _MIME_OF_EXT.get(os.path.splitext(rel)[1].lower(), "image/jpeg")
+    with Dir.open(workspace) as ws:
+        data = ws.read_bytes(rel)
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")

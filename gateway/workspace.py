@@ -1,5 +1,9 @@
-"""Confinement of paths to a scope's workspace: tool arguments are untrusted (SPEC §9);
-private modes for the data dir, workspaces and database files."""
+"""Paths confined to a directory: tool arguments are untrusted (SPEC §9); private modes
+for the data dir, workspaces and database files.
+
+A scope's workspace is written by its sandboxes while the gateway uses it, so every access
+to it goes through gateway.beneath (opened relative to a descriptor, no link followed).
+`resolve_in_workspace` is for trees no sandbox writes (the skills' folders)."""
 
 from __future__ import annotations
 
@@ -7,15 +11,17 @@ import logging
 import os
 from pathlib import Path
 
+from gateway.beneath import PathNotAllowed
+
+__all__ = ["PathNotAllowed", "make_private_dir", "resolve_in_workspace", "restrict_mode"]
+
 log = logging.getLogger("gateway.workspace")
 
 
-class PathNotAllowed(ValueError):
-    """A path that leaves the workspace (traversal, absolute path, symlink)."""
-
-
 def resolve_in_workspace(root: Path, relative: str) -> Path:
-    """Resolve `relative` inside `root`, following symlinks, and refuse anything outside."""
+    """Resolve `relative` inside `root`, following symlinks, and refuse anything outside.
+    Checked, then used by name: only for a tree nothing else changes meanwhile (a skill's
+    folder), never a scope's workspace (gateway.beneath)."""
     if not isinstance(relative, str) or not relative.strip():
         raise PathNotAllowed("a path inside the workspace is required")
     if "\x00" in relative:

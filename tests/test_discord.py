@@ -439,9 +439,11 @@ async def test_send_files_uploads_them(fake_discord: FakeDiscord, start: Start, 
     from gateway.media import ReplyFile
 
     channel, _, _ = await start()
-    path = tmp_path / "chart.png"
+    path = tmp_path / "files" / "chart.png"
+    path.parent.mkdir()
     path.write_bytes(make_image(20, 20))
-    await channel.send_files(dm_inbound(fake_discord), [ReplyFile(path, "chart.png", path.stat().st_size, True)])
+    await channel.send_files(dm_inbound(fake_discord),
+                             [ReplyFile(tmp_path, "files/chart.png", "chart.png", path.stat().st_size, True)])
     assert fake_discord.uploads == [(fake_discord.dm_channel(PERSON), "chart.png", path.read_bytes())]
 
 

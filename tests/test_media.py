@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -56,6 +57,26 @@ async def test_a_download_is_cut_off_at_the_limit_and_leaves_nothing(tmp_path: P
         await save_download(endless(), tmp_path, "big.bin", limit=20 * 1024)
     assert read <= 24 * 1024  # it stopped reading right after the limit
     assert list((tmp_path / "files").iterdir()) == []
+
+
+async def test_a_download_cancelled_at_any_point_leaves_no_file_and_no_descriptor(tmp_path: Path) -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        while True:
+            await asyncio.sleep(0)
+            yield b"x" * 100
+
+    await save_download(chunks_of(b"warm"), tmp_path, "warm.txt", limit=100)  # files/ exists; threads started
+    (tmp_path / "files" / "warm.txt").unlink()
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for ticks in range(12):  # cancelled while files/ is opened and the name reserved, or while it streams
+        task = asyncio.ensure_future(save_download(slow(), tmp_path, "doc.txt", limit=1 << 30))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert list((tmp_path / "files").iterdir()) == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors
 
 
 async def test_a_download_into_a_planted_link_is_refused(tmp_path: Path) -> None:

@@ -571,7 +571,7 @@ class DiscordChannel:
             if file.size > UPLOAD_MAX_BYTES:
                 log.info("discord: %s is too large to send (%d bytes)", file.name, file.size)
                 continue
-            data = await asyncio.to_thread(file.path.read_bytes)
+            data = await asyncio.to_thread(file.read_bytes)
             try:
                 await asyncio.wait_for(rest.upload(target, [Upload(file.name, data)]), CALL_TIMEOUT_S)
             except (discord.HTTPException, discord.RateLimited, aiohttp.ClientError, OSError, TimeoutError) as exc:

@@ -558,7 +558,7 @@ class SlackChannel:
             if file.size > FILE_MAX_BYTES:
                 log.info("slack: %s is too large to send (%d bytes)", file.name, file.size)
                 continue
-            data = await asyncio.to_thread(file.path.read_bytes)
+            data = await asyncio.to_thread(file.read_bytes)
             uploads.append({"content": data, "filename": file.name, "title": file.name})
         if not uploads:
             return

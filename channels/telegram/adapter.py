@@ -607,7 +607,7 @@ class TelegramChannel:
             if file.size > DOCUMENT_MAX_BYTES:
                 log.info("telegram: %s is too large to send (%d bytes)", file.name, file.size)
                 continue
-            data = await asyncio.to_thread(file.path.read_bytes)
+            data = await asyncio.to_thread(file.read_bytes)
             try:
                 if file.is_image and len(data) <= PHOTO_MAX_BYTES:
                     try:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import stat
-import tempfile
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +18,7 @@ from pydantic import (
     ValidationError,
 )
 
+from gateway.beneath import write_replacing
 from gateway.config.schema import ENV_REF, STORE_SCHEMES, Config, secret_text
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -182,34 +181,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write via temp file + fsync + rename, so readers see the old or the new file whole.
 
     A file that exists keeps its mode (and owner and group, where this user may set them:
-    an operator's 0640 config.json stays readable by its group); a new file is 0600."""
+    an operator's 0640 config.json stays readable by its group); a new file is 0600. For
+    the operator's own files (config.json beside it); a workspace's go through
+    gateway.beneath, which follows no link."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         before: os.stat_result | None = os.stat(path)
     except FileNotFoundError:
         before = None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if before is not None:
-            os.fchmod(fd, stat.S_IMODE(before.st_mode))
-            if hasattr(os, "fchown"):
-                try:
-                    os.fchown(fd, before.st_uid, before.st_gid)
-                except PermissionError:  # not root: the new file is ours, as any edit would leave it
-                    pass
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+        write_replacing(dir_fd, path.name, text.encode("utf-8"), like=before)
+    finally:
+        os.close(dir_fd)

@@ -2,8 +2,11 @@
 
 Each scope owns `<data_dir>/scopes/<scope_dirname>/`: MEMORY.md (curated, shown in the
 system prompt), memory/YYYY-MM-DD.md (daily notes), dialog/YYYY-MM-DD.jsonl (archived raw
-turns), tool_results/ (full tool outputs) and files/ (files people sent). Every path goes
-through `resolve_in_workspace`, so a planted symlink or a `../` never leads outside.
+turns), tool_results/ (full tool outputs) and files/ (files people sent). The workspace
+is the sandbox's too (exec binds it read-write, and several sandboxes of one scope may run
+while these files are written), so every file is reached through gateway.beneath: opened
+relative to the workspace's descriptor, never following a symlink, refusing `..`. A link
+planted or swapped in at any moment is refused (PathNotAllowed), never followed out.
 
 Writes to one scope are serialized by an asyncio.Lock; Markdown files are rewritten
 atomically (temp + fsync + rename), the dialog archive is appended with O_APPEND + fsync.
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 import weakref
 from collections import OrderedDict
@@ -27,10 +31,10 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
-from gateway.config.load import atomic_write_text
+from gateway.beneath import Dir, PathNotAllowed, normalized
 from gateway.keys import scope_dirname, workspace_dir
 from gateway.store.api import StoreBackend
-from gateway.workspace import PathNotAllowed, make_private_dir, resolve_in_workspace
+from gateway.workspace import make_private_dir
 
 log = logging.getLogger("gateway.memory")
 
@@ -142,36 +146,43 @@ def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
 # -- blocking helpers (run in threads) ---------------------------------------------------
 
 
-def _stat(path: Path) -> os.stat_result | None:
+def _stat(root: Path, relative: str) -> os.stat_result | None:
+    """The regular file's stat, None when there is none (PathNotAllowed for a link)."""
     try:
-        st = path.stat()
-    except FileNotFoundError:
+        with Dir.open(root) as ws:
+            st = ws.stat(relative)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return st if path.is_file() else None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
-def _resolve_and_stat(root: Path, relative: str) -> tuple[Path, os.stat_result | None]:
-    path = resolve_in_workspace(root, relative)
-    return path, _stat(path)
-
-
-def _read(path: Path) -> str:
+def _read_in(ws: Dir, relative: str) -> str:
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
+        return ws.read_bytes(relative).decode("utf-8", errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
         return ""
 
 
-def _rewrite(path: Path, make: Callable[[str], str]) -> tuple[str, os.stat_result]:
-    new = make(_read(path))
-    atomic_write_text(path, new)
-    return new, path.stat()
+def _read(root: Path, relative: str) -> str:
+    """A text file of the workspace, "" when absent."""
+    with Dir.open(root) as ws:
+        return _read_in(ws, relative)
 
 
-def _append_lines(path: Path, data: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
+def _rewrite(root: Path, relative: str, make: Callable[[str], str]) -> tuple[str, os.stat_result]:
+    with Dir.open(root) as ws:
+        new = make(_read_in(ws, relative))
+        return new, ws.replace(relative, new.encode("utf-8"))
+
+
+def _write(root: Path, relative: str, text: str) -> os.stat_result:
+    with Dir.open(root) as ws:
+        return ws.replace(relative, text.encode("utf-8"))
+
+
+def _append_lines(root: Path, relative: str, data: str) -> None:
+    with Dir.open(root) as ws, ws.open_file(relative, "a+b", mode=0o644, parents=True) as fh:
+        fd = fh.fileno()
         size = os.fstat(fd).st_size
         # A crash mid-append can leave a torn last line: start ours on a fresh line.
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -181,16 +192,14 @@ def _append_lines(path: Path, data: str) -> None:
             written = os.write(fd, payload)
             payload = payload[written:]
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def _append_note(path: Path, header: str, block: str) -> tuple[tuple[int, int] | None, os.stat_result]:
+def _append_note(root: Path, relative: str, header: str,
+                 block: str) -> tuple[tuple[int, int] | None, os.stat_result]:
     """Append `block` to a daily note, starting a new one with `header`. Returns the note's
     (mtime_ns, size) before (None when it was empty) and its stat after."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
+    with Dir.open(root) as ws, ws.open_file(relative, "a+b", mode=0o644, parents=True) as fh:
+        fd = fh.fileno()
         st = os.fstat(fd)
         if st.st_size == 0:
             before, data = None, header + block
@@ -204,26 +213,55 @@ def _append_note(path: Path, header: str, block: str) -> tuple[tuple[int, int] |
             payload = payload[os.write(fd, payload):]
         os.fsync(fd)
         return before, os.fstat(fd)
-    finally:
-        os.close(fd)
 
 
 def _scan_memory_files(root: Path) -> dict[str, tuple[int, int]]:
-    """MEMORY.md and memory/*.md that really live in the workspace: rel -> (mtime_ns, size)."""
-    rels = [MEMORY_FILE]
-    notes = root / NOTES_DIR
-    if notes.is_dir():
-        rels += sorted(f"{NOTES_DIR}/{p.name}" for p in notes.glob("*.md"))
+    """MEMORY.md and memory/*.md that really live in the workspace (regular files, no
+    links): rel -> (mtime_ns, size)."""
     out: dict[str, tuple[int, int]] = {}
-    for rel in rels:
+    with Dir.open(root) as ws:
         try:
-            st = _stat(resolve_in_workspace(root, rel))
+            st = ws.stat(MEMORY_FILE)
+            if stat.S_ISREG(st.st_mode):
+                out[MEMORY_FILE] = (st.st_mtime_ns, st.st_size)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
         except PathNotAllowed:
-            log.warning("memory file leaves the workspace; ignored", extra={"path": str(root / rel)})
+            log.warning("memory file leaves the workspace; ignored", extra={"path": str(root / MEMORY_FILE)})
+        try:
+            notes = ws.scandir(NOTES_DIR)
+        except (FileNotFoundError, NotADirectoryError):
+            notes = []
+        except PathNotAllowed:
+            log.warning("memory file leaves the workspace; ignored", extra={"path": str(root / NOTES_DIR)})
+            notes = []
+    for entry in sorted(notes, key=lambda e: e.name):
+        if not entry.name.endswith(".md"):
             continue
-        if st is not None:
-            out[rel] = (st.st_mtime_ns, st.st_size)
+        if stat.S_ISLNK(entry.stat.st_mode):
+            log.warning("memory file leaves the workspace; ignored",
+                        extra={"path": str(root / NOTES_DIR / entry.name)})
+        elif entry.is_file:
+            out[f"{NOTES_DIR}/{entry.name}"] = (entry.stat.st_mtime_ns, entry.stat.st_size)
     return out
+
+
+def _backup(root: Path, name_stem: str, text: str, keep: int) -> None:
+    """Keep `text` as memory/backup/<name_stem>.md (or -2, -3, …), and only the newest
+    `keep` backups."""
+    with Dir.open(root) as ws, ws.subdir(f"{NOTES_DIR}/backup", create=True, mode=0o777) as backups:
+        name, n = f"{name_stem}.md", 1
+        while backups.exists(name):
+            n += 1
+            name = f"{name_stem}-{n}.md"
+        backups.replace(name, text.encode("utf-8"))
+        olds = sorted((e for e in backups.scandir() if e.is_file and e.name.startswith("MEMORY-")
+                       and e.name.endswith(".md")), key=lambda e: e.stat.st_mtime_ns)
+        for old in olds[: max(0, len(olds) - keep)]:
+            try:
+                backups.unlink(old.name)
+            except FileNotFoundError:
+                pass
 
 
 def _cut_to_budget(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
@@ -317,9 +355,11 @@ class Memory:
             self._ready.add(scope)
         return root
 
-    async def _path(self, scope: str, relative: str) -> Path:
-        """The real path of `relative` in the scope's workspace; PathNotAllowed when it leaves."""
-        return await asyncio.to_thread(resolve_in_workspace, self.workspace(scope), relative)
+    @staticmethod
+    def _checked(relative: str) -> str:
+        """`relative` checked and written the one way; PathNotAllowed when it would leave
+        (an absolute path, `..`). Links are refused when it is opened."""
+        return normalized(relative)
 
     async def _register(self, scope: str) -> None:
         """Remember that this scope has memory (consolidation walks the registered scopes)."""
@@ -344,8 +384,8 @@ class Memory:
             return cached[1]
         self._prompt_checked[scope] = now
         root = self.workspace(scope)
-        try:  # resolve and stat in one thread hop: this runs for every session every RECHECK_S
-            path, st = await asyncio.to_thread(_resolve_and_stat, root, MEMORY_FILE)
+        try:  # one thread hop: this runs for every session every RECHECK_S
+            st = await asyncio.to_thread(_stat, root, MEMORY_FILE)
         except PathNotAllowed:
             log.warning("MEMORY.md leaves the workspace; not loaded", extra={"scope": scope})
             return ""
@@ -357,7 +397,11 @@ class Memory:
         if cached is not None and cached[0] == key:
             self._prompt_cache.move_to_end(scope)
             return cached[1]
-        text = await asyncio.to_thread(lambda: _cut_to_budget(_read(path), max_tokens, count))
+        try:
+            text = await asyncio.to_thread(lambda: _cut_to_budget(_read(root, MEMORY_FILE), max_tokens, count))
+        except PathNotAllowed:  # swapped for a link since the stat
+            log.warning("MEMORY.md leaves the workspace; not loaded", extra={"scope": scope})
+            return ""
         self._prompt_cache[scope] = (key, text)
         self._prompt_cache.move_to_end(scope)
         while len(self._prompt_cache) > PROMPT_CACHE_SCOPES:
@@ -368,13 +412,14 @@ class Memory:
     # -- writes ----------------------------------------------------------------------------
 
     async def _rewrite_md(self, scope: str, relative: str, make: Callable[[str], str]) -> Path:
+        rel = self._checked(relative)
         await self._register(scope)
         async with self.lock(scope):
-            path = await self._path(scope, relative)
-            text, st = await asyncio.to_thread(_rewrite, path, make)
+            root = self.workspace(scope)
+            text, st = await asyncio.to_thread(_rewrite, root, rel, make)
             self._prompt_checked.pop(scope, None)
             await self._index_file(scope, relative, text, st.st_mtime_ns, st.st_size)
-        return path
+        return root / rel
 
     async def append_daily(self, scope: str, text: str, *, heading: str | None = None) -> Path:
         """Append a block to today's note. Appended, not rewritten, and only the new block
@@ -385,15 +430,15 @@ class Memory:
         block = (f"## {heading.strip()}\n\n" if heading and heading.strip() else "") + text.strip() + "\n"
         await self._register(scope)
         async with self.lock(scope):
-            path = await self._path(scope, relative)
-            before, st = await asyncio.to_thread(_append_note, path, f"# {day}\n\n", block)
+            root = self.workspace(scope)
+            before, st = await asyncio.to_thread(_append_note, root, relative, f"# {day}\n\n", block)
             stamp = (st.st_mtime_ns, st.st_size)
             if before is not None and self._indexed.get((scope, relative)) == before:
                 await self._index_more(scope, relative, block, stamp)
             else:  # new file, edited by hand, or not indexed by this process yet
-                whole = await asyncio.to_thread(_read, path)
+                whole = await asyncio.to_thread(_read, root, relative)
                 await self._index_file(scope, relative, whole, *stamp)
-        return path
+        return root / relative
 
     async def append_memory_md(self, scope: str, text: str) -> None:
         def make(old: str) -> str:
@@ -407,21 +452,22 @@ class Memory:
         data = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
         await self._register(scope)
         async with self.lock(scope):
-            path = await self._path(scope, f"{DIALOG_DIR}/{self.today()}.jsonl")
+            root, relative = self.workspace(scope), f"{DIALOG_DIR}/{self.today()}.jsonl"
             if data:
-                await asyncio.to_thread(_append_lines, path, data)
-        return path
+                await asyncio.to_thread(_append_lines, root, relative, data)
+        return root / relative
 
     async def save_text(self, scope: str, relative: str, text: str) -> Path:
         """Write a workspace file atomically (e.g. tool_results/<id>.txt); refuses paths
         that leave the workspace."""
         if relative == MEMORY_FILE or _is_note(relative):
             return await self._rewrite_md(scope, relative, lambda _old: text)
+        rel = self._checked(relative)
         await self._register(scope)
         async with self.lock(scope):
-            path = await self._path(scope, relative)
-            await asyncio.to_thread(atomic_write_text, path, text)
-        return path
+            root = self.workspace(scope)
+            await asyncio.to_thread(_write, root, rel, text)
+        return root / rel
 
     # -- consolidation primitives ----------------------------------------------------------
 
@@ -435,8 +481,8 @@ class Memory:
 
     async def read_text(self, scope: str, relative: str) -> str:
         """A workspace text file ("" when absent); refuses paths that leave the workspace."""
-        path = await self._path(scope, relative)
-        return await asyncio.to_thread(_read, path)
+        rel = self._checked(relative)
+        return await asyncio.to_thread(_read, self.workspace(scope), rel)
 
     async def replace_memory_md(
         self, scope: str, *, expected: str, new_text: str, keep_backups: int = 30
@@ -445,15 +491,15 @@ class Memory:
         it meanwhile is carried over); the previous version is kept in memory/backup/.
         False when MEMORY.md was rewritten meanwhile: nothing changes."""
         async with self.lock(scope):
-            path = await self._path(scope, MEMORY_FILE)
-            current = await asyncio.to_thread(_read, path)
+            root = self.workspace(scope)
+            current = await asyncio.to_thread(_read, root, MEMORY_FILE)
             if not current.startswith(expected):
                 return False
             appended = current[len(expected):].strip()
             final = new_text.rstrip("\n") + "\n" + (f"\n{appended}\n" if appended else "")
             if current:
                 await self._backup(scope, current, keep_backups)
-            st = await asyncio.to_thread(lambda: (atomic_write_text(path, final), path.stat())[1])
+            st = await asyncio.to_thread(_write, root, MEMORY_FILE, final)
             self._prompt_checked.pop(scope, None)
             await self._index_file(scope, MEMORY_FILE, final, st.st_mtime_ns, st.st_size)
         await self._register(scope)
@@ -461,20 +507,7 @@ class Memory:
 
     async def _backup(self, scope: str, text: str, keep: int) -> None:
         stamp = self.now().strftime("%Y%m%dT%H%M%S")
-        backup_dir = await self._path(scope, f"{NOTES_DIR}/backup")
-
-        def write() -> None:
-            backup_dir.mkdir(parents=True, exist_ok=True)
-            name, n = f"MEMORY-{stamp}.md", 1
-            while (backup_dir / name).exists():
-                n += 1
-                name = f"MEMORY-{stamp}-{n}.md"
-            atomic_write_text(backup_dir / name, text)
-            olds = sorted(backup_dir.glob("MEMORY-*.md"), key=lambda p: p.stat().st_mtime_ns)
-            for old in olds[: max(0, len(olds) - keep)]:
-                old.unlink(missing_ok=True)
-
-        await asyncio.to_thread(write)
+        await asyncio.to_thread(_backup, self.workspace(scope), f"MEMORY-{stamp}", text, keep)
 
     # -- full-text index -----------------------------------------------------------------
 

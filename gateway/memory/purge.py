@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiosqlite
 
+from gateway.beneath import Dir, PathNotAllowed
 from gateway.store.api import StoreBackend
 from gateway.tasks.store import TaskStore
 
@@ -41,6 +42,8 @@ ROW_BATCH = 250  # rows per statement: keeps a chat's write from waiting long be
 SESSION_BATCH = 50
 FILE_BATCH = 200
 READ_BATCH = 2000  # old messages read per statement to find the turns to remember
+TOOL_RESULTS = "tool_results"  # a workspace's saved tool outputs (gateway.memory.files)
+FILES_DIR = "files"  # and the files people sent (gateway.media)
 
 # (session key, highest turn that goes) → those turns are in long-term memory; how many
 # sessions needed a fold. Raises when memory cannot be written: nothing more is deleted.
@@ -174,32 +177,57 @@ async def _remember_old_turns(store: StoreBackend, remember: Remember, *, before
     return remembered
 
 
-def _expired_tool_results(data_dir: Path, before: float) -> list[Path]:
-    found = []
-    for results in (data_dir / "scopes").glob("*/tool_results"):
-        if results.is_symlink() or not results.is_dir():
-            continue  # never walk out of the data dir through a planted link
-        for entry in os.scandir(results):
-            if entry.name.endswith(".txt") and entry.stat(follow_symlinks=False).st_mtime < before:
-                found.append(Path(entry.path))
+# A file to delete: (the scope's workspace, its path there). Found and deleted through
+# descriptors, never by a path string: a sandbox of that workspace may swap names meanwhile.
+Doomed = tuple[Path, str]
+
+
+def _workspaces(data_dir: Path) -> list[Path]:
+    """Each scope's workspace (real directories only; scopes/ is the gateway's own)."""
+    scopes = data_dir / "scopes"
+    try:
+        with os.scandir(scopes) as entries:
+            return [scopes / e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _expired_tool_results(data_dir: Path, before: float) -> list[Doomed]:
+    found: list[Doomed] = []
+    for ws_path in _workspaces(data_dir):
+        try:
+            with Dir.open(ws_path) as ws:
+                entries = ws.scandir(TOOL_RESULTS)
+        except (OSError, PathNotAllowed):
+            continue  # none, or a planted link: never walked out of the workspace
+        found += [(ws_path, f"{TOOL_RESULTS}/{e.name}") for e in entries
+                  if e.is_file and e.name.endswith(".txt") and e.stat.st_mtime < before]
     return found
 
 
-def _expired_sent_files(data_dir: Path, before: float) -> list[Path]:
+def _expired_sent_files(data_dir: Path, before: float) -> list[Doomed]:
     """Files under each scope's files/ (previews and left-over partial downloads
-    included) last written before `before`; never through a symlinked directory."""
-    found: list[Path] = []
-    for files in (data_dir / "scopes").glob("*/files"):
-        if files.is_symlink() or not files.is_dir():
+    included) last written before `before`; never through a link."""
+    found: list[Doomed] = []
+    for ws_path in _workspaces(data_dir):
+        try:
+            ws = Dir.open(ws_path)
+        except OSError:
             continue
-        pending = [files]
-        while pending:
-            directory = pending.pop()
-            for entry in os.scandir(directory):
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(Path(entry.path))
-                elif entry.stat(follow_symlinks=False).st_mtime < before:
-                    found.append(Path(entry.path))
+        with ws:
+            pending = [FILES_DIR]
+            while pending:
+                directory = pending.pop()
+                try:
+                    entries = ws.scandir(directory)
+                except (OSError, PathNotAllowed):
+                    continue
+                for entry in entries:
+                    rel = f"{directory}/{entry.name}"
+                    if entry.is_dir:
+                        pending.append(rel)
+                    elif entry.stat.st_mtime < before:
+                        found.append((ws_path, rel))
     return found
 
 
@@ -212,14 +240,20 @@ async def purge_sent_files(data_dir: Path, *, before: float) -> int:
     return deleted
 
 
-def _delete_files(paths: Iterable[Path]) -> int:
+def _delete_files(doomed: Iterable[Doomed]) -> int:
     count = 0
-    for path in paths:
-        try:
-            path.unlink()  # a symlink is removed itself, never its target
-            count += 1
-        except FileNotFoundError:
-            pass
+    opened: dict[Path, Dir] = {}
+    try:
+        for ws_path, rel in doomed:
+            try:
+                ws = opened.get(ws_path) or opened.setdefault(ws_path, Dir.open(ws_path))
+                ws.unlink(rel)  # unlinkat in a directory opened without following a link
+                count += 1
+            except (FileNotFoundError, NotADirectoryError, PathNotAllowed):
+                pass
+    finally:
+        for ws in opened.values():
+            ws.close()
     return count
 
 
@@ -230,8 +264,10 @@ async def purge_tool_results(
     if not candidates:
         return 0
     live = live_references()
-    keep = await asyncio.to_thread(lambda: {os.path.realpath(p) for p in live})
-    doomed = await asyncio.to_thread(lambda: [p for p in candidates if os.path.realpath(p) not in keep])
+    # Compared as written (absolute, normalized), never by following links: a link would
+    # only let a sandbox choose what is kept.
+    keep = await asyncio.to_thread(lambda: {os.path.abspath(p) for p in live})
+    doomed = await asyncio.to_thread(lambda: [d for d in candidates if os.path.abspath(d[0] / d[1]) not in keep])
     deleted = 0
     for i in range(0, len(doomed), FILE_BATCH):
         deleted += await asyncio.to_thread(_delete_files, doomed[i : i + FILE_BATCH])

@@ -54,4 +54,7 @@ class MemoryWrite:
                 where = MEMORY_FILE
         except PathNotAllowed as err:
             raise ToolError(f"cannot write memory: {err}") from None
+        except (NotADirectoryError, IsADirectoryError) as err:  # memory/ or the note made something else
+            raise ToolError(f"cannot write memory: {err.filename or 'the note'} is in the way "
+                            f"({err.strerror})") from None
         return ToolOutput(f"Saved to {where}.")

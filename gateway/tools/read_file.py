@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from context.truncate import read_window
+from gateway.beneath import Dir, PathNotAllowed, normalized
 from gateway.media import FILES_DIR
 from gateway.parsing.jobs import ParseError
 from gateway.parsing.readers import read_pdf
 from gateway.skills.catalog import NO_SKILLS, is_skill_path, skill_file
 from gateway.tools.base import FileRef, ToolArgumentError, ToolContext, ToolError, ToolOutput, check_arguments, shown
-from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
 MAX_PATH_CHARS = 1024  # far beyond any real workspace path, well under the system's limit
@@ -44,35 +45,74 @@ class _Pdf:
     key: tuple[str, int, int]  # path, mtime_ns, size
 
 
-def _read(path: Path, rel: str) -> str | _Pdf:
-    """A text file's text, or the open PDF. Runs in a worker thread."""
+def _read_workspace(root: Path, rel: str, key: str) -> str | _Pdf:
+    """A workspace file's text, or the open PDF, opened beneath the workspace without
+    following a link (a sandbox may swap names meanwhile: gateway.beneath). Runs in a
+    worker thread."""
+    try:
+        with Dir.open(root) as ws:
+            fd = ws.open_fd(rel, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted here holds nothing
+    except PathNotAllowed as err:
+        raise ToolError(str(err)) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ToolError("no such file (paths are relative to your workspace)") from None
+    except OSError as err:
+        raise ToolError(f"cannot read the path {shown(rel)}: {err.strerror or type(err).__name__}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{shown(rel)} is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError("no such file (paths are relative to your workspace)")
+        os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    return _read_open(fh, st, key, rel)
+
+
+def _read_skill(path: Path, rel: str) -> str | _Pdf:
+    """A skill's file (a folder no sandbox writes: gateway.skills checks it). Runs in a
+    worker thread."""
     try:
         if path.is_dir():
             raise ToolError(f"{shown(rel)} is a directory, not a file")
         if not path.is_file():
             raise ToolError("no such file (paths are relative to your workspace)")
         fh = path.open("rb")
-        try:
-            st = os.fstat(fh.fileno())
-            if st.st_size > MAX_FILE_BYTES:
-                raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
-            head = fh.read(SNIFF_BYTES)
-            if head.startswith(b"%PDF-"):
-                fh.seek(0)
-                return _Pdf(fh, (str(path), st.st_mtime_ns, st.st_size))  # the caller closes it
-        except BaseException:
-            fh.close()
-            raise
-        fh.close()
+        st = os.fstat(fh.fileno())
+    except OSError as err:
+        raise ToolError(f"cannot read the path {shown(rel)}: {err.strerror or type(err).__name__}") from None
+    return _read_open(fh, st, str(path), rel)
+
+
+def _read_open(fh: IO[bytes], st: os.stat_result, key: str, rel: str) -> str | _Pdf:
+    """The text of the open file, or the PDF (the caller then owns `fh`); else `fh` is closed."""
+    try:
+        if st.st_size > MAX_FILE_BYTES:
+            raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
+        head = fh.read(SNIFF_BYTES)
+        if head.startswith(b"%PDF-"):
+            fh.seek(0)
+            return _Pdf(fh, (key, st.st_mtime_ns, st.st_size))  # the caller closes it
         if b"\x00" in head:
             what = "an image" if head.startswith(_IMAGE_HEADS) else "a binary file"
             raise ToolError(f"{shown(rel)} is {what}; read_file reads text and PDF files")
-        # newline="" keeps CRLF as it is, so offsets match the bytes on disk.
-        with path.open("r", encoding="utf-8", errors="replace", newline="") as text:
-            return text.read()
+        # Bytes decoded whole: CRLF stays as it is, so offsets match the bytes on disk. What
+        # grew past the limit since the stat is not read.
+        data = head + fh.read(MAX_FILE_BYTES + 1 - len(head))
+        if len(data) > MAX_FILE_BYTES:
+            raise ToolError(f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB")
+        fh.close()
+        return data.decode("utf-8", errors="replace")
     except OSError as err:
-        # A name too long for the file system, a permission: the model's path, not our bug.
+        fh.close()
+        # A permission, an I/O error: the model's path, not our bug.
         raise ToolError(f"cannot read the path {shown(rel)}: {err.strerror or type(err).__name__}") from None
+    except BaseException:
+        fh.close()
+        raise
 
 
 _pdf_texts: OrderedDict[tuple[str, int, int], str] = OrderedDict()
@@ -129,13 +169,13 @@ class ReadFile:
         try:
             if is_skill_path(rel):
                 target, rel_path = await asyncio.to_thread(skill_file, ctx.skills or NO_SKILLS, rel)
+                found = await asyncio.to_thread(_read_skill, target, rel)
             else:
-                target = resolve_in_workspace(ctx.workspace, rel)
-                root = await asyncio.to_thread(Path(ctx.workspace).resolve)
-                rel_path = target.relative_to(root).as_posix()
+                rel_path = normalized(rel)
+                key = str(Path(ctx.workspace) / rel_path)
+                found = await asyncio.to_thread(_read_workspace, Path(ctx.workspace), rel_path, key)
         except PathNotAllowed as err:
             raise ToolError(str(err)) from None
-        found = await asyncio.to_thread(_read, target, rel)
         text = found if isinstance(found, str) else await _pdf_text(found)
         window, start_offset, first_line = read_window(text, offset=offset, start_line=start_line)
         ref = FileRef(path=rel_path, start_offset=start_offset, start_line=first_line,

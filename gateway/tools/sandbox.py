@@ -963,36 +963,103 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
         proc.stdin.close()
 
 
+TIDY_MAX_DEPTH = 256  # directories deep: the walk holds one descriptor a level
+_TIDY_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SET_ID = stat.S_ISUID | stat.S_ISGID
+
+
 def tidy(root: Path) -> int:
-    """After a run, when nothing in the sandbox is left to race it: take set-user-ID and
-    set-group-ID bits off the files the command left (outside, its user is the gateway's,
-    which may be root), and remove FIFOs and sockets (a FIFO where the gateway later reads
-    a file, an image in files/ say, would hold the reading thread). Returns how many
-    entries it changed."""
+    """After a run: take set-user-ID and set-group-ID bits off the files the command left
+    (outside, its user is the gateway's, which may be root), and remove FIFOs and sockets (a
+    FIFO where the gateway later reads a file, an image in files/ say, would hold the
+    reading thread). Returns how many entries it changed.
+
+    Another sandbox of the same workspace may still run and swap names meanwhile, so nothing
+    is done by path: each directory is opened O_NOFOLLOW relative to its parent's
+    descriptor, a file's bits are read with fstat on the descriptor that is then fchmod-ed,
+    and a FIFO goes with unlinkat in its directory's descriptor. A name swapped for a link
+    is skipped, never followed."""
+    try:
+        top = os.open(root, _TIDY_DIR)
+    except OSError:
+        return 0
     changed = seen = 0
-    pending = [str(root)]
-    while pending:
-        try:
-            entries = os.scandir(pending.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
-                seen += 1
-                if seen > TIDY_MAX_ENTRIES:
-                    log.warning("workspace too large to tidy after exec", extra={"entries": seen})
-                    return changed
+    stack: list[tuple[int, list[str]]] = []  # (a directory, its subdirectories still to walk)
+    current: int | None = top
+    try:
+        while current is not None or stack:
+            if current is not None:
+                subdirs: list[str] = []
                 try:
-                    mode = entry.stat(follow_symlinks=False).st_mode
-                    if stat.S_ISDIR(mode):
-                        pending.append(entry.path)
-                    elif stat.S_ISREG(mode):
-                        if mode & (stat.S_ISUID | stat.S_ISGID):
-                            os.chmod(entry.path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
-                            changed += 1
-                    elif not stat.S_ISLNK(mode):  # FIFO, socket (devices cannot be made in it)
-                        os.unlink(entry.path)
-                        changed += 1
+                    with os.scandir(current) as entries:
+                        for entry in entries:
+                            seen += 1
+                            if seen > TIDY_MAX_ENTRIES:
+                                log.warning("workspace too large to tidy after exec", extra={"entries": seen})
+                                return changed
+                            try:
+                                mode = entry.stat(follow_symlinks=False).st_mode
+                            except OSError:
+                                continue
+                            if stat.S_ISDIR(mode):
+                                subdirs.append(entry.name)
+                            elif stat.S_ISREG(mode):
+                                if mode & _SET_ID:
+                                    changed += _drop_set_id(current, entry.name)
+                            elif not stat.S_ISLNK(mode):  # FIFO, socket (devices cannot be made in it)
+                                with contextlib.suppress(OSError):
+                                    os.unlink(entry.name, dir_fd=current)
+                                    changed += 1
                 except OSError:
-                    continue
+                    pass
+                if subdirs and len(stack) >= TIDY_MAX_DEPTH:
+                    log.warning("workspace too deep to tidy after exec", extra={"depth": len(stack)})
+                    subdirs = []
+                stack.append((current, subdirs))
+                current = None
+            parent, pending = stack[-1]
+            if not pending:
+                os.close(stack.pop()[0])
+                continue
+            try:
+                current = os.open(pending.pop(), _TIDY_DIR, dir_fd=parent)
+            except OSError:  # gone, or swapped for a link meanwhile: not followed
+                current = None
+    finally:
+        if current is not None:
+            os.close(current)
+        for fd, _ in stack:
+            os.close(fd)
     return changed
+
+
+def _drop_set_id(dir_fd: int, name: str) -> int:
+    """Take the set-ID bits off the regular file `name` in `dir_fd`, judged by fstat of the
+    very descriptor that is changed (1 when it was). A file its owner may not read is
+    opened O_PATH and changed through /proc/self/fd, which names that inode (fchmod
+    refuses an O_PATH descriptor)."""
+    by_path = False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except PermissionError:
+        try:
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return 0
+        by_path = True
+    except OSError:
+        return 0
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & _SET_ID:
+            return 0
+        mode = stat.S_IMODE(st.st_mode) & ~_SET_ID
+        if by_path:
+            os.chmod(f"/proc/self/fd/{fd}", mode)
+        else:
+            os.fchmod(fd, mode)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)

@@ -24,9 +24,10 @@ from context.engine import SessionContext, prepare, recover_overflow
 from context.outside import OUTSIDE_PREFIX
 from context.outside import SYSTEM_NOTE as OUTSIDE_NOTE
 from context.truncate import cut_tool_result
+from gateway import beneath
 from gateway.agents import AgentView, PromptFiles, agent_view, model_chain, system_prompt_text
+from gateway.beneath import PathNotAllowed
 from gateway.clock import local_day
-from gateway.config.load import atomic_write_text
 from gateway.config.schema import Config, ModelConfig
 from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import RETRYABLE_KINDS, ModelError
@@ -39,7 +40,6 @@ from gateway.turns.live import LiveSession, SubTurn
 from gateway.turns.streaming import StepFeed, clean_reply, stopped_reply
 from gateway.turns.summaries import Summarizer
 from gateway.types import Attachment, Message, ToolCall
-from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
 if TYPE_CHECKING:
     from channels.base import ReplyStream
@@ -457,8 +457,8 @@ class Agent:
                               file_ref=output.file_ref, save_over=cfg.history_tool_result_max_chars)
         if cut.save is not None:
             try:
-                target = resolve_in_workspace(live.workspace, cut.save.path)
-                await asyncio.to_thread(atomic_write_text, target, cut.save.text)
+                await asyncio.to_thread(beneath.replace, live.workspace, cut.save.path,
+                                        cut.save.text.encode("utf-8"))
             except (OSError, PathNotAllowed) as err:
                 log.error("cannot save a tool result", extra={"session": live.key, "error": str(err)})
         await self.store(live, Message(role="tool", content=cut.content, turn=live.ctx.current_turn,

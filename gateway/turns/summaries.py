@@ -30,12 +30,13 @@ from typing import Any
 
 from context.effects import SummarizeTurns, SummaryReason
 from context.summary import extractive_summary, summary_request
+from gateway import beneath
+from gateway.beneath import PathNotAllowed
 from gateway.keys import workspace_dir
 from gateway.model.errors import ModelError
 from gateway.services import Services
 from gateway.turns.live import LiveSession
 from gateway.types import Message
-from gateway.workspace import PathNotAllowed, resolve_in_workspace
 
 log = logging.getLogger("gateway.summarizer")
 
@@ -266,7 +267,7 @@ class Summarizer:
     async def _saved_output(self, target: _Folding, path: str, total_chars: int) -> str | None:
         def read() -> str:
             # Bytes, not text mode: universal newlines would turn CRLF into LF.
-            return resolve_in_workspace(target.workspace, path).read_bytes().decode("utf-8", errors="replace")
+            return beneath.read_bytes(target.workspace, path).decode("utf-8", errors="replace")
 
         try:
             text = await asyncio.to_thread(read)
