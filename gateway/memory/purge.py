@@ -28,9 +28,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiosqlite
-
 from gateway.store.api import StoreBackend
+from gateway.store.errors import StoreUnavailable
 from gateway.tasks.store import TaskStore
 
 log = logging.getLogger("gateway.purge")
@@ -111,7 +110,7 @@ async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
         try:
             await store.checkpoint()
             return
-        except aiosqlite.OperationalError as err:
+        except StoreUnavailable as err:
             if attempt == attempts:
                 log.warning("WAL checkpoint skipped after the purge: %s", err)
                 return
