@@ -107,8 +107,10 @@ MEANINGS: dict[str, str] = {
               "`model`, and a field left out is taken from `model`.",
     "models.<name>.name": "The model id sent to the provider; `null`: `model.name`.",
     "models.<name>.base_url": "Its OpenAI-compatible endpoint; `null`: `model.base_url`. An alias on another "
-                              "provider should set its own `api_key`.",
-    "models.<name>.api_key": "Its API key (a `${ENV}` reference); `null`: `model.api_key`.",
+                              "server never gets `model.api_key`: give it its own `api_key` if that server "
+                              "needs one.",
+    "models.<name>.api_key": "Its API key (a `${ENV}` reference); `null`: `model.api_key` while the alias uses "
+                             "`model`'s server, else none (its requests carry no key; check-config says so).",
     "models.<name>.context_window": "Its window in tokens; budgets follow the model a session uses.",
     "models.<name>.max_output_tokens": "Its output reserve; `null`: `model.max_output_tokens`.",
     "models.<name>.timeout_s": "Seconds one request may take; `null`: `model.timeout_s`.",
@@ -246,7 +248,8 @@ MEANINGS: dict[str, str] = {
     "transcription.model": "Speech-to-text model sent to `/audio/transcriptions`.",
     "transcription.base_url": "An OpenAI-compatible API base with `/audio/transcriptions`; `null` uses "
                               "`model.base_url`.",
-    "transcription.api_key": "Its API key; `null` uses `model.api_key`.",
+    "transcription.api_key": "Its API key; `null` uses `model.api_key`, unless `base_url` names another "
+                             "server (that one never gets the model's key).",
     "transcription.timeout_s": "Seconds one transcription may take before the person is told it failed.",
     "log_level": "Least severe log lines written.",
     "approvals.tools": "Tools that wait for a person's yes before each call (`\"ask\"`; `\"allow\"` runs one "
