@@ -28,6 +28,7 @@ from gateway.agents import AgentView, PromptFiles, agent_view, model_chain, syst
 from gateway.clock import local_day
 from gateway.config.load import atomic_write_text
 from gateway.config.schema import Config, ModelConfig
+from gateway.keys import sub_turn_key
 from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import RETRYABLE_KINDS, ModelError
 from gateway.model.replies import ModelReply
@@ -492,7 +493,7 @@ class Agent:
             known = ", ".join(["default", *sorted(cfg.agents)])
             raise ToolError(f"there is no agent {name!r}; agents: {known}")
         # Unique per call, also across restarts; the parent's turn names where it came from.
-        key = f"{parent.key}#sub:{parent.ctx.current_turn}:{secrets.token_hex(4)}"
+        key = sub_turn_key(parent.key, parent.ctx.current_turn, secrets.token_hex(4))
         await self.s.store.ensure_session(key, parent.scope, parent.channel)
         sub = LiveSession(key=key, scope=parent.scope, channel=parent.channel, workspace=parent.workspace,
                           ctx=SessionContext(key), agent=name, inbound=parent.inbound,
