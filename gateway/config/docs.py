@@ -126,6 +126,9 @@ MEANINGS: dict[str, str] = {
     "agents.<name>.tools": "The tools it may use (names, `*` patterns allowed, e.g. `\"web_*\"`); `null`: all.",
     "agents.<name>.skills": "The skills it may use (names), or `\"*\"` for all.",
     "agents.<name>.models": "The aliases its people may pick with `/model`; `null`: every alias of `models`.",
+    "agents.<name>.delegates": "The agents it may hand work to with `delegate` (names, `*` patterns allowed); "
+                               "itself always. `null`: only itself (the top-level agent `default` may reach "
+                               "every agent). A sub-turn never has a tool or skill the delegating agent lacks.",
     "bindings": "Which agent answers where: a list of `{\"match\": {\"channel\", \"chat\", \"thread\", "
                 "\"user\"}, \"agent\"}`; the first entry whose given fields all equal the message's (ids as "
                 "strings) wins; none: `default`. In a shared session an entry naming a `user` never matches.",
@@ -184,6 +187,10 @@ MEANINGS: dict[str, str] = {
     "tools.web_search.base_url": "The provider's address (required for `searxng`; overrides the others' "
                                  "default).",
     "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
+    "tools.delegate.max_per_step": "Most `delegate` calls (sub-turns) one model reply may start; those past it "
+                                   "get a result saying so and never run.",
+    "tools.delegate.max_per_turn": "Most `delegate` calls one message may start over all its steps; those past "
+                                   "it get a result saying so and never run.",
     "tools.exec.enabled": "Offer the `exec` tool: shell commands in a bubblewrap sandbox that sees the scope's "
                           "workspace and the system read-only, nothing else (needs `bwrap`).",
     "tools.exec.network": "Let `exec` commands use the network (off: no network at all, not even loopback).",
@@ -235,8 +242,9 @@ MEANINGS: dict[str, str] = {
     "limits.max_inbound_chars": "Longest message accepted; a longer one is answered with the limit.",
     "limits.max_live_sessions": "Sessions kept in memory; idle ones past this are let go and restored from the "
                                 "database when they are written in again.",
-    "limits.tokens_per_user_per_day": "Tokens one person may use per day (admins are exempt); `null` is no "
-                                      "limit.",
+    "limits.tokens_per_user_per_day": "Tokens one person may use per day (admins are exempt), sub-turns "
+                                      "included; checked before every model call: a call whose request and a "
+                                      "minimal answer do not fit what is left is not made. `null` is no limit.",
     "limits.turns_per_user_per_day": "Messages one person may have answered per day (admins are exempt); "
                                      "`null` is no limit.",
     "limits.turn_timeout_s": "Seconds one turn may take before it is stopped and the person told.",

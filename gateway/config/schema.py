@@ -170,6 +170,9 @@ class AgentConfig(_Strict):
     tools: tuple[str, ...] | None = None  # tool names, `*` patterns allowed; else every tool
     skills: tuple[str, ...] | Literal["*"] = "*"
     models: tuple[str, ...] | None = None  # aliases its people may pick with /model; else every alias
+    # Agents it may hand work to with `delegate` (names, `*` patterns allowed); itself always.
+    # None: only itself (safe by default: a new agent reaches no other agent's prompt or skills).
+    delegates: tuple[str, ...] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> AgentConfig:
@@ -344,10 +347,19 @@ class ExecConfig(_Strict):
     memory_mb: int = Field(default=512, ge=64, le=65_536)  # address space of each process in the sandbox
 
 
+class DelegateConfig(_Strict):
+    """`delegate` (SPEC §5.8): how many sub-turns one message may start. Calls past a cap
+    get a tool result saying so and never run."""
+
+    max_per_step: int = Field(default=3, ge=1, le=20)  # of one model reply
+    max_per_turn: int = Field(default=10, ge=1, le=100)  # of one message, all steps together
+
+
 class ToolsConfig(_Strict):
     web_fetch: WebFetchConfig = WebFetchConfig()
     web_search: WebSearchConfig = WebSearchConfig()
     exec: ExecConfig = ExecConfig()
+    delegate: DelegateConfig = DelegateConfig()
 
 
 # An MCP server's name starts its tools' names (`<name>__<tool>`) and is a key path part:
@@ -661,6 +673,11 @@ class Config(_Strict):
             for key in ("fallbacks", "models"):
                 for i, alias in enumerate(getattr(agent, key) or ()):
                     alias_ok(f"agents.{name}.{key}.{i}", alias)
+            for i, other in enumerate(agent.delegates or ()):
+                if "*" not in other and "?" not in other and "[" not in other \
+                        and other != "default" and other not in self.agents:
+                    names = ", ".join(sorted(["default", *self.agents]))
+                    problems.append(f"agents.{name}.delegates.{i}: unknown agent {other!r} (agents: {names})")
         agents = sorted(["default", *self.agents])
         for i, binding in enumerate(self.bindings):
             if binding.agent != "default" and binding.agent not in self.agents:

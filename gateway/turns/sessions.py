@@ -328,10 +328,18 @@ class SessionManager:
             await self._send(job.inbound, CRASH_REPLY)
         finally:
             if isinstance(job, TurnJob):
+                self._settle_usage(live, counted=False)  # a turn that did not end in the store
                 _log_turn(live, started, outcome)
                 stop, live.stop = live.stop, None
                 if stop is not None:
                     stop.ended.set()
+
+    def _settle_usage(self, live: LiveSession, *, counted: bool) -> None:
+        """The turn's tokens join the person's day in process (`counted`: the store counted
+        the turn too); the next turn's checks see them."""
+        charge, live.charge = live.charge, None
+        if charge is not None and self.s.usage is not None:
+            self.s.usage.close_turn(self.s.cfg, charge, counted=counted)
 
     async def _command(self, live: LiveSession, job: CommandJob) -> None:
         inbound = job.inbound
@@ -405,6 +413,8 @@ class SessionManager:
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
                 return "asked_to_resend"
         stream = self._stream(inbound, resume_ref)
+        if self.s.usage is not None:
+            live.charge = self.s.usage.open_turn(inbound.identity)
         result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s, stream)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
         if stream is None:
@@ -416,10 +426,15 @@ class SessionManager:
             await self._send_named_files(live, inbound, result.text)
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
         # The turn counts against the person's daily usage in the same statement.
-        usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
+        # The turn's tokens as charged call by call (a sub-turn a /stop cut short included).
+        tokens = live.charge.tokens if live.charge is not None else live.turn_tokens
+        usage = (inbound.identity, today(cfg), tokens) if self.s.usage is not None else None
+        if live.charge is not None and usage is not None:
+            self.s.usage.ending(cfg, live.charge)
         try:
             await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
                                  usage=usage)
+            self._settle_usage(live, counted=usage is not None)
         except StoreError as err:
             if result.outcome != "storage_error":
                 raise
