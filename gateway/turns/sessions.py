@@ -66,8 +66,8 @@ StopOutcome = Literal["stopped", "idle", "pending", "unreached"]
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
 STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
                  "e.g. a full disk), so I could not answer. Please try again later.")
-UNREACHABLE_REPLY = ("I lost the connection to my database, so I could not answer. Your message may not "
-                     "be saved; please send it again in a moment.")
+UNREACHABLE_REPLY = ("I could not reach my database just now, so I could not answer. Please send your "
+                     "message again in a moment.")
 TIMEOUT_REPLY = "Answering took too long and was stopped. Your message is saved; please try again."
 RESEND_REPLY = "I restarted before I could answer your last message; please send it again."
 
