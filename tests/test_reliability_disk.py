@@ -359,9 +359,11 @@ class Breakage:
     def __init__(self, gw: Gateway, backend: str, failure: str, url: str | None, proxy: TcpProxy | None) -> None:
         self.gw, self.backend, self.failure, self.url, self.proxy = gw, backend, failure, url, proxy
         self._locker: sqlite3.Connection | None = None
+        self.done = False  # once: a turn resumed on PostgreSQL calls the model again
 
     async def __call__(self) -> None:
         assert self.gw.services is not None
+        self.done = True
         if self.backend == "sqlite" and self.failure == "full":
             await fill_disk(self.gw)
         elif self.backend == "sqlite":
@@ -427,7 +429,7 @@ async def test_the_database_failing_mid_turn_gets_a_clear_reply_on_both_backends
     breakage = Breakage(gw, store_backend, failure, store_url, pg_proxy)
 
     async def respond(body: dict[str, Any]) -> Any:
-        if body["messages"][-1]["content"] == "during":
+        if body["messages"][-1]["content"] == "during" and not breakage.done:
             await breakage()  # after the message was stored, before the answer is
             return Reply(text=BIG_TEXT)
         return None
@@ -435,7 +437,10 @@ async def test_the_database_failing_mid_turn_gets_a_clear_reply_on_both_backends
     fake_model.respond_with(respond)
     reply = await chat(gw, "rae", "during")
     assert reply == (STORAGE_REPLY if failure == "full" else UNREACHABLE_REPLY)
+    if failure == "unreachable":  # a message that cannot even be recorded is told so too
+        assert await chat(gw, "rae", "while it is down") == UNREACHABLE_REPLY
     await breakage.mend()
+    # (On PostgreSQL the turn left open is resumed first, as after any failure.)
     assert await chat(gw, "rae", "after") == "echo: after"
     outcomes = [r.outcome for r in caplog.records if r.getMessage() == "turn ended"]  # type: ignore[attr-defined]
     assert "storage_error" in outcomes and "crash" not in outcomes, outcomes
