@@ -138,6 +138,8 @@ def test_a_shared_session_is_never_bound_by_who_writes_first() -> None:
     ({"agents": {"Coder!": {}}}, "agents.Coder!: an agent's name is"),
     ({"agents": {"coder": {"system_prompt": "a", "system_prompt_file": "b"}}}, "agents.coder: give system_prompt or"),
     ({"models": {"a": {"fallbacks": ["b"]}}}, "models.a.fallbacks: unknown key"),
+    ({"agents": {"coder": {"delegates": ["resarcher"]}, "researcher": {}}},
+     "agents.coder.delegates.0: unknown agent 'resarcher'"),
 ])
 def test_a_binding_or_alias_that_points_nowhere_is_a_problem_with_its_key(config: dict[str, Any],
                                                                            problem: str) -> None:

@@ -635,7 +635,7 @@ class Agent:
         except asyncio.CancelledError:
             if sub.step_tokens_in:  # a call cut short (a /stop): what was sent counts too
                 self._charge(sub, cfg, sub.step_tokens_in)
-                parent.turn_tokens += sub.step_tokens_in
+            parent.turn_tokens += sub.turn_tokens
             raise
         parent.turn_tokens += sub.turn_tokens
         parent.turn_tokens_in += sub.turn_tokens_in
