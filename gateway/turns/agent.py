@@ -178,14 +178,17 @@ class Agent:
         self._parents[name] = (cfg, view)
         return view
 
-    def _reply_tokens(self, reply: ModelReply, prepared: Prepared) -> int:
+    def _reply_tokens(self, cfg: Config, reply: ModelReply, prepared: Prepared) -> int:
         """What a call cost: the provider's count, else (a provider that reports no usage)
-        the engine's count of the request and of the answer, so no budget is free."""
+        the engine's count of the request, and of the answer where a daily token budget
+        applies (counting it costs a tokenizer pass per step), so no budget is free."""
         prompt = reply.prompt_tokens if reply.prompt_tokens is not None else prepared.tokens
         completion = reply.completion_tokens
         if completion is None:
-            written = (reply.content or "") + "".join(c.name + (c.arguments or "") for c in reply.tool_calls)
-            completion = self.s.counter.count_text(written) if written else 0
+            completion = 0
+            if cfg.limits.tokens_per_user_per_day is not None:
+                written = (reply.content or "") + "".join(c.name + (c.arguments or "") for c in reply.tool_calls)
+                completion = self.s.counter.count_text(written) if written else 0
         return prompt + completion
 
     def tool_schemas(self, view: AgentView, *, nested: bool = False,
@@ -462,7 +465,7 @@ class Agent:
                     return TurnResult(outcome.user_message(), "model_error")
                 reply, prepared = outcome
             live.step_tokens_in = 0
-            self._charge(live, cfg, self._reply_tokens(reply, prepared))
+            self._charge(live, cfg, self._reply_tokens(cfg, reply, prepared))
             live.turn_tokens_in += reply.prompt_tokens or 0
             live.turn_tokens_out += reply.completion_tokens or 0
             if reply.prompt_tokens:
