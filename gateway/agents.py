@@ -67,6 +67,8 @@ class AgentView:
     model_alias: str | None  # None: `model`
     fallbacks: tuple[str, ...]
     choosable: tuple[str, ...]  # aliases its people may pick with /model
+    # The agents it may hand work to with `delegate` (itself among them), by name.
+    delegates_to: tuple[str, ...] = ()
 
     def tool_allowed(self, tool: str) -> bool:
         patterns = self.settings.tools
@@ -78,12 +80,24 @@ class AgentView:
         return None if skills == "*" else tuple(skills)
 
 
+def delegate_targets(cfg: Config, name: str, settings: AgentConfig) -> tuple[str, ...]:
+    """The agents `name` may hand work to (SPEC §5.12): itself always; the others its
+    `delegates` names (`*` patterns allowed). Unset: none but itself — except the top-level
+    agent `default`, which has every tool and no `delegates` key, and may reach them all
+    (a sub-turn never has a tool its parent lacks, so no agent gains one by delegating)."""
+    everyone = (DEFAULT, *sorted(a for a in cfg.agents if a != DEFAULT))
+    patterns = settings.delegates
+    if patterns is None:
+        return everyone if name == DEFAULT and name not in cfg.agents else (name,)
+    return tuple(a for a in everyone if a == name or any(fnmatch.fnmatchcase(a, p) for p in patterns))
+
+
 def agent_view(cfg: Config, name: str) -> AgentView:
     settings = cfg.agent(name) if name in cfg.agents else AgentConfig()
     fallbacks = settings.fallbacks if settings.fallbacks is not None else cfg.model.fallbacks
     choosable = settings.models if settings.models is not None else tuple(sorted(cfg.models))
     return AgentView(name=name, settings=settings, model_alias=settings.model, fallbacks=tuple(fallbacks),
-                     choosable=tuple(choosable))
+                     choosable=tuple(choosable), delegates_to=delegate_targets(cfg, name, settings))
 
 
 def model_chain(cfg: Config, view: AgentView, chosen: str | None) -> list[tuple[str | None, ModelConfig]]:

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
-import asyncpg
-
 from channels.base import ApprovalCard, ApprovalChannel, ChannelHooks
 from context.engine import context_stats
 from context.tokens import TokenCounter
@@ -46,7 +44,7 @@ from gateway.ops.metrics import Metrics
 from gateway.services import Services
 from gateway.skills.watcher import SkillWatcher
 from gateway.store.backends import open_store
-from gateway.store.rows import StoreError
+from gateway.store.errors import StoreError
 from gateway.tools.exec import ExecTools
 from gateway.tools.mcp import McpManager
 from gateway.tools.registry import ToolRegistry
@@ -217,7 +215,7 @@ class Gateway:
                 self._model_cfgs = self._model_settings(cfg)
             leases = open_leases(store)
             await leases.start()
-        except (ValueError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (ValueError, OSError, TimeoutError, StoreError) as err:
             await store.close()
             raise StartupError(f"cannot join the other gateways on the database: {err}") from None
         try:

@@ -35,7 +35,7 @@ from gateway import beneath
 from gateway.access import is_admin
 from gateway.beneath import PathNotAllowed
 from gateway.config.schema import Config
-from gateway.keys import session_key
+from gateway.keys import delegating_session, session_key
 from gateway.store.api import StoreBackend
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 
@@ -339,11 +339,12 @@ class Approvals:
         raise RuntimeError("no free approval id")
 
     def may_answer(self, cfg: Config, session: str, who: Inbound) -> bool:
-        """Admins always; with `participants`, anyone whose messages go into the session."""
+        """Admins always; with `participants`, anyone whose messages go into the session
+        (for a sub-turn's call: the session that delegated it, SPEC §5.7)."""
         if is_admin(cfg, who.identity):
             return True
         return cfg.approvals.approvers == "participants" and \
-            session_key(who, cfg.group_session_scope) == session
+            session_key(who, cfg.group_session_scope) == delegating_session(session)
 
     async def decide(self, approval_id: str, who: Inbound, allow: bool) -> str:
         """A person's answer (a button, /allow, /deny): a short notice for them."""

@@ -47,6 +47,7 @@ from gateway.config.schema import Config, HookConfig
 from gateway.http.server import JSON_IN_THREAD_BYTES, JsonBodyError, parse_json_body
 from gateway.keys import SessionPlace, parse_reply_place, parse_session_key
 from gateway.services import Services
+from gateway.store.errors import StoreError
 from gateway.turns.router import clean_text
 from gateway.turns.sessions import SessionManager, TurnJob
 from gateway.types import HOOK_ORIGIN_PREFIX, Inbound, inbound_to_dict
@@ -220,6 +221,10 @@ class Hooks:
                 return await self._queue(cfg, name, hook, text, delivery, now)
         except TimeoutError:
             raise HookRefused(503, "busy", "the turn could not be queued in time; try again") from None
+        except StoreError as err:
+            # Not recorded, so not run: a 5xx makes the sender deliver it again later.
+            log.error("hook request not stored", extra={"hook": name, "error": str(err)[:300]})
+            raise HookRefused(503, "storage", "the gateway cannot store the request now; try again later") from None
 
     async def _queue(self, cfg: Config, name: str, hook: HookConfig, text: str, delivery: str,
                      now: float) -> Accepted:

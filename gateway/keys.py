@@ -32,6 +32,21 @@ KEY_WORDS: dict[str, KeyWords] = {
 }
 LOCAL = ("web", "terminal")  # one session per chat id, never a group
 
+# A sub-turn's messages are stored under `<session key>#sub:<turn>:<tag>` (SPEC §5.8); no
+# session key holds a "#" otherwise (platform ids, web names: channels/web SESSION_NAME).
+_SUB_TURN = re.compile(r"(?P<parent>[^#]+)#sub:\d+:[0-9a-f]+")
+
+
+def sub_turn_key(parent: str, turn: int, tag: str) -> str:
+    """Where a sub-turn that the turn `turn` of session `parent` delegated is stored."""
+    return f"{parent}#sub:{turn}:{tag}"
+
+
+def delegating_session(key: str) -> str:
+    """The session whose turn a sub-turn's key belongs to; `key` itself for a session's own."""
+    found = _SUB_TURN.fullmatch(key)
+    return found.group("parent") if found else key
+
 
 def session_key(inbound: Inbound, group_scope: GroupScope = "user") -> str:
     """`channel:scope` text; keys never collide across channels."""

@@ -13,6 +13,7 @@ import pytest
 from channels.terminal.channel import TerminalChannel
 from gateway.agents import agent_scope, bound_agent
 from gateway.app import Gateway
+from gateway.config.checks import config_warnings
 from gateway.config.load import ConfigError, parse_config
 from gateway.types import Inbound
 from tests.conftest import GatewayFactory, chat, write_config
@@ -137,6 +138,8 @@ def test_a_shared_session_is_never_bound_by_who_writes_first() -> None:
     ({"agents": {"Coder!": {}}}, "agents.Coder!: an agent's name is"),
     ({"agents": {"coder": {"system_prompt": "a", "system_prompt_file": "b"}}}, "agents.coder: give system_prompt or"),
     ({"models": {"a": {"fallbacks": ["b"]}}}, "models.a.fallbacks: unknown key"),
+    ({"agents": {"coder": {"delegates": ["resarcher"]}, "researcher": {}}},
+     "agents.coder.delegates.0: unknown agent 'resarcher'"),
 ])
 def test_a_binding_or_alias_that_points_nowhere_is_a_problem_with_its_key(config: dict[str, Any],
                                                                            problem: str) -> None:
@@ -241,6 +244,48 @@ async def test_a_failing_model_hands_the_step_to_its_fallback(make_gateway: Gate
     assert f'gateway_model_fallbacks_total{{from="{fake_model.model_name}",to="backup-model"}} 1.0' in metrics
     live = gw.sessions.live["web:alice"]
     assert live.last_model == "backup-model"  # what /context and the turn's log line report
+
+
+async def test_a_fallback_on_another_server_never_gets_the_main_key(make_gateway: GatewayFactory,
+                                                                    fake_model: FakeModel) -> None:
+    """SPEC §2: an alias naming its own `base_url` inherits no `api_key`: on a fallback the
+    conversation goes where the operator said, the main provider's key does not."""
+    async with FakeModel(model_name="other-model") as other, FakeModel(model_name="keyed-model") as keyed:
+        main = fake_model.model_settings(max_retries=0, api_key="sk-main-provider-secret")
+        gw = await make_gateway(model={**main, "fallbacks": ["local", "keyed"]},
+                                models={"local": {"name": "other-model", "base_url": other.base_url},
+                                        "keyed": {"name": "keyed-model", "base_url": keyed.base_url,
+                                                  "api_key": "sk-keyed-own"}})
+        fake_model.respond_with(lambda body: ErrorReply(500, {"error": {"message": "boom", "type": "server_error"}}))
+        other.respond_with(lambda body: Reply(text="the local server answered"))
+        assert await chat(gw, "ivy", "hi") == "the local server answered"
+        assert [h.get("Authorization") for h in fake_model.request_headers] == ["Bearer sk-main-provider-secret"]
+        assert len(other.requests) == 1
+        assert all("Authorization" not in h for h in other.request_headers), other.request_headers
+        assert not any("sk-main-provider-secret" in value for h in other.request_headers for value in h.values())
+
+        other.respond_with(lambda body: ErrorReply(503, {"error": {"message": "down", "type": "server_error"}}))
+        keyed.respond_with(lambda body: Reply(text="the keyed server answered"))
+        assert await chat(gw, "ivy", "again") == "the keyed server answered"
+        assert [h.get("Authorization") for h in keyed.request_headers] == ["Bearer sk-keyed-own"]
+        assert gw.services is not None
+        # An alias on the main server (no base_url of its own) still shares the main key.
+        cfg = gw.services.cfg
+        assert cfg.model_for("keyed").key_value() == "sk-keyed-own"
+        assert cfg.model_for("local").key_value() is None and cfg.model_for("local").keyless
+
+
+def test_check_config_says_an_alias_on_its_own_server_gets_no_key() -> None:
+    cfg = parse_config({"model": {"api_key": "sk-main", "base_url": "https://api.example.com/v1"},
+                        "models": {"local": {"base_url": "http://127.0.0.1:11434/v1"},
+                                   "same": {"base_url": "https://api.example.com/v1/", "name": "m2"},
+                                   "mini": {"name": "gpt-4o-mini"}}})
+    said = [w for w in config_warnings(cfg) if w.startswith("models.")]
+    assert len(said) == 1 and said[0].startswith("models.local.api_key:") and "without an API key" in said[0]
+    assert cfg.model_for("same").key_value() == "sk-main" and cfg.model_for("mini").key_value() == "sk-main"
+    stt = parse_config({"model": {"api_key": "sk-main"}, "transcription": {"base_url": "http://127.0.0.1:9000/v1"}})
+    assert stt.transcription_endpoint()[1] is None
+    assert any(w.startswith("transcription.api_key: not set") for w in config_warnings(stt))
 
 
 async def test_a_request_the_provider_refuses_is_never_handed_on(make_gateway: GatewayFactory,

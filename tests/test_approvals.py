@@ -114,6 +114,36 @@ async def test_participants_answer_in_their_own_session(make_gateway: GatewayFac
     assert await asyncio.wait_for(asking, 10) == "done"
 
 
+async def test_participants_of_the_delegating_session_answer_a_sub_turns_card(
+        make_gateway: GatewayFactory, fake_model: FakeModel) -> None:
+    """SPEC §5.7: a sub-turn's card (its session is `web:dora#sub:…`) is answered by the
+    participants of the session that delegated, and by nobody else but an admin."""
+    gw = await make_gateway(approvals={**ASK, "approvers": "participants"})
+    fake_model.tool_call("delegate", {"task": "look at the clock"})
+    fake_model.tool_call("current_time", {})  # the sub-turn's call: it asks
+    fake_model.reply("the sub-turn saw the time")
+    fake_model.reply("done")
+    async with web_client(gw) as http:
+        async with http.post(_base(gw) + "/api/chat",
+                             json={"session": "dora", "text": "time?", "stream": True}) as resp:
+            events = Events(resp)
+            event, card = await events.next(timeout=10)
+            while event != "approval":
+                event, card = await events.next(timeout=10)
+            assert gw.services is not None
+            rows = await gw.services.store.run("SELECT session_key FROM approvals WHERE id=?", (card["id"],))
+            assert rows[0]["session_key"].startswith("web:dora#sub:")
+            _, body = await answer(gw, card["id"], "mallory", "allow")
+            assert body["notice"].startswith("Only someone in that")
+            _, body = await answer(gw, card["id"], "dora", "allow")
+            assert body["notice"] == "Allowed."
+            rest = await events.rest()
+    assert rest[-1] == ("done", {"reply": "done"})
+    sub = [r for r in fake_model.requests if r["messages"][-1]["role"] == "tool"
+           and r["messages"][1]["content"] == "look at the clock"]
+    assert sub and not tool_result(sub[-1]).startswith("error:")  # the call ran, allowed by the delegator
+
+
 async def test_a_restart_while_waiting_is_a_deny_and_the_card_says_so(
         make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram) -> None:
     section = {"telegram": {"enabled": True, "token": fake_telegram.token, "base_url": fake_telegram.base_url,

@@ -153,3 +153,22 @@ def test_the_check_catches_an_upward_import_and_a_cycle() -> None:
         "gateway.model.client:2 imports gateway.store.sqlite",  # same line of the table
         "gateway.store.api:3 imports gateway.turns.live",  # a type-only import counts too
     ]
+
+
+DATABASE_DRIVERS = ("sqlite3", "aiosqlite", "asyncpg")
+
+
+def driver_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of a database driver outside gateway/store/: the store raises the StoreError
+    family (gateway/store/errors.py), so nobody else needs a driver's exceptions."""
+    return sorted(f"{module}:{line} imports {name}" for module, source in sources.items()
+                  if not (module == "gateway.store" or module.startswith("gateway.store."))
+                  for line, name in imported_modules(ast.parse(source))
+                  if name.split(".")[0] in DATABASE_DRIVERS)
+
+
+def test_only_the_store_imports_a_database_driver() -> None:
+    assert driver_imports(project_sources()) == []
+    assert driver_imports({"gateway.turns.router": "import sqlite3\n", "gateway.store.sqlite": "import aiosqlite\n",
+                           "gateway.cluster.leases": "def f():\n    from asyncpg import PostgresError\n"}) == [
+        "gateway.cluster.leases:2 imports asyncpg.PostgresError", "gateway.turns.router:1 imports sqlite3"]

@@ -344,6 +344,11 @@ def test_media_settings_and_the_transcription_key() -> None:
                                                            "api_key": "${STT_KEY_FOR_TEST}"}},
                        environ={"STT_KEY_FOR_TEST": "sk-stt"})
     assert own.transcription_endpoint() == ("https://stt.example/v1", "sk-stt")
+    # A server of its own never gets the model's key (SPEC §2: a credential stays with its host).
+    elsewhere = parse_config({"model": model, "transcription": {"base_url": "https://stt.example/v1"}}, environ={})
+    assert elsewhere.transcription_endpoint() == ("https://stt.example/v1", None)
+    same = parse_config({"model": model, "transcription": {"base_url": "https://llm.example/v1/"}}, environ={})
+    assert same.transcription_endpoint() == ("https://llm.example/v1/", "sk-model")
     assert "sk-stt" in secret_values(own)  # redacted from logs like the other secrets
     assert is_secret_key("transcription.api_key") and is_credential_destination("transcription.base_url")
     assert is_secret_key("channels.discord.token") and is_credential_destination("channels.discord.api_base")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 from PIL import Image
 
 from context.outside import unfence
@@ -179,8 +181,10 @@ async def test_a_telegram_voice_note_is_transcribed(
 
 
 async def test_a_voice_note_that_cannot_be_transcribed_gets_a_clear_reply(
-    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram
+    make_gateway: GatewayFactory, fake_model: FakeModel, fake_telegram: FakeTelegram,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.sessions")
     await make_gateway(access={"dm_policy": "open"}, channels=telegram(fake_telegram),
                        transcription={"timeout_s": 0.5})
     for n in (1, 2):
@@ -200,6 +204,9 @@ async def test_a_voice_note_that_cannot_be_transcribed_gets_a_clear_reply(
     # With a caption there is still something to answer: the turn runs on the text.
     assert fake_telegram.shown(5)[2].startswith("echo: listen\n[voice message, not transcribed: ")
     assert len(fake_model.requests) == 1  # the first voice note alone never reached the model
+    # The turn line says what became of it (the second turn ran after the first was logged).
+    outcomes = [r.outcome for r in caplog.records if r.getMessage() == "turn ended"]  # type: ignore[attr-defined]
+    assert outcomes[0] == "nothing_to_answer", outcomes
 
 
 async def test_a_telegram_pdf_is_named_and_read_with_read_file(

@@ -528,6 +528,7 @@ async def p_transcription_base_url(r: Rig) -> None:
     await send_voice(r)
     port = r.model.base_url.rsplit(":", 1)[1].split("/")[0]
     assert r.model.transcriptions[-1]["headers"]["Host"] == f"localhost:{port}"
+    assert r.model.transcriptions[-1]["headers"]["Authorization"] == "Bearer base-stt-key"
 
 
 async def p_transcription_key(r: Rig) -> None:
@@ -626,6 +627,25 @@ async def p_exec_disk(r: Rig) -> None:
     result = await r.tool_result("exec", "exec", {"command": "grep 'Max file size' /proc/self/limits"})
     found = re.search(r"Max file size\s+(\d+)", result)
     assert found and 0 < int(found.group(1)) <= 2 << 20, result  # what is left of the 2 MB
+
+
+async def p_delegate_per_step(r: Rig) -> None:
+    r.model.tool_calls([("delegate", {"task": "one"}), ("delegate", {"task": "two"})])
+    r.model.reply("sub done")
+    r.model.reply("used it")
+    await r.say("delegates", "go")
+    results = [unfence(str(m["content"])) for m in r.model.requests[-1]["messages"] if m["role"] == "tool"]
+    assert results[-2] == "sub done" and results[-1].startswith("error: not run: at most 1 delegate calls"), results
+
+
+async def p_delegate_per_turn(r: Rig) -> None:
+    r.model.tool_call("delegate", {"task": "one"})
+    r.model.reply("sub done")
+    r.model.tool_call("delegate", {"task": "two"})
+    r.model.reply("used it")
+    await r.say("delegates_turn", "go")
+    results = [unfence(str(m["content"])) for m in r.model.requests[-1]["messages"] if m["role"] == "tool"]
+    assert results[-2] == "sub done" and results[-1].startswith("error: not run: this message has run 1"), results
 
 
 # Restart-only keys: the running gateway keeps the value it started with.
@@ -865,6 +885,8 @@ ROWS = [
     Row("tools.exec.timeout_s", 0.5, "live", p_exec_timeout),
     Row("tools.exec.memory_mb", 64, "live", p_exec_memory),
     Row("tools.exec.disk_mb", 2, "live", p_exec_disk),
+    Row("tools.delegate.max_per_step", 1, "live", p_delegate_per_step),
+    Row("tools.delegate.max_per_turn", 1, "live", p_delegate_per_turn),
 ]
 
 
@@ -920,7 +942,7 @@ async def _setup(r: Rig) -> None:
     assert r.model.image_parts() == []  # fake-model: no vision from the table
     assert (await send_voice(r)).startswith("echo: [voice message, 0:01] this is what the fake heard")
     upload = r.model.transcriptions[-1]
-    assert (upload["model"], upload["headers"]["Authorization"]) == ("whisper-1", "Bearer test-key")
+    assert (upload["model"], upload["headers"]["Authorization"]) == ("whisper-1", "Bearer base-stt-key")
     assert "larger than" not in await send_file(r, "document", b"z" * 5000, extra={"file_name": "five.bin"})
     kept = r.aged_tool_result("base.txt", days=3)
     await r.old_session("telegram:dm:kept", days=10)
@@ -976,6 +998,8 @@ async def test_every_key_applies_as_documented(fake_discord: FakeDiscord, make_g
         approvals={"tools": {}},  # the exec rows run commands; asking is approvals.tools.exec's row
         agents={"helper": {"system_prompt": "Base helper prompt."}},
         bindings=[{"match": {"channel": "web", "chat": "bound"}, "agent": "helper"}],
+        # Its own key: moved to another server (the base_url row), it never takes the model's.
+        transcription={"api_key": "base-stt-key"},
         tools={"web_fetch": {"allow_private_networks": True},
                "web_search": {"provider": "brave", "base_url": fake_search.base_url,
                               "api_key": fake_search.brave_token},

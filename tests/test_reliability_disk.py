@@ -20,26 +20,31 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import sqlite3
 import stat
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import aiosqlite
+import asyncpg
 import pytest
+import pytest_asyncio
 
 from bench._procs import PYTHON, ROOT, child_env
 from gateway.app import Gateway
 from gateway.store.sqlite import Store, StoreError
+from gateway.turns.sessions import STORAGE_REPLY, UNREACHABLE_REPLY
 from tests.conftest import GatewayFactory, chat, web_client
 from tests.fakes import telegram_server
-from tests.fakes.openai_server import FakeModel
+from tests.fakes.openai_server import FakeModel, Reply
+from tests.fakes.tcp_proxy import TcpProxy
 from tests.fakes.telegram_server import FakeTelegram
 from tests.test_reliability_faults import session_problems
 
@@ -337,3 +342,109 @@ async def test_an_existing_world_readable_data_dir_is_made_private(
         path.chmod(mode)
     await make_gateway()
     assert (_mode(data), _mode(data / "scopes"), _mode(data / "gateway.sqlite3")) == (0o700, 0o700, 0o600)
+
+
+# ---------------------------------------------------------------------------- the database failing mid-turn
+
+
+class Breakage:
+    """The store failing under a running turn, on either backend, the way it fails for real:
+    - full: SQLite out of pages (SQLITE_FULL, as fill_disk); PostgreSQL's disk_full (53100),
+      raised by the server itself for the turn's next write (a trigger: a full tablespace
+      needs a filesystem the tests cannot mount);
+    - unreachable: SQLite locked by another process past the store's wait (SQLITE_BUSY);
+      PostgreSQL's connections cut at the network (tests/fakes/tcp_proxy.py), new ones
+      refused until mended."""
+
+    def __init__(self, gw: Gateway, backend: str, failure: str, url: str | None, proxy: TcpProxy | None) -> None:
+        self.gw, self.backend, self.failure, self.url, self.proxy = gw, backend, failure, url, proxy
+        self._locker: sqlite3.Connection | None = None
+        self.done = False  # once: a turn resumed on PostgreSQL calls the model again
+
+    async def __call__(self) -> None:
+        assert self.gw.services is not None
+        self.done = True
+        if self.backend == "sqlite" and self.failure == "full":
+            await fill_disk(self.gw)
+        elif self.backend == "sqlite":
+            await self.gw.services.store.connection.execute("PRAGMA busy_timeout=0")
+            self._locker = sqlite3.connect(self.gw.services.store.path, isolation_level=None)
+            self._locker.execute("BEGIN EXCLUSIVE")
+        elif self.failure == "full":
+            await self._pg("CREATE FUNCTION no_room() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                           "RAISE EXCEPTION 'could not extend file: No space left on device' "
+                           "USING ERRCODE = 'disk_full'; END $$; "
+                           "CREATE TRIGGER no_room BEFORE INSERT ON messages FOR EACH ROW "
+                           "WHEN (NEW.role = 'assistant') EXECUTE FUNCTION no_room()")
+        else:
+            assert self.proxy is not None
+            self.proxy.cut()
+
+    async def mend(self) -> None:
+        assert self.gw.services is not None
+        if self.backend == "sqlite" and self.failure == "full":
+            await free_disk(self.gw)
+        elif self.backend == "sqlite":
+            assert self._locker is not None
+            self._locker.execute("ROLLBACK")
+            self._locker.close()
+            await self.gw.services.store.connection.execute("PRAGMA busy_timeout=5000")
+        elif self.failure == "full":
+            await self._pg("DROP TRIGGER no_room ON messages; DROP FUNCTION no_room()")
+        else:
+            assert self.proxy is not None
+            self.proxy.restore()
+
+    async def _pg(self, sql: str) -> None:
+        assert self.url is not None
+        conn = await asyncpg.connect(self.url, timeout=10)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close(timeout=5)
+
+
+@pytest_asyncio.fixture
+async def pg_proxy(store_url: str | None) -> AsyncIterator[TcpProxy | None]:
+    """A cuttable link to the test's PostgreSQL database (None on SQLite). Requested before
+    make_gateway, it closes after the gateway has stopped."""
+    if store_url is None:
+        yield None
+        return
+    async with TcpProxy.for_url(store_url) as proxy:
+        yield proxy
+
+
+@pytest.mark.parametrize("failure", ["full", "unreachable"])
+async def test_the_database_failing_mid_turn_gets_a_clear_reply_on_both_backends(
+        pg_proxy: TcpProxy | None, make_gateway: GatewayFactory, fake_model: FakeModel, store_backend: str,
+        store_url: str | None, failure: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: storage errors were caught as sqlite3.Error only: on PostgreSQL a full disk
+    or a lost connection crashed the turn. Both backends raise StoreError now, and the
+    person is told what happened; the gateway goes on serving once the database is back."""
+    caplog.set_level(logging.INFO, logger="gateway.sessions")
+    url = pg_proxy.url(store_url) if pg_proxy is not None and store_url is not None else None
+    gw = await (make_gateway(store={"url": url}) if url else make_gateway())
+    assert await chat(gw, "rae", "before") == "echo: before"
+    breakage = Breakage(gw, store_backend, failure, store_url, pg_proxy)
+
+    async def respond(body: dict[str, Any]) -> Any:
+        if body["messages"][-1]["content"] == "during" and not breakage.done:
+            await breakage()  # after the message was stored, before the answer is
+            return Reply(text=BIG_TEXT)
+        return None
+
+    fake_model.respond_with(respond)
+    reply = await chat(gw, "rae", "during")
+    assert reply == (STORAGE_REPLY if failure == "full" else UNREACHABLE_REPLY)
+    if failure == "unreachable":  # a message that cannot even be recorded is told so too
+        assert await chat(gw, "rae", "while it is down") == UNREACHABLE_REPLY
+    await breakage.mend()
+    # (On PostgreSQL the turn left open is resumed first, as after any failure.)
+    assert await chat(gw, "rae", "after") == "echo: after"
+    outcomes = [r.outcome for r in caplog.records if r.getMessage() == "turn ended"]  # type: ignore[attr-defined]
+    assert "storage_error" in outcomes and "crash" not in outcomes, outcomes
+    ours = [r for r in caplog.records if r.exc_info and r.name.startswith(("gateway", "channels"))]
+    assert not ours, "a storage failure is no crash: no traceback"
+    if pg_proxy is not None and failure == "unreachable":
+        assert pg_proxy.refused > 0  # the store did try again while the database was away

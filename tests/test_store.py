@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from gateway.config.schema import Config
+from gateway.store.errors import StoreConflict, StoreFull
 from gateway.store.sqlite import Store
 from gateway.turns.usage import Usage, today
 from gateway.types import Message
@@ -98,7 +99,8 @@ async def test_one_bad_row_fails_alone_and_its_neighbours_are_stored(make_store:
     await store.close()
 
     assert all(isinstance(r, Message) for r in results[:5])
-    assert isinstance(results[5], (sqlite3.IntegrityError, asyncpg.NotNullViolationError))
+    assert isinstance(results[5], StoreConflict)  # the driver's own error, named alike on both backends
+    assert isinstance(results[5].__cause__, (sqlite3.IntegrityError, asyncpg.NotNullViolationError))
     assert counted == 5
 
 
@@ -195,13 +197,13 @@ async def test_a_failed_write_counts_until_a_write_succeeds(store: Store) -> Non
     """/readyz reads `write_problem`: storage failures count, constraint errors do not."""
     await store.run("CREATE TABLE probe(x UNIQUE)")
     await store.run("INSERT INTO probe VALUES (1)")
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(StoreConflict):
         await store.run("INSERT INTO probe VALUES (1)")
     assert await store.write_problem() is None
 
     pages = (await store.run("PRAGMA page_count"))[0][0]
     await store.run(f"PRAGMA max_page_count={pages}")  # a full disk, as in test_reliability_disk
-    with pytest.raises(sqlite3.OperationalError, match="full"):
+    with pytest.raises(StoreFull, match="full"):
         await store.run("INSERT INTO probe VALUES (zeroblob(1000000))")
     assert await store.run("SELECT count(*) FROM probe")  # a read succeeds and changes nothing
     problem = await store.write_problem()

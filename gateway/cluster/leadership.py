@@ -8,9 +8,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import asyncpg
-
 from gateway.cluster.leases import LEASE_TTL_S, RENEW_TIMEOUT_S, Leases
+from gateway.store.errors import StoreError
 
 log = logging.getLogger("gateway.cluster")
 
@@ -63,7 +62,7 @@ class Leadership:
     async def _try(self) -> None:
         try:
             token = await self.leases.acquire(self.name)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (TimeoutError, StoreError) as err:
             log.warning("could not ask for the lead", extra={"lease": self.name, "error": str(err)[:200]})
             return
         if token is None:

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Protocol
 
-import asyncpg
+from gateway.store.errors import StoreError
 
 log = logging.getLogger("gateway.cluster")
 
@@ -141,7 +141,7 @@ class ClusterLeases:
         try:
             async with asyncio.timeout(RENEW_TIMEOUT_S):
                 await self.store.lease_release_all(self.instance)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (TimeoutError, StoreError) as err:
             log.warning("leases not released; they expire on their own", extra={"error": str(err)[:200]})
         for name in list(self._held):
             self._drop(name)
@@ -180,7 +180,7 @@ class ClusterLeases:
         try:
             async with asyncio.timeout(RENEW_TIMEOUT_S):
                 await self.store.lease_release(name, token)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (TimeoutError, StoreError) as err:
             log.warning("lease not released; it expires on its own", extra={"lease": name, "error": str(err)[:200]})
 
     def lost(self, name: str) -> asyncio.Event:
@@ -228,7 +228,7 @@ class ClusterLeases:
             try:
                 async with asyncio.timeout(RENEW_TIMEOUT_S):
                     kept = await self.store.lease_renew(self.instance, self.ttl_s)
-            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+            except (TimeoutError, StoreError) as err:
                 # Unconfirmed renewals: past the time to live another gateway may hold them.
                 if time.monotonic() - self._renewed_at >= self.ttl_s - interval:
                     log.warning("leases lost: the database did not confirm a renewal in time",
@@ -250,7 +250,7 @@ class ClusterLeases:
         try:
             async with asyncio.timeout(RENEW_TIMEOUT_S):
                 token = await self.store.lease_acquire(self.alive_name, self.instance, self.ttl_s)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except (TimeoutError, StoreError):
             return
         if token is not None:
             self._held[self.alive_name] = token

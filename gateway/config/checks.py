@@ -169,13 +169,25 @@ def startup_problems(cfg: Config, *, channels: bool = True, http: bool = True) -
 
 
 def config_warnings(cfg: Config) -> list[str]:
-    """Worth saying, not worth refusing: the first run works without a model key; a hook
-    may answer in a channel that is off (its turns run, their replies are not delivered)."""
+    """Worth saying, not worth refusing: the first run works without a model key; an alias
+    on a server of its own gets no key it was not given; a hook may answer in a channel
+    that is off (its turns run, their replies are not delivered)."""
     warnings = [f"{path}: the environment variable {var} is not set; every chat answers with what to set "
                 "until it is" for path, var in cfg.unset_env if path == "model.api_key"]
     if not warnings and cfg.model.key_value() is None:  # said once, whichever way the key is missing
         warnings.append("model.api_key: not set; every chat answers with what to set until it is (a local "
                         "model's server takes any placeholder key)")
+    for alias in sorted(cfg.models):
+        if cfg.model_for(alias).keyless:
+            warnings.append(f"models.{alias}.api_key: not set, and models.{alias}.base_url names a server other "
+                            "than model.base_url: its requests go without an API key (model.api_key is never "
+                            f"sent to another server); set models.{alias}.api_key if that server needs one")
+    t = cfg.transcription
+    if t.enabled and t.api_key is None and t.base_url is not None and cfg.transcription_endpoint()[1] is None \
+            and cfg.model.key_value() is not None:
+        warnings.append("transcription.api_key: not set, and transcription.base_url names a server other than "
+                        "model.base_url: voice notes are not transcribed until it is set (model.api_key is never "
+                        "sent to another server; a local server takes any placeholder key)")
     for name, hook in cfg.hooks.items():
         channel = hook.deliver_to.partition(":")[0]
         section = getattr(cfg.channels, channel, None)

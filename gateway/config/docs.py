@@ -107,8 +107,10 @@ MEANINGS: dict[str, str] = {
               "`model`, and a field left out is taken from `model`.",
     "models.<name>.name": "The model id sent to the provider; `null`: `model.name`.",
     "models.<name>.base_url": "Its OpenAI-compatible endpoint; `null`: `model.base_url`. An alias on another "
-                              "provider should set its own `api_key`.",
-    "models.<name>.api_key": "Its API key (a `${ENV}` reference); `null`: `model.api_key`.",
+                              "server never gets `model.api_key`: give it its own `api_key` if that server "
+                              "needs one.",
+    "models.<name>.api_key": "Its API key (a `${ENV}` reference); `null`: `model.api_key` while the alias uses "
+                             "`model`'s server, else none (its requests carry no key; check-config says so).",
     "models.<name>.context_window": "Its window in tokens; budgets follow the model a session uses.",
     "models.<name>.max_output_tokens": "Its output reserve; `null`: `model.max_output_tokens`.",
     "models.<name>.timeout_s": "Seconds one request may take; `null`: `model.timeout_s`.",
@@ -124,6 +126,9 @@ MEANINGS: dict[str, str] = {
     "agents.<name>.tools": "The tools it may use (names, `*` patterns allowed, e.g. `\"web_*\"`); `null`: all.",
     "agents.<name>.skills": "The skills it may use (names), or `\"*\"` for all.",
     "agents.<name>.models": "The aliases its people may pick with `/model`; `null`: every alias of `models`.",
+    "agents.<name>.delegates": "The agents it may hand work to with `delegate` (names, `*` patterns allowed); "
+                               "itself always. `null`: only itself (the top-level agent `default` may reach "
+                               "every agent). A sub-turn never has a tool or skill the delegating agent lacks.",
     "bindings": "Which agent answers where: a list of `{\"match\": {\"channel\", \"chat\", \"thread\", "
                 "\"user\"}, \"agent\"}`; the first entry whose given fields all equal the message's (ids as "
                 "strings) wins; none: `default`. In a shared session an entry naming a `user` never matches.",
@@ -184,6 +189,10 @@ MEANINGS: dict[str, str] = {
     "tools.web_search.base_url": "The provider's address (required for `searxng`; overrides the others' "
                                  "default).",
     "tools.web_search.api_key": "The provider's API key (`brave`, `tavily`).",
+    "tools.delegate.max_per_step": "Most `delegate` calls (sub-turns) one model reply may start; those past it "
+                                   "get a result saying so and never run.",
+    "tools.delegate.max_per_turn": "Most `delegate` calls one message may start over all its steps; those past "
+                                   "it get a result saying so and never run.",
     "tools.exec.enabled": "Offer the `exec` tool: shell commands in a bubblewrap sandbox that sees the scope's "
                           "workspace and the system read-only, nothing else (needs `bwrap`).",
     "tools.exec.network": "Let `exec` commands use the network, through a network of their own (pasta or "
@@ -243,8 +252,9 @@ MEANINGS: dict[str, str] = {
     "limits.max_inbound_chars": "Longest message accepted; a longer one is answered with the limit.",
     "limits.max_live_sessions": "Sessions kept in memory; idle ones past this are let go and restored from the "
                                 "database when they are written in again.",
-    "limits.tokens_per_user_per_day": "Tokens one person may use per day (admins are exempt); `null` is no "
-                                      "limit.",
+    "limits.tokens_per_user_per_day": "Tokens one person may use per day (admins are exempt), sub-turns "
+                                      "included; checked before every model call: a call whose request and a "
+                                      "minimal answer do not fit what is left is not made. `null` is no limit.",
     "limits.turns_per_user_per_day": "Messages one person may have answered per day (admins are exempt); "
                                      "`null` is no limit.",
     "limits.turn_timeout_s": "Seconds one turn may take before it is stopped and the person told.",
@@ -256,7 +266,8 @@ MEANINGS: dict[str, str] = {
     "transcription.model": "Speech-to-text model sent to `/audio/transcriptions`.",
     "transcription.base_url": "An OpenAI-compatible API base with `/audio/transcriptions`; `null` uses "
                               "`model.base_url`.",
-    "transcription.api_key": "Its API key; `null` uses `model.api_key`.",
+    "transcription.api_key": "Its API key; `null` uses `model.api_key`, unless `base_url` names another "
+                             "server (that one never gets the model's key).",
     "transcription.timeout_s": "Seconds one transcription may take before the person is told it failed.",
     "log_level": "Least severe log lines written.",
     "approvals.tools": "Tools that wait for a person's yes before each call (`\"ask\"`; `\"allow\"` runs one "

@@ -118,6 +118,14 @@ class ModelConfig(_Strict):
         """The usable API key, or None when unset or an unexpanded `${VAR}`."""
         return secret_text(self.api_key)
 
+    @property
+    def keyless(self) -> bool:
+        """Called without any API key: an alias of `models` that names its own server and
+        no key of its own (it inherits none: `model`'s key is for `model`'s server)."""
+        return self._keyless
+
+    _keyless: bool = PrivateAttr(default=False)
+
 
 class MainModelConfig(ModelConfig):
     """`model`: the default agent's model, and the aliases tried when it fails (SPEC §5.5)."""
@@ -139,6 +147,15 @@ class ModelAlias(_Strict):
     vision: bool | None = None
 
 
+def alias_names_own_server(alias: ModelAlias, model: ModelConfig) -> bool:
+    """Whether `models.<alias>` sets a `base_url` other than `model.base_url` (a trailing
+    slash aside): another server, which must not receive `model.api_key`."""
+    if alias.base_url is None:
+        return False
+    main = (model.base_url or "").rstrip("/")
+    return alias.base_url.strip().rstrip("/") != main
+
+
 # An agent's name is part of its memory scopes (`<agent>/<scope>`) and of key paths.
 AGENT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 
@@ -153,6 +170,9 @@ class AgentConfig(_Strict):
     tools: tuple[str, ...] | None = None  # tool names, `*` patterns allowed; else every tool
     skills: tuple[str, ...] | Literal["*"] = "*"
     models: tuple[str, ...] | None = None  # aliases its people may pick with /model; else every alias
+    # Agents it may hand work to with `delegate` (names, `*` patterns allowed); itself always.
+    # None: only itself (safe by default: a new agent reaches no other agent's prompt or skills).
+    delegates: tuple[str, ...] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> AgentConfig:
@@ -278,12 +298,13 @@ class LimitsConfig(_Strict):
 
 class TranscriptionConfig(_Strict):
     """Speech to text for voice notes and audio (SPEC §5.4), through an OpenAI-compatible
-    `/audio/transcriptions` endpoint; `base_url` and `api_key` default to the model's."""
+    `/audio/transcriptions` endpoint; `base_url` and `api_key` default to the model's (the
+    key only while the server is the model's too)."""
 
     enabled: bool = True
     model: str = "whisper-1"
     base_url: str | None = None  # None: model.base_url
-    api_key: SecretStr | None = None  # None: model.api_key
+    api_key: SecretStr | None = None  # None: model.api_key on the model's own server, else none
     timeout_s: float = Field(default=60, gt=0, le=600)
 
     @field_validator("base_url")
@@ -339,10 +360,19 @@ class ExecConfig(_Strict):
     disk_mb: int = Field(default=1024, ge=1, le=1_048_576)
 
 
+class DelegateConfig(_Strict):
+    """`delegate` (SPEC §5.8): how many sub-turns one message may start. Calls past a cap
+    get a tool result saying so and never run."""
+
+    max_per_step: int = Field(default=3, ge=1, le=20)  # of one model reply
+    max_per_turn: int = Field(default=10, ge=1, le=100)  # of one message, all steps together
+
+
 class ToolsConfig(_Strict):
     web_fetch: WebFetchConfig = WebFetchConfig()
     web_search: WebSearchConfig = WebSearchConfig()
     exec: ExecConfig = ExecConfig()
+    delegate: DelegateConfig = DelegateConfig()
 
 
 # An MCP server's name starts its tools' names (`<name>__<tool>`) and is a key path part:
@@ -614,12 +644,21 @@ class Config(_Strict):
         )
 
     def model_for(self, alias: str | None) -> ModelConfig:
-        """The settings of model `alias` (`models.<alias>` over `model`); `model` for None."""
+        """The settings of model `alias` (`models.<alias>` over `model`); `model` for None.
+        A field the alias leaves out is `model`'s, except the API key when the alias names
+        a server of its own (SPEC §2): `model`'s key never goes to another host, and such an
+        alias without `api_key` is called without one (`keyless`)."""
         if alias is None:
             return self.model
         given = self.models[alias]
         base = ModelConfig.model_validate(self.model.model_dump(exclude={"fallbacks"}))
-        return base.model_copy(update={name: getattr(given, name) for name in given.model_fields_set})
+        update = {name: getattr(given, name) for name in given.model_fields_set}
+        own_host = alias_names_own_server(given, self.model)
+        if own_host and "api_key" not in given.model_fields_set:
+            update["api_key"] = None
+        merged = base.model_copy(update=update)
+        merged._keyless = own_host and given.api_key is None
+        return merged
 
     def agent(self, name: str) -> AgentConfig:
         """`agents.<name>`; the top level (no overrides) for `default`."""
@@ -647,6 +686,11 @@ class Config(_Strict):
             for key in ("fallbacks", "models"):
                 for i, alias in enumerate(getattr(agent, key) or ()):
                     alias_ok(f"agents.{name}.{key}.{i}", alias)
+            for i, other in enumerate(agent.delegates or ()):
+                if "*" not in other and "?" not in other and "[" not in other \
+                        and other != "default" and other not in self.agents:
+                    names = ", ".join(sorted(["default", *self.agents]))
+                    problems.append(f"agents.{name}.delegates.{i}: unknown agent {other!r} (agents: {names})")
         agents = sorted(["default", *self.agents])
         for i, binding in enumerate(self.bindings):
             if binding.agent != "default" and binding.agent not in self.agents:
@@ -654,9 +698,14 @@ class Config(_Strict):
         return problems
 
     def transcription_endpoint(self) -> tuple[str | None, str | None]:
-        """(base URL, API key) of speech to text: `transcription`'s own, else the model's."""
+        """(base URL, API key) of speech to text: `transcription`'s own, else the model's;
+        never the model's key for a server other than the model's (then: no key)."""
         t = self.transcription
-        key = secret_text(t.api_key) if t.api_key is not None else self.model.key_value()
+        own_host = t.base_url is not None and t.base_url.rstrip("/") != (self.model.base_url or "").rstrip("/")
+        if t.api_key is not None:
+            key = secret_text(t.api_key)
+        else:
+            key = None if own_host else self.model.key_value()
         return t.base_url or self.model.base_url, key
 
 

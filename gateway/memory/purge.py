@@ -28,10 +28,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiosqlite
-
 from gateway.beneath import Dir, PathNotAllowed
 from gateway.store.api import StoreBackend
+from gateway.store.errors import StoreUnavailable
 from gateway.tasks.store import TaskStore
 
 log = logging.getLogger("gateway.purge")
@@ -114,7 +113,7 @@ async def _checkpoint(store: StoreBackend, attempts: int = 5) -> None:
         try:
             await store.checkpoint()
             return
-        except aiosqlite.OperationalError as err:
+        except StoreUnavailable as err:
             if attempt == attempts:
                 log.warning("WAL checkpoint skipped after the purge: %s", err)
                 return

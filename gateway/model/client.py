@@ -92,7 +92,8 @@ class ModelClient:
 
     @property
     def configured(self) -> bool:
-        return self._cfg.key_value() is not None
+        """It has a key, or is meant to go without one (an alias on a server of its own)."""
+        return self._cfg.key_value() is not None or self._cfg.keyless
 
     async def warm_up(self) -> None:
         """Open the HTTP pool now (CA certificates load in a worker thread), so the first
@@ -267,7 +268,7 @@ class ModelClient:
     async def _ensure_endpoint(self) -> CompletionsEndpoint:
         if self._endpoint is None:
             key = self._cfg.key_value()
-            assert key is not None  # complete() checked `configured`
+            assert key is not None or self._cfg.keyless  # complete() checked `configured`
             try:
                 self._endpoint = CompletionsEndpoint(self._cfg.base_url, key, self._cfg.timeout_s)
             except ValueError as exc:

@@ -77,14 +77,16 @@ def _ssl_context() -> ssl.SSLContext:
 class CompletionsEndpoint:
     """POSTs completion requests; open() once on the loop, close() when done."""
 
-    def __init__(self, base_url: str | None, api_key: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str | None, api_key: str | None, timeout_s: float) -> None:
+        """`api_key` None: requests carry no Authorization (a server that takes no key)."""
         self.url = completions_url(base_url)
         self._headers = {
-            "Authorization": f"Bearer {api_key}",
             "Content-Type": "application/json",
             "Accept": "application/json",
             "User-Agent": USER_AGENT,
         }
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         # The SDK's other environment settings, so switching transports changes nothing.
         for env, header in (("OPENAI_ORG_ID", "OpenAI-Organization"), ("OPENAI_PROJECT_ID", "OpenAI-Project")):
             if os.environ.get(env):

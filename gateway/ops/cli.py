@@ -14,18 +14,16 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
-
 from gateway.access import Pairing
 from gateway.config.cron import zone
 from gateway.config.schema import Config, secret_text
 from gateway.keys import KEY_WORDS, workspace_dir
 from gateway.memory.files import DIALOG_DIR, MEMORY_FILE, NOTES_DIR
 from gateway.store.backends import is_postgres_url, open_store, sqlite_path
+from gateway.store.errors import StoreError
 from gateway.store.migrations.postgres import MIGRATIONS as PG_MIGRATIONS
 from gateway.store.migrations.sqlite import MIGRATIONS
 from gateway.store.postgres import PgStore
-from gateway.store.rows import StoreError
 from gateway.store.sqlite import Store
 
 DB_NAME = "gateway.sqlite3"
@@ -116,12 +114,10 @@ async def read_store(path: Path, url: str | None = None) -> AsyncIterator[Any]:
     if not await asyncio.to_thread(path.exists):
         raise CliError(f"no database at {path}: the gateway has not run with this config yet")
     try:
-        db = await aiosqlite.connect(path.as_uri() + "?mode=ro", uri=True, timeout=10)
-    except (OSError, aiosqlite.Error) as err:
-        raise CliError(f"cannot open the database {path}: {err}") from None
-    db.row_factory = aiosqlite.Row
+        store = await Store.open_read_only(path)
+    except StoreError as err:
+        raise CliError(str(err)) from None
     try:
-        store = Store(db, path)
         version = await store.schema_version()
         if version < len(MIGRATIONS):
             raise CliError(f"the database {path} is from an older version: start the gateway once to upgrade it")
@@ -129,7 +125,7 @@ async def read_store(path: Path, url: str | None = None) -> AsyncIterator[Any]:
             raise CliError(f"the database {path} is from a newer version of the gateway than this one")
         yield store
     finally:
-        await db.close()
+        await store.close()
 
 
 def _local(cfg: Config, at: float) -> datetime:

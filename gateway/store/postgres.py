@@ -30,6 +30,7 @@ from typing import Any
 
 import asyncpg
 
+from gateway.store.errors import POSTGRES_ERRORS, StoreError, from_postgres
 from gateway.store.fence import FENCE, FencedOut
 from gateway.store.group_commit import GroupInsert
 from gateway.store.migrations.postgres import MIGRATIONS
@@ -42,7 +43,6 @@ from gateway.store.rows import (
     PendingEvent,
     PendingPairing,
     SessionSummary,
-    StoreError,
     StoreStats,
     attachments_to_json,
     count_noun,
@@ -179,7 +179,7 @@ class PgStore:
             else:
                 store.trigram = bool(await store._rows(
                     "SELECT 1 FROM pg_extension WHERE extname='pg_trgm'"))
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except (*POSTGRES_ERRORS, StoreError) as err:
             await pool.close()
             raise StoreError(f"cannot initialise the database {_safe(url)}: {err}") from err
         return store
@@ -250,18 +250,31 @@ class PgStore:
         on a connection from a small pool of its own (a holder that writes the search index
         meanwhile never waits for a connection held by another holder). A gateway that dies
         holding it loses its connection, and the lock with it."""
-        if self._lock_pool is None:
-            self._lock_pool = await asyncpg.create_pool(
-                self.url, min_size=0, max_size=LOCK_POOL_MAX, timeout=CONNECT_TIMEOUT_S,
-                command_timeout=STATEMENT_TIMEOUT_S, server_settings={"application_name": self.instance},
-            )
-        async with self._lock_pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
-            async with asyncio.timeout(SCOPE_LOCK_TIMEOUT_S):
-                await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 7313))", scope)
+        try:
+            if self._lock_pool is None:
+                self._lock_pool = await asyncpg.create_pool(
+                    self.url, min_size=0, max_size=LOCK_POOL_MAX, timeout=CONNECT_TIMEOUT_S,
+                    command_timeout=STATEMENT_TIMEOUT_S, server_settings={"application_name": self.instance},
+                )
+            pool = self._lock_pool
+            conn = await pool.acquire(timeout=CONNECT_TIMEOUT_S)
+        except POSTGRES_ERRORS as err:
+            raise from_postgres(err) from err
+        try:
+            try:
+                async with asyncio.timeout(SCOPE_LOCK_TIMEOUT_S):
+                    await conn.execute("SELECT pg_advisory_lock(hashtextextended($1, 7313))", scope)
+            except POSTGRES_ERRORS as err:
+                raise from_postgres(err) from err
             try:
                 yield
             finally:
-                await conn.execute("SELECT pg_advisory_unlock(hashtextextended($1, 7313))", scope)
+                try:
+                    await conn.execute("SELECT pg_advisory_unlock(hashtextextended($1, 7313))", scope)
+                except POSTGRES_ERRORS as err:  # a lost connection took the lock with it
+                    log.warning("scope lock not released", extra={"scope": scope, "error": str(err)[:200]})
+        finally:
+            await pool.release(conn)
 
     async def close(self) -> None:
         if self._lock_pool is not None:
@@ -285,9 +298,9 @@ class PgStore:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
                 # Text from tools, files and models may hold NUL, which TEXT cannot.
                 rows = await conn.fetch(to_postgres(sql), *storable_args(args, nul=True))
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except POSTGRES_ERRORS as err:
             self._wrote(sql, err)
-            raise
+            raise from_postgres(err) from err
         self._wrote(sql, None)
         return list(rows)
 
@@ -310,8 +323,8 @@ class PgStore:
         read-only standby, and the last write did not fail for want of storage."""
         try:
             rows = await self._rows("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'")
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
-            return f"store: cannot write: {err or type(err).__name__}"
+        except StoreError as err:
+            return f"store: cannot write: {err}"
         if rows and rows[0][0]:
             return "store: cannot write: the database is read-only"
         if self.write_failure is not None:
@@ -552,9 +565,9 @@ class PgStore:
         try:
             async with self._pool.acquire(timeout=CONNECT_TIMEOUT_S) as conn:
                 status = await conn.execute(to_postgres(sql), *storable_args(args, nul=True))
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except POSTGRES_ERRORS as err:
             self._wrote(sql, err)
-            raise
+            raise from_postgres(err) from err
         self._wrote(sql, None)
         return int(status.rsplit(" ", 1)[-1]) if status.startswith("DELETE") else 0
 

@@ -46,10 +46,6 @@ def storable_args(args: Iterable[Any], *, nul: bool) -> tuple[Any, ...]:
     return tuple(out)
 
 
-class StoreError(Exception):
-    """The database cannot be opened or written (read-only dir, disk full, corrupt)."""
-
-
 @dataclass(frozen=True, slots=True)
 class SessionRow:
     key: str

@@ -25,6 +25,7 @@ import aiosqlite
 
 from gateway.config.chat import ConfigChange, unshareable
 from gateway.store.checkpoints import Checkpointer
+from gateway.store.errors import StoreError, from_sqlite
 from gateway.store.group_commit import GroupInsert
 from gateway.store.migrations.sqlite import MIGRATIONS
 from gateway.store.rows import (
@@ -41,7 +42,6 @@ from gateway.store.rows import (
     SessionRow,
     SessionSummary,
     StoredSummary,
-    StoreError,
     StoreStats,
     UsageDay,
     attachments_to_json,
@@ -109,6 +109,7 @@ class Store:
         self.path = path
         self._checkpointer: Checkpointer | None = None
         self._statements = 0  # through _rows; the checkpointer skips its turn while it stands still
+        self._read_only = False  # opened by open_read_only
         # The error of the last write that failed (disk full, I/O error), until one succeeds
         # again: /readyz reports it.
         self.write_failure: str | None = None
@@ -150,11 +151,24 @@ class Store:
         store = cls(db, path)
         try:
             await store._setup()
-        except (OSError, aiosqlite.Error) as err:
+        except (OSError, aiosqlite.Error, StoreError) as err:
             await db.close()
             raise StoreError(f"cannot initialise the database {path}: {err}") from err
         if checkpoint_interval_s is not None:
             await store._start_checkpointer(checkpoint_interval_s)
+        return store
+
+    @classmethod
+    async def open_read_only(cls, path: Path) -> Store:
+        """The existing database on a read-only connection (the operators' commands): never
+        creates, migrates or writes anything (close() makes no checkpoint either)."""
+        try:
+            db = await aiosqlite.connect(path.as_uri() + "?mode=ro", uri=True, timeout=10)
+        except (OSError, aiosqlite.Error) as err:
+            raise StoreError(f"cannot open the database {path}: {err}") from err
+        db.row_factory = aiosqlite.Row
+        store = cls(db, path)
+        store._read_only = True
         return store
 
     async def _setup(self) -> None:
@@ -206,8 +220,9 @@ class Store:
                 done.append(f"{name} {count_noun(batched.rows, 'row')} in {count_noun(batched.flushes, 'commit')}")
         if done:  # the numbers in the text: readable whatever prints the record
             log.info("group commits since start: %s", ", ".join(done))
-        with contextlib.suppress(aiosqlite.Error):
-            await self.checkpoint()
+        if not self._read_only:
+            with contextlib.suppress(StoreError):
+                await self.checkpoint()
         await self._db.close()
 
     @property
@@ -231,7 +246,7 @@ class Store:
                 rows = list(await self._db.execute_fetchall(sql, storable_args(args, nul=False)))
         except sqlite3.Error as err:
             self._wrote(sql, err)
-            raise
+            raise from_sqlite(err) from err
         self._wrote(sql, None)
         return rows
 
@@ -562,10 +577,10 @@ class Store:
                        outcome=r["outcome"], detail=r["detail"]) for r in rows]
 
     async def job_run(self, job: str, slot: str) -> JobRun | None:
-        async with self._db.execute("SELECT * FROM job_runs WHERE job=? AND slot=?", (job, slot)) as cur:
-            r = await cur.fetchone()
-        if r is None:
+        rows = await self._rows("SELECT * FROM job_runs WHERE job=? AND slot=?", (job, slot))
+        if not rows:
             return None
+        r = rows[0]
         return JobRun(job=r["job"], slot=r["slot"], started_at=r["started_at"], ended_at=r["ended_at"],
                       outcome=r["outcome"], detail=r["detail"])
 
@@ -638,10 +653,9 @@ class Store:
 
     async def expired_session_keys(self, before: float, *, limit: int) -> list[str]:
         """Sessions whose last activity is before `before` (oldest first)."""
-        async with self._db.execute(
-            "SELECT key FROM sessions WHERE updated_at < ? ORDER BY updated_at LIMIT ?", (before, limit)
-        ) as cur:
-            return [r[0] for r in await cur.fetchall()]
+        rows = await self._rows("SELECT key FROM sessions WHERE updated_at < ? ORDER BY updated_at LIMIT ?",
+                                (before, limit))
+        return [r[0] for r in rows]
 
     async def _delete(self, sql: str, args: Iterable[Any]) -> int:
         self._statements += 1
@@ -652,7 +666,7 @@ class Store:
             await self._db.commit()
         except sqlite3.Error as err:
             self._wrote(sql, err)
-            raise
+            raise from_sqlite(err) from err
         self._wrote(sql, None)
         return max(count, 0)
 
@@ -786,6 +800,6 @@ class Store:
 
     async def checkpoint(self) -> None:
         """Fold the WAL back into the database file and truncate it (after a purge).
-        Raises aiosqlite.OperationalError while another write on this connection is
-        between its statement and its commit."""
+        Raises StoreUnavailable while another write on this connection is between its
+        statement and its commit."""
         await self._rows("PRAGMA wal_checkpoint(TRUNCATE)")

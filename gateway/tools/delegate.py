@@ -14,14 +14,17 @@ from gateway.tools.base import ToolArgumentError, ToolContext, ToolError, ToolOu
 MAX_TASK_CHARS = 8000
 
 
+WHAT = (
+    "Hand a self-contained task to a sub-agent that works on it alone and returns its final answer. "
+    "It starts with a fresh context holding only `task` (nothing of this conversation), so write the task "
+    "with everything it needs. Use it for independent pieces of work; several delegate calls in one step "
+    "run at the same time (at most 3)."
+)
+
+
 class Delegate:
     name = "delegate"
-    description = (
-        "Hand a self-contained task to a sub-agent that works on it alone and returns its final answer. "
-        "It starts with a fresh context holding only `task` (nothing of this conversation), so write the task "
-        "with everything it needs. Use it for independent pieces of work; several delegate calls in one step "
-        "run at the same time (at most 3). `agent` names another configured agent; default: this one."
-    )
+    description = WHAT + " `agent` names another configured agent; default: this one."
     parameters: dict[str, Any] = {
         "type": "object",
         "properties": {
@@ -31,6 +34,21 @@ class Delegate:
         "required": ["task"],
         "additionalProperties": False,
     }
+
+    @classmethod
+    def schema_for(cls, own: str, agents: tuple[str, ...]) -> dict[str, Any]:
+        """The tool as agent `own` is offered it: the agents it may hand work to are named
+        (and the only values `agent` takes), so the model is not led to others."""
+        others = [a for a in agents if a != own]
+        if others:
+            reach = (f" `agent` is one of: {', '.join(others)}, or this agent ({own}) when left out; "
+                     "no other agent takes work from here.")
+        else:
+            reach = f" Only this agent ({own}) takes the task: leave `agent` out."
+        agent_param = {"type": "string", "enum": [own, *others], "description": "the agent to hand it to"}
+        parameters = {**cls.parameters, "properties": {**cls.parameters["properties"], "agent": agent_param}}
+        return {"type": "function",
+                "function": {"name": cls.name, "description": WHAT + reach, "parameters": parameters}}
 
     def status(self, args: dict[str, Any]) -> str:
         agent = args.get("agent")

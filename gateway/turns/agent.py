@@ -25,16 +25,19 @@ from context.outside import OUTSIDE_PREFIX
 from context.outside import SYSTEM_NOTE as OUTSIDE_NOTE
 from context.truncate import cut_tool_result
 from gateway import beneath
+from gateway.agents import DEFAULT as DEFAULT_AGENT
 from gateway.agents import AgentView, PromptFiles, agent_view, model_chain, system_prompt_text
 from gateway.beneath import PathNotAllowed
 from gateway.clock import local_day
 from gateway.config.schema import Config, ModelConfig
+from gateway.keys import sub_turn_key
 from gateway.media import FileRefused, save_tool_image
 from gateway.model.errors import RETRYABLE_KINDS, ModelError
 from gateway.model.replies import ModelReply
 from gateway.services import Services
 from gateway.skills.catalog import ALL, Skills, allowed_skills, prompt_section
 from gateway.tools.base import Tool, ToolContext, ToolError, ToolOutput, files_named
+from gateway.tools.delegate import Delegate
 from gateway.tools.status import tool_status
 from gateway.turns.live import LiveSession, SubTurn
 from gateway.turns.streaming import StepFeed, clean_reply, stopped_reply
@@ -86,10 +89,15 @@ def tool_timeout(tool: Tool) -> float:
     return min(float(own) + TOOL_TIMEOUT_GRACE_S, TOOL_TIMEOUT_MAX_S)
 
 
+class OverBudget(Exception):
+    """A model call the person's daily budget does not cover: not made; the text says
+    what is left and when it resets."""
+
+
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
-    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash | stopped
+    outcome: str  # ok | model_error | overflow_cleared | notice | timeout | crash | stopped | over_budget
     tokens: int = 0  # prompt + completion tokens the provider reported for this turn
 
 
@@ -97,6 +105,16 @@ def today_line(cfg: Config) -> str:
     # Only the date: a finer clock would change the prompt every call and defeat prompt caches.
     day, zone = local_day(cfg.timezone)
     return f"Today is {day} ({zone})."
+
+
+def skill_names(view: AgentView, parent: AgentView | None = None) -> tuple[str, ...] | None:
+    """The skills `view`'s agent may use (None: all); in a sub-turn, of those only the ones
+    its delegating agent `parent` may use too."""
+    names = view.skill_names()
+    theirs = parent.skill_names() if parent is not None else None
+    if theirs is None:
+        return names
+    return theirs if names is None else tuple(n for n in names if n in theirs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +137,16 @@ class Agent:
         self.summarizer = summarizer
         self.prompt_files = PromptFiles(services.config.base_dir)
         self._steps: dict[tuple[str, str | None], tuple[Config, Step]] = {}  # (agent, model) → (snapshot, plan)
-        # agent → (snapshot, what its prompt is made of, the prompt up to MEMORY.md)
+        # agent (a sub-turn's: "<agent><<parent>") → (snapshot, what its prompt is made of,
+        # the prompt up to MEMORY.md)
         self._prompt_heads: dict[str, tuple[Config, tuple[Any, ...], str]] = {}
         self._prompt_with_memory: tuple[str, str, str] | None = None
-        # (agent, the registry's list) → that agent's tools, one list per registry list, so
-        # token counts and providers' prompt caches see the same list step after step.
-        self._tool_lists: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+        self._parents: dict[str, tuple[Config, AgentView]] = {}  # a sub-turn's delegating agent, per snapshot
+        # (agent, a sub-turn's parent agent, nested) → (the registry's list, the views it was
+        # made for, that agent's tools): one list per registry list and config, so token counts
+        # and providers' prompt caches see the same list step after step.
+        self._tool_lists: dict[tuple[str, str | None, bool], tuple[
+            list[dict[str, Any]], AgentView, AgentView | None, list[dict[str, Any]]]] = {}
 
     def step(self, live: LiveSession, cfg: Config) -> Step:
         """The session's agent, models and budget under `cfg`: made once per config
@@ -141,28 +163,72 @@ class Agent:
         self._steps[key] = (cfg, step)
         return step
 
-    def tool_schemas(self, view: AgentView, *, nested: bool = False) -> list[dict[str, Any]]:
-        """The tools `view`'s agent may use, in the registry's order (SPEC §5.5); without
-        `delegate` in a sub-turn (SPEC §5.8)."""
+    def step_parent(self, live: LiveSession, cfg: Config) -> AgentView | None:
+        """A sub-turn's delegating agent under `cfg` (made once per snapshot); None for a
+        session's own turn."""
+        name = live.parent_agent
+        if name is None:
+            return None
+        known = self._parents.get(name)
+        if known is not None and known[0] is cfg:
+            return known[1]
+        if len(self._parents) >= MAX_STEP_PLANS:
+            self._parents.clear()
+        view = agent_view(cfg, name)
+        self._parents[name] = (cfg, view)
+        return view
+
+    def _reply_tokens(self, cfg: Config, reply: ModelReply, prepared: Prepared) -> int:
+        """What a call cost: the provider's count, else (a provider that reports no usage)
+        the engine's count of the request, and of the answer where a daily token budget
+        applies (counting it costs a tokenizer pass per step), so no budget is free."""
+        prompt = reply.prompt_tokens if reply.prompt_tokens is not None else prepared.tokens
+        completion = reply.completion_tokens
+        if completion is None:
+            completion = 0
+            if cfg.limits.tokens_per_user_per_day is not None:
+                written = (reply.content or "") + "".join(c.name + (c.arguments or "") for c in reply.tool_calls)
+                completion = self.s.counter.count_text(written) if written else 0
+        return prompt + completion
+
+    def tool_schemas(self, view: AgentView, *, nested: bool = False,
+                     parent: AgentView | None = None) -> list[dict[str, Any]]:
+        """The tools `view`'s agent may use, in the registry's order (SPEC §5.5). In a
+        sub-turn (`nested`) only those its delegating agent `parent` may use too, never
+        `delegate` (SPEC §5.8, §5.12). `delegate` names the agents it may hand work to."""
         everything = self.s.tools.schemas()
-        if view.settings.tools is None and not nested:
+        plain_delegate = view.name == DEFAULT_AGENT and view.delegates_to == (DEFAULT_AGENT,)
+        if view.settings.tools is None and not nested and plain_delegate:
             return everything
-        key = f"{view.name}/sub" if nested else view.name
+        key = (view.name, parent.name if parent is not None else None, nested)
         cached = self._tool_lists.get(key)
-        if cached is not None and cached[0] is everything:
-            return cached[1]
-        mine = [t for t in everything if self._offered(view, str(t.get("function", {}).get("name", "")), nested)]
-        self._tool_lists[key] = (everything, mine)
+        if cached is not None and cached[0] is everything and (cached[1] is view or cached[1] == view) \
+                and (cached[2] is parent or cached[2] == parent):
+            return cached[3]
+        mine = []
+        for entry in everything:
+            name = str(entry.get("function", {}).get("name", ""))
+            if not self._offered(view, name, nested, parent):
+                continue
+            if name == DELEGATE and not plain_delegate:
+                entry = Delegate.schema_for(view.name, view.delegates_to)
+            mine.append(entry)
+        if len(self._tool_lists) >= MAX_STEP_PLANS:
+            self._tool_lists.clear()
+        self._tool_lists[key] = (everything, view, parent, mine)
         return mine
 
     @staticmethod
-    def _offered(view: AgentView, tool: str, nested: bool) -> bool:
-        return view.tool_allowed(tool) and not (nested and tool == DELEGATE)
+    def _offered(view: AgentView, tool: str, nested: bool, parent: AgentView | None = None) -> bool:
+        if nested and (tool == DELEGATE or (parent is not None and not parent.tool_allowed(tool))):
+            return False
+        return view.tool_allowed(tool)
 
-    def usable_skills(self, cfg: Config, agent: str) -> Skills:
+    def usable_skills(self, cfg: Config, agent: str, parent: str | None = None) -> Skills:
         """The skills `agent` may use (SPEC §5.6; `agents.<name>.skills`): listed in its
-        prompt, readable with read_file, shown by /skills."""
-        names = agent_view(cfg, agent).skill_names()
+        prompt, readable with read_file, shown by /skills. In a sub-turn, only those its
+        delegating agent `parent` may use too."""
+        names = skill_names(agent_view(cfg, agent), agent_view(cfg, parent) if parent is not None else None)
         return allowed_skills(self.s.skills(), ALL if names is None else names)
 
     async def system_prompt(self, live: LiveSession, cfg: Config) -> str:
@@ -173,8 +239,9 @@ class Agent:
             own = system_prompt_text(cfg, view, self.prompt_files)
         today = today_line(cfg)
         skills = self.s.skills()
-        head_key = (own, today, view.skill_names(), skills)
-        known = self._prompt_heads.get(live.agent)
+        head_key = (own, today, skill_names(view, self.step_parent(live, cfg)), skills)
+        heads = live.agent if live.parent_agent is None else f"{live.agent}<{live.parent_agent}"
+        known = self._prompt_heads.get(heads)
         if known is not None and known[0] is cfg and known[1] == head_key:
             head = known[2]
         else:
@@ -185,13 +252,13 @@ class Agent:
             )
             parts.append(OUTSIDE_NOTE)
             # Before MEMORY.md: skills change far less often, so the cached prefix lasts longer.
-            section = prompt_section(self.usable_skills(cfg, live.agent))
+            section = prompt_section(self.usable_skills(cfg, live.agent, live.parent_agent))
             if section:
                 parts.append(section)
             head = "\n\n".join(parts)
             if len(self._prompt_heads) >= MAX_STEP_PLANS:
                 self._prompt_heads.clear()
-            self._prompt_heads[live.agent] = (cfg, head_key, head)
+            self._prompt_heads[heads] = (cfg, head_key, head)
         memory = self.s.memory
         if memory is not None and cfg.memory_max_tokens > 0:
             text = await memory.read_memory_md(
@@ -258,7 +325,7 @@ class Agent:
         if live.step_tokens_in:
             # The provider reports no usage for a call cut short: the person's budget counts
             # what was sent and what was shown, so stopping is no way around it.
-            live.turn_tokens += live.step_tokens_in + self.s.counter.count_text(shown)
+            self._charge(live, self.s.cfg, live.step_tokens_in + self.s.counter.count_text(shown))
             live.step_tokens_in = 0
         text = stopped_reply(shown)
         await self.store(live, Message(role="assistant", content=text, turn=turn))
@@ -278,7 +345,31 @@ class Agent:
         for effect in prepared.effects:
             self.summarizer.submit(live, effect)
 
-    async def _call_model(self, live: LiveSession, step: Step, prepared: Prepared,
+    def _charge(self, live: LiveSession, cfg: Config, tokens: int) -> None:
+        """Tokens a call of this turn (or sub-turn) used: the turn's tally, and the person's
+        day at once (SPEC §5.13: the next check sees them, a sub-turn's too)."""
+        live.turn_tokens += tokens
+        usage = self.s.usage
+        if live.charge is not None and usage is not None:
+            usage.charge(cfg, live.charge, tokens)
+
+    async def _call_model(self, live: LiveSession, cfg: Config, step: Step, prepared: Prepared,
+                          tools: list[dict[str, Any]] | None, feed: StepFeed | None = None) -> ModelReply:
+        """One model call of the turn, made only when the person's budget covers it
+        (raises OverBudget; gateway/turns/usage.py says what "covers" means)."""
+        usage = self.s.usage
+        if usage is None or live.inbound is None:
+            return await self._call_chain(live, step, prepared, tools, feed)
+        hold = await usage.hold(cfg, live.inbound.identity, prompt_tokens=prepared.tokens,
+                                max_output_tokens=step.model.max_output_tokens)
+        if hold.refusal is not None:
+            raise OverBudget(hold.refusal)
+        try:
+            return await self._call_chain(live, step, prepared, tools, feed)
+        finally:
+            usage.release(cfg, hold)
+
+    async def _call_chain(self, live: LiveSession, step: Step, prepared: Prepared,
                           tools: list[dict[str, Any]] | None, feed: StepFeed | None = None) -> ModelReply:
         """One decision step's model call: the session's model, then each fallback in turn
         when a call fails after its retries with 429, 5xx, a timeout or a refused
@@ -315,13 +406,22 @@ class Agent:
     async def run_turn(self, live: LiveSession, stream: ReplyStream | None = None) -> TurnResult:
         """Run the current turn (its user message is already stored) to a final reply.
         With `stream`, the reply is shown as it is produced (append/status only: the
-        caller finishes or fails the stream with the result's text)."""
+        caller finishes or fails the stream with the result's text). A call the person's
+        budget cannot cover is not made: the turn ends saying what is left (SPEC §5.13)."""
         feed = live.feed = StepFeed(stream) if stream is not None else None
+        live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
+        live.step_tokens_in = live.turn_delegates = 0
+        live.turn_trims = []
+        try:
+            return await self._decide(live, feed)
+        except OverBudget as stop:
+            live.step_tokens_in = 0
+            log.info("model call refused: over the daily budget", extra={"session": live.key})
+            return TurnResult(str(stop), "over_budget")
+
+    async def _decide(self, live: LiveSession, feed: StepFeed | None) -> TurnResult:
         recovered = False
         step = 0
-        live.turn_tokens = live.turn_tokens_in = live.turn_tokens_out = live.turn_steps = 0
-        live.step_tokens_in = 0
-        live.turn_trims = []
         while True:
             cfg = self.s.cfg  # the snapshot of this decision step (hot reload applies here)
             step += 1
@@ -331,7 +431,9 @@ class Agent:
             max_steps = cfg.agent_max_steps if live.sub_limits is None else live.sub_limits[0]
             final = step > max_steps
             plan = self.step(live, cfg)
-            tools = [] if final else self.tool_schemas(plan.view, nested=live.sub_limits is not None)
+            nested = live.sub_limits is not None
+            parent = self.step_parent(live, cfg)
+            tools = [] if final else self.tool_schemas(plan.view, nested=nested, parent=parent)
             budget = plan.budget  # the session's model's window (SPEC §5.5)
             if live.sub_limits is not None:  # a sub-turn's own budget (SPEC §5.8)
                 budget = replace(budget, max_tokens=min(budget.max_tokens, live.sub_limits[1]))
@@ -344,7 +446,7 @@ class Agent:
                 return TurnResult(prepared.user_notice, "notice")
             live.step_tokens_in = prepared.tokens
             try:
-                reply = await self._call_model(live, plan, prepared, tools, feed)
+                reply = await self._call_model(live, cfg, plan, prepared, tools, feed)
             except ModelError as err:
                 if err.kind != "overflow":
                     log.warning("model error", extra={"session": live.key, "kind": err.kind,
@@ -363,7 +465,7 @@ class Agent:
                     return TurnResult(outcome.user_message(), "model_error")
                 reply, prepared = outcome
             live.step_tokens_in = 0
-            live.turn_tokens += (reply.prompt_tokens or 0) + (reply.completion_tokens or 0)
+            self._charge(live, cfg, self._reply_tokens(cfg, reply, prepared))
             live.turn_tokens_in += reply.prompt_tokens or 0
             live.turn_tokens_out += reply.completion_tokens or 0
             if reply.prompt_tokens:
@@ -403,7 +505,7 @@ class Agent:
                                     counter=self.s.counter_for(plan.model.name), provider_limit=err.provider_limit)
         self._apply(live, prepared)
         try:
-            reply = await self._call_model(live, plan, prepared, tools, feed)
+            reply = await self._call_model(live, cfg, plan, prepared, tools, feed)
         except ModelError as again:
             if again.kind == "overflow":
                 self.s.metrics.overflow_recoveries.labels("cleared").inc()
@@ -430,12 +532,12 @@ class Agent:
             async with slots:
                 return await self._execute(live, cfg, call)
 
+        done = self._past_delegate_caps(live, cfg, calls)
         running = {i: asyncio.ensure_future(delegated(call)) for i, call in enumerate(calls)
-                   if call.name == DELEGATE and live.sub_limits is None}
+                   if call.name == DELEGATE and live.sub_limits is None and i not in done}
         try:
-            done: dict[int, tuple[ToolOutput, str]] = {}
             for i, call in enumerate(calls):
-                if i not in running:
+                if i not in running and i not in done:
                     done[i] = await self._execute(live, cfg, call)
             for i, task in running.items():
                 done[i] = await task
@@ -445,6 +547,32 @@ class Agent:
             await asyncio.gather(*running.values(), return_exceptions=True)
         for i, call in enumerate(calls):
             await self._record_tool(live, cfg, call, *done[i])
+
+    def _past_delegate_caps(self, live: LiveSession, cfg: Config,
+                            calls: tuple[ToolCall, ...]) -> dict[int, tuple[ToolOutput, str]]:
+        """The results of this step's `delegate` calls past `tools.delegate.max_per_step` or
+        past the turn's `max_per_turn`: never run (each sub-turn is a turn's worth of calls)."""
+        if live.sub_limits is not None or not any(call.name == DELEGATE for call in calls) \
+                or not self.step(live, cfg).view.tool_allowed(DELEGATE):
+            return {}
+        caps = cfg.tools.delegate
+        refused: dict[int, tuple[ToolOutput, str]] = {}
+        in_step = 0
+        for i, call in enumerate(calls):
+            if call.name != DELEGATE:
+                continue
+            if live.turn_delegates >= caps.max_per_turn:
+                why = (f"this message has run {caps.max_per_turn} delegate calls, the most one message may "
+                       "(tools.delegate.max_per_turn); do the rest yourself")
+            elif in_step >= caps.max_per_step:
+                why = (f"at most {caps.max_per_step} delegate calls run in one step (tools.delegate.max_per_step); "
+                       "ask for this one again in a later step")
+            else:
+                in_step += 1
+                live.turn_delegates += 1
+                continue
+            refused[i] = (ToolOutput(f"error: not run: {why}"), "capped")
+        return refused
 
     async def _record_tool(self, live: LiveSession, cfg: Config, call: ToolCall, output: ToolOutput,
                            outcome: str) -> None:
@@ -485,21 +613,33 @@ class Agent:
         """A sub-turn (SPEC §5.8): a fresh context holding only `task`, the named agent's tools
         and skills (default: the parent's agent) without `delegate`, its own step limit and
         token budget. Its messages are stored under `<session key>#sub:<n>`, apart from the
-        session's turns; its tokens count toward the person's budget through the parent turn."""
+        session's turns; its tokens count toward the person's budget as its calls are made.
+        It has none of the tools (and skills) the parent's agent lacks, and goes only to an
+        agent the parent's agent may hand work to (`agents.<name>.delegates`, SPEC §5.12)."""
         cfg = self.s.cfg
         name = agent or parent.agent
+        mine = self.step(parent, cfg).view
         if name != "default" and name not in cfg.agents:
-            known = ", ".join(["default", *sorted(cfg.agents)])
-            raise ToolError(f"there is no agent {name!r}; agents: {known}")
+            raise ToolError(f"there is no agent {name!r}; you may hand work to: {', '.join(mine.delegates_to)}")
+        if name not in mine.delegates_to:
+            raise ToolError(f"agent {parent.agent!r} may not hand work to {name!r} "
+                            f"(agents.{parent.agent}.delegates); you may hand work to: {', '.join(mine.delegates_to)}")
         # Unique per call, also across restarts; the parent's turn names where it came from.
-        key = f"{parent.key}#sub:{parent.ctx.current_turn}:{secrets.token_hex(4)}"
+        key = sub_turn_key(parent.key, parent.ctx.current_turn, secrets.token_hex(4))
         await self.s.store.ensure_session(key, parent.scope, parent.channel)
         sub = LiveSession(key=key, scope=parent.scope, channel=parent.channel, workspace=parent.workspace,
                           ctx=SessionContext(key), agent=name, inbound=parent.inbound,
                           sub_limits=(min(cfg.agent_max_steps, SUB_TURN_MAX_STEPS),
-                                      min(cfg.agent_max_context_tokens, SUB_TURN_MAX_TOKENS)))
+                                      min(cfg.agent_max_context_tokens, SUB_TURN_MAX_TOKENS)),
+                          parent_agent=parent.agent, charge=parent.charge)
         await self.store(sub, Message(role="user", content=task, turn=sub.ctx.next_turn_number(), origin=DELEGATE))
-        result = await self.run_turn(sub)
+        try:
+            result = await self.run_turn(sub)
+        except asyncio.CancelledError:
+            if sub.step_tokens_in:  # a call cut short (a /stop): what was sent counts too
+                self._charge(sub, cfg, sub.step_tokens_in)
+            parent.turn_tokens += sub.turn_tokens
+            raise
         parent.turn_tokens += sub.turn_tokens
         parent.turn_tokens_in += sub.turn_tokens_in
         parent.turn_tokens_out += sub.turn_tokens_out
@@ -514,12 +654,13 @@ class Agent:
         return ToolOutput(result.text)
 
     async def _execute(self, live: LiveSession, cfg: Config, call: ToolCall) -> tuple[ToolOutput, str]:
-        view = agent_view(cfg, live.agent)
-        allowed = view.tool_allowed(call.name) and not (live.sub_limits is not None and call.name == DELEGATE)
+        view = self.step(live, cfg).view
+        nested = live.sub_limits is not None
+        parent = self.step_parent(live, cfg)
+        allowed = self._offered(view, call.name, nested, parent)
         tool = self.s.tools.get(call.name) if allowed else None
         if tool is None:
-            nested = live.sub_limits is not None
-            known = ", ".join(name for name in self.s.tools.names if self._offered(view, name, nested))
+            known = ", ".join(name for name in self.s.tools.names if self._offered(view, name, nested, parent))
             return ToolOutput(f"error: there is no tool named {call.name!r}; available: {known}"), "unknown"
         try:
             args = json.loads(call.arguments or "{}")
@@ -540,8 +681,9 @@ class Agent:
             return await self.delegate(live, task, agent)
 
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s, inbound=live.inbound, skills=self.usable_skills(cfg, live.agent),
-                          delegate=delegate if live.sub_limits is None else None)
+                          services=self.s, inbound=live.inbound,
+                          skills=self.usable_skills(cfg, live.agent, live.parent_agent),
+                          delegate=delegate if not nested else None)
         timeout = tool_timeout(tool)
         try:
             out = await asyncio.wait_for(tool.run(args, ctx), timeout=timeout)

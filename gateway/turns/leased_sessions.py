@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.access import LOCAL_CHANNELS
+from gateway.store.errors import StoreError
 from gateway.store.fence import FENCE, FencedOut
 from gateway.turns.commands import parse_command
 from gateway.turns.sessions import (
@@ -174,6 +174,11 @@ class ClusterSessionManager(SessionManager):
                     if not self._commands.get(key):
                         return
                     await asyncio.sleep(LEASE_RETRY_S)
+        except StoreError as err:
+            # The database went away between turns (a turn's own failure is told in
+            # _run_job): what waits stays queued there, and the sweep wakes it again.
+            log.warning("session worker stopped: the database failed", extra={"session": key,
+                                                                              "error": str(err)[:200]})
         finally:
             self._workers.pop(key, None)
             live = self.live.get(key)
@@ -409,7 +414,7 @@ class ClusterSessionManager(SessionManager):
                 for key in keys:
                     if key not in self._workers:
                         self.wake(key)
-            except (TimeoutError, OSError, sqlite3.Error) as err:
+            except (TimeoutError, StoreError) as err:
                 log.warning("sweep for waiting sessions failed", extra={"error": str(err)[:200]})
             except Exception:
                 log.exception("sweep for waiting sessions failed")

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from context.effects import TrimEvent
     from context.engine import SessionContext
     from gateway.turns.streaming import StepFeed
+    from gateway.turns.usage import TurnCharge
     from gateway.types import Inbound
 
 
@@ -63,7 +64,12 @@ class LiveSession:
     # A sub-turn's own limits (SPEC §5.8): (most decision steps, most request tokens); None
     # for a session's own turns. A sub-turn cannot delegate further.
     sub_limits: tuple[int, int] | None = None
+    parent_agent: str | None = None  # a sub-turn's delegating agent: it has none of the tools that one lacks
     sub_turns: list[SubTurn] = field(default_factory=list)  # the sub-turns this session ran (for /context)
+    turn_delegates: int = 0  # delegate calls the turn running now has run (tools.delegate.max_per_turn)
+    # What the turn running now has cost the person (SPEC §5.13), its sub-turns' calls
+    # included as they are made: the budget check before each call reads it.
+    charge: TurnCharge | None = None
     # The agent's run of the turn running now (what /stop cancels), the feed of its
     # stream (what was shown), and the stop asked for it, if any.
     running: asyncio.Task[Any] | None = None

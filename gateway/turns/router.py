@@ -6,7 +6,6 @@ adapter may then acknowledge it to the platform."""
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
 
@@ -14,8 +13,9 @@ from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
 from gateway.agents import agent_scope, bound_agent
 from gateway.keys import memory_scope, session_key
 from gateway.services import Services
+from gateway.store.errors import StoreError
 from gateway.turns.commands import Commands, parse_command
-from gateway.turns.sessions import STORAGE_REPLY, SessionManager, TurnJob
+from gateway.turns.sessions import SessionManager, TurnJob, storage_reply
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 
 log = logging.getLogger("gateway.router")
@@ -62,12 +62,13 @@ class Router:
         """False when the event was seen before (a redelivery): nothing more happens."""
         try:
             return await self._handle(inbound)
-        except (sqlite3.Error, OSError) as err:
-            # Disk full, read-only database: say so instead of failing the platform's delivery.
+        except (StoreError, OSError) as err:
+            # Disk full, read-only or unreachable database: say so instead of failing the
+            # platform's delivery (which would bring the same message into the same failure).
             log.error("inbound message could not be stored",
                       extra={"channel": inbound.channel, "error": str(err)[:300]})
             try:
-                await self.reply(inbound, STORAGE_REPLY)
+                await self.reply(inbound, storage_reply(err))
             except Exception:
                 log.exception("storage notice could not be delivered", extra={"channel": inbound.channel})
             return True

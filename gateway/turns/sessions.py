@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -30,6 +29,7 @@ from gateway.config.changes import is_secret_key
 from gateway.keys import workspace_dir
 from gateway.media import Intake, ReplyFile, plain_intake, reply_files
 from gateway.services import Services
+from gateway.store.errors import StoreError, StoreUnavailable
 from gateway.store.fence import FencedOut
 from gateway.turns.agent import Agent, TurnResult
 from gateway.turns.live import LiveSession, TurnStop
@@ -66,6 +66,8 @@ StopOutcome = Literal["stopped", "idle", "pending", "unreached"]
 CRASH_REPLY = "Something went wrong on our side while answering. Your message is saved; please try again."
 STORAGE_REPLY = ("I could not save this conversation (the server's storage refused the write, "
                  "e.g. a full disk), so I could not answer. Please try again later.")
+UNREACHABLE_REPLY = ("I could not reach my database just now, so I could not answer. Please send your "
+                     "message again in a moment.")
 TIMEOUT_REPLY = "Answering took too long and was stopped. Your message is saved; please try again."
 RESEND_REPLY = "I restarted before I could answer your last message; please send it again."
 
@@ -108,6 +110,11 @@ async def keep_command_answer(services: Services, key: str, inbound: Inbound, an
     except Exception as err:
         log.warning("a command's answer was not kept for the history", extra={"session": key,
                                                                             "error": str(err)[:300]})
+
+
+def storage_reply(err: BaseException) -> str:
+    """What the person is told when the store failed under their message."""
+    return UNREACHABLE_REPLY if isinstance(err, StoreUnavailable) else STORAGE_REPLY
 
 
 def _is_final_reply(msg: Message) -> bool:
@@ -309,21 +316,30 @@ class SessionManager:
         except FencedOut:
             outcome = "fenced"
             raise
-        except (sqlite3.Error, OSError) as err:
-            # The database or disk refused a write: this job ends, the queue goes on.
+        except (StoreError, OSError) as err:
+            # The database or disk refused a write: this job ends, the queue goes on. The
+            # event stays where it was (accepted, running): a restart resumes it.
             outcome = "storage_error"
             log.error("job failed on storage", extra={"session": live.key, "error": str(err)[:300]})
-            await self._send(job.inbound, STORAGE_REPLY)
+            await self._send(job.inbound, storage_reply(err))
         except Exception:
             outcome = "crash"
             log.exception("job failed", extra={"session": live.key})
             await self._send(job.inbound, CRASH_REPLY)
         finally:
             if isinstance(job, TurnJob):
+                self._settle_usage(live, counted=False)  # a turn that did not end in the store
                 _log_turn(live, started, outcome)
                 stop, live.stop = live.stop, None
                 if stop is not None:
                     stop.ended.set()
+
+    def _settle_usage(self, live: LiveSession, *, counted: bool) -> None:
+        """The turn's tokens join the person's day in process (`counted`: the store counted
+        the turn too); the next turn's checks see them."""
+        charge, live.charge = live.charge, None
+        if charge is not None and self.s.usage is not None:
+            self.s.usage.close_turn(self.s.cfg, charge, counted=counted)
 
     async def _command(self, live: LiveSession, job: CommandJob) -> None:
         inbound = job.inbound
@@ -365,8 +381,10 @@ class SessionManager:
             for notice in intake.notices:
                 await self._send(inbound, notice)
             if not intake.run:
+                # Nothing is left to answer (a voice note that could not be heard, files
+                # all refused): the notices said why.
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
-                return
+                return "nothing_to_answer"
             turn = max(self._last_turns.get(live.key, 0), live.ctx.current_turn) + 1
             self._last_turns[live.key] = turn
             live.seq = 0
@@ -395,6 +413,8 @@ class SessionManager:
                 await store.mark_event(inbound.channel, inbound.event_id, "answered")
                 return "asked_to_resend"
         stream = self._stream(inbound, resume_ref)
+        if self.s.usage is not None:
+            live.charge = self.s.usage.open_turn(inbound.identity)
         result = await self._run_agent(live, inbound, cfg.limits.turn_timeout_s, stream)
         self.s.metrics.turns.labels(inbound.channel, result.outcome).inc()
         if stream is None:
@@ -406,9 +426,20 @@ class SessionManager:
             await self._send_named_files(live, inbound, result.text)
         # "undelivered" keeps a lost reply visible in the events table (the reply is stored).
         # The turn counts against the person's daily usage in the same statement.
-        usage = (inbound.identity, today(cfg), live.turn_tokens) if self.s.usage is not None else None
-        await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
-                             usage=usage)
+        # The turn's tokens as charged call by call (a sub-turn a /stop cut short included).
+        tokens = live.charge.tokens if live.charge is not None else live.turn_tokens
+        usage = (inbound.identity, today(cfg), tokens) if self.s.usage is not None else None
+        if live.charge is not None and usage is not None:
+            self.s.usage.ending(cfg, live.charge)
+        try:
+            await store.end_turn(inbound.channel, inbound.event_id, "answered" if delivered else "undelivered",
+                                 usage=usage)
+            self._settle_usage(live, counted=usage is not None)
+        except StoreError as err:
+            if result.outcome != "storage_error":
+                raise
+            # The person was told already; the event stays open for a restart to resume.
+            log.error("turn end not stored", extra={"session": live.key, "error": str(err)[:300]})
         return result.outcome if delivered else "undelivered"
 
     async def _send_named_files(self, live: LiveSession, inbound: Inbound, text: str) -> None:
@@ -490,6 +521,10 @@ class SessionManager:
             return TurnResult(TIMEOUT_REPLY, "timeout")
         except (asyncio.CancelledError, FencedOut):
             raise  # a gateway that lost the session's lease says nothing more in it
+        except StoreError as err:
+            # A write of the turn failed (a full disk, a lost database): the person hears that.
+            log.error("turn failed on storage", extra={"session": live.key, "error": str(err)[:300]})
+            return TurnResult(storage_reply(err), "storage_error")
         except Exception:
             log.exception("turn failed", extra={"session": live.key})
             return TurnResult(CRASH_REPLY, "crash")
