@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as _Counter
@@ -15,6 +15,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gateway.store.rows import StoreStats
+
+if TYPE_CHECKING:
+    from gateway.model.client import CallRecord
 
 
 @dataclass(slots=True)
@@ -142,6 +145,13 @@ class Metrics:
                 for metric in self.model_fallbacks.collect() for sample in metric.samples
                 if sample.name.endswith("_total") and sample.value > 0]
         return sorted(used, key=lambda row: (-row[2], row[0], row[1]))
+
+    def model_call(self, record: CallRecord) -> None:
+        """One model HTTP attempt (ModelClient's `on_call`): counted, timed, and kept for the
+        admin page's model state."""
+        self.model_calls.labels(record.outcome).inc()
+        self.model_health.record(record.model, record.outcome, record.status, record.detail)
+        self.model_latency.observe(record.seconds)
 
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""
