@@ -3,6 +3,11 @@
 An adapter turns platform events into `Inbound` and hands each to `InboundHandler`
 (the router: dedup, access, commands, queue). The router answers through `send()`.
 Adapters know the platform and nothing about the model.
+
+`Channel` is what every channel does; what only some can (stream a reply, show an
+approval card's buttons, send files, write to a person's DM, receive on one gateway of a
+cluster, take webhooks) is a protocol of its own, which a channel implements by having its
+methods. The gateway looks once, when it adds a channel, at which ones it implements.
 """
 
 from __future__ import annotations

@@ -240,8 +240,8 @@ class Gateway:
         counters = await asyncio.to_thread(alias_counters, cfg)
         models = Models(build_clients(cfg, metrics.model_call), counter, counters, client_settings(cfg))
         tools = ToolRegistry.default(cfg)
-        tools.add_source(WebTools(lambda: holder.current))  # follows reloads
-        self.exec_tools = ExecTools(lambda: holder.current)  # also follows reloads
+        tools.add_source(WebTools(holder.snapshot))  # follows reloads
+        self.exec_tools = ExecTools(holder.snapshot)  # also follows reloads
         tools.add_source(self.exec_tools)
         await self.exec_tools.prepare()  # probes the sandbox when exec is on
         mcp = McpManager(base_dir=holder.base_dir, log_dir=holder.data_dir / "mcp", data_dir=holder.data_dir,
@@ -258,8 +258,8 @@ class Gateway:
         return Services(
             config=holder, data_dir=holder.data_dir, store=store, metrics=metrics, models=models,
             model_slots=ModelSlots(cfg.limits.max_concurrent_model_calls), tools=tools, mcp=mcp, hub=hub,
-            approvals=Approvals(store, config=lambda: holder.current, cards=hub), usage=usage,
-            media=Media(lambda: holder.current), memory=Memory(holder.data_dir, tz=_zone(cfg), store=store),
+            approvals=Approvals(store, config=holder.snapshot, cards=hub), usage=usage,
+            media=Media(holder.snapshot), memory=Memory(holder.data_dir, tz=_zone(cfg), store=store),
             tasks=self.tasks, skills=self.skill_watcher.skills, leases=leases)
 
     def _build_message_path(self, s: Services) -> None:
@@ -275,7 +275,7 @@ class Gateway:
         self.scheduler = Scheduler(
             s.cfg, store=s.store, memory=s.memory, model=CurrentSummaryModel(s.models, s.model_slots),
             live_references=self.sessions.live_tool_results,
-            metrics=lambda job, outcome: s.metrics.job_runs.labels(job, outcome).inc(), leases=s.leases,
+            metrics=s.metrics.job_run, leases=s.leases,
             remember=self.agent.summarizer.remember,
         )
         self.admin_state = AdminState(config=self.holder, store=s.store, metrics=s.metrics, leases=s.leases,
@@ -295,8 +295,7 @@ class Gateway:
         extra = web.routes() if web is not None else []  # type: ignore[attr-defined]
         extra += self._admin(s, state).routes()
         extra += Hooks(s, self.sessions).routes()  # POST /hooks/<name> (SPEC §5.9)
-        metrics = s.metrics
-        app = build_app(ready=state.ready, metrics=lambda: (metrics.render(), metrics.content_type),
+        app = build_app(ready=state.ready, metrics=s.metrics.exposition,
                         channel=s.hub.webhook, extra_routes=extra, ready_details=state.ready_details)
         probes = build_probe_app(ready=state.ready, ready_details=state.ready_details) \
             if cfg.http.probe_port is not None else None
@@ -416,7 +415,7 @@ class Gateway:
 
     def _admin(self, s: Services, state: AdminState) -> AdminApi:
         self.recent_errors.install()
-        return AdminApi(config=lambda: self.cfg, store=s.store, pairing=self.pairing, ready=state.ready,
+        return AdminApi(config=self.holder.snapshot, store=s.store, pairing=self.pairing, ready=state.ready,
                         next_runs=state.next_runs, tool_sources=state.tool_sources, errors=self.recent_errors,
                         http_host=self.cfg.http.host, receiving=state.receiving, cluster=state.cluster,
                         throttle=self._auth_throttle("admin"), models=state.models,

@@ -143,8 +143,8 @@ class ChannelHub:
             await self.start(name)
 
     async def _lead(self, name: str, receiver: ExclusiveReceiver, channel: Channel) -> None:
-        """Receive for `name` (Telegram polling, Slack Socket Mode) on one gateway of the
-        cluster at a time (SPEC §10); a gateway alone leads at once."""
+        """Receive for `name` on one gateway of the cluster at a time (SPEC §10); a gateway
+        alone leads at once."""
         leases, gauge = self._leases, self._metrics.leader.labels(name)
 
         async def start() -> None:
@@ -302,7 +302,7 @@ class ChannelHub:
             await channel.send(inbound, f"Approval {card.id}: {outcome}")
 
     async def tell_person(self, identity: str, text: str) -> bool:
-        """A DM to one person (`telegram:7`) through their channel when it runs here and can
+        """A DM to one person (`<channel>:<user id>`) through their channel when it runs here and can
         write to a person by id; False when it could not be sent."""
         channel_name, _, user_id = identity.partition(":")
         channel = self._direct.get(channel_name)

@@ -166,6 +166,13 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def exposition(self) -> tuple[bytes, str]:
+        """/metrics: the rendered registry and its content type."""
+        return self.render(), self.content_type
+
+    def job_run(self, job: str, outcome: str) -> None:
+        self.job_runs.labels(job, outcome).inc()
+
 
 class _StoreCollector(Collector):
     def __init__(self, stats: Callable[[], StoreStats]) -> None:
