@@ -305,3 +305,31 @@ async def test_a_message_and_an_approval_press_never_pass_through_the_wiring(
         await fake_telegram.wait_shown(1, lambda texts: "It is noon in Berlin." in texts, timeout=15)
         await until(lambda: fake_telegram.buttons(card) == [])
     assert wiring.seen == []
+
+
+# -- the model clients a reload swaps (gateway/model/clients.py) ------------------------------
+
+
+def test_a_reload_swaps_the_model_clients_whole() -> None:
+    from gateway.model.clients import Models, build_clients, client_settings
+
+    def config(**models: Any) -> Any:
+        return parse_config({"model": {"name": "main-model", "base_url": "http://127.0.0.1:9"}, "models": models})
+
+    before = config(fast={"name": "fast-model"})
+    main_counter, fast_counter, new_counter = object(), object(), object()
+    models = Models(build_clients(before, lambda _record: None), main_counter,  # type: ignore[arg-type]
+                    {"fast-model": fast_counter}, client_settings(before))  # type: ignore[dict-item]
+    fast = models.client_for("fast")
+    assert fast is not models.main and models.summary is models.main  # no summary_model: the main one
+    assert models.counter_for("fast-model", "main-model") is fast_counter
+    assert models.counter_for("other", "main-model") is main_counter
+
+    after = config()  # the alias went away
+    assert client_settings(after) != models.settings
+    old = models.replace(build_clients(after, lambda _record: None), {}, client_settings(after))
+    assert fast in old and len(old) == 2  # the caller closes them once their turns are done
+    assert models.client_for("fast") is models.main  # a session still naming it gets `model`
+    assert models.settings == client_settings(after)
+    models.replace_counter(new_counter)  # type: ignore[arg-type]
+    assert models.counter is new_counter and models.counter_for("fast-model", "main-model") is new_counter
