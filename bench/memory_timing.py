@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import aiohttp
 
@@ -267,11 +268,15 @@ async def drive(conversation: list[dict[str, Any]], speed: float, step_s: float)
         with tempfile.TemporaryDirectory(prefix="memory-timing-") as tmp:
             path = write_config(Path(tmp), fake)
             gw = Gateway(load_config(path), config_path=path)
-            await gw.start()
+            names = sorted({s["tool"] for r in conversation for s in r["steps"]})
+            # The recorded conversation's tools, in place of the gateway's own (and of its sources).
+            replayed = classmethod(lambda cls, _cfg: cls([ReplayTool(n, replay) for n in names]))
+            with mock.patch.object(ToolRegistry, "default", replayed):
+                await gw.start()
             try:
                 assert gw.services is not None and gw.http is not None
-                names = sorted({s["tool"] for r in conversation for s in r["steps"]})
-                gw.services.tools = ToolRegistry([ReplayTool(n, replay) for n in names])
+                for source in gw.services.tools.sources:
+                    gw.services.tools.remove_source(source)
                 url = f"http://127.0.0.1:{gw.http.port}/api/chat"
                 started = time.monotonic()
                 timeout = aiohttp.ClientTimeout(total=TURN_TIMEOUT_S)

@@ -3,10 +3,16 @@
 An adapter turns platform events into `Inbound` and hands each to `InboundHandler`
 (the router: dedup, access, commands, queue). The router answers through `send()`.
 Adapters know the platform and nothing about the model.
+
+`Channel` is what every channel does; what only some can (stream a reply, show an
+approval card's buttons, send files, write to a person's DM, receive on one gateway of a
+cluster, take webhooks) is a protocol of its own, which a channel implements by having its
+methods. The gateway looks once, when it adds a channel, at which ones it implements.
 """
 
 from __future__ import annotations
 
+import time
 import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -105,6 +111,65 @@ class StreamingChannel(Protocol):
 
     def stream(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
                resume_ref: str | None = None) -> ReplyStream | None: ...
+
+
+class OutboundFile(Protocol):
+    """A file a reply sends along (gateway/media.py's ReplyFile): its name, its size when
+    the reply named it (what a channel checks against the platform's limit), whether it is
+    an image, and its bytes (blocking: read it in a worker thread)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def is_image(self) -> bool: ...
+
+    def read_bytes(self) -> bytes: ...
+
+
+@runtime_checkable
+class FileChannel(Protocol):
+    """A channel that can send the files a reply names after its text (SPEC §5.2)."""
+
+    async def send_files(self, inbound: Inbound, files: Sequence[OutboundFile]) -> None: ...
+
+
+@runtime_checkable
+class DirectChannel(Protocol):
+    """A channel that can write to a person by their user id alone, in their DM (a pairing
+    approved, a config change refused): the platform knows how a DM is addressed."""
+
+    async def send_direct(self, user_id: str, text: str) -> None: ...
+
+
+def direct_inbound(channel: str, user_id: str) -> Inbound:
+    """Where a DM to `user_id` goes, as an `Inbound` a channel's `send` answers: a private
+    chat addressed by the person's id (the chat id of a DM is the user id in Telegram; Slack
+    and Discord open the DM for a user id)."""
+    return Inbound(channel=channel, chat_id=user_id, user_id=user_id, text="", event_id=f"notice-{time.time()}")
+
+
+@runtime_checkable
+class ExclusiveReceiver(Protocol):
+    """A channel whose receiving side can run apart from its sending side, so that where
+    the platform allows one receiver only (Telegram polling, Slack Socket Mode, the Discord
+    gateway) it receives on one gateway of a cluster at a time (SPEC §10) while every
+    gateway sends. `exclusive_receiver` says whether its settings need that now."""
+
+    @property
+    def exclusive_receiver(self) -> bool: ...
+
+    async def start_sending(self) -> None:
+        """What replies need (sign in, connect), on every gateway."""
+
+    async def start_receiving(self) -> None:
+        """Begin receiving: this gateway holds the lead."""
+
+    async def stop_receiving(self, *, lost: bool = False) -> None:
+        """Stop receiving; `lost`: the lead went elsewhere (another gateway may receive already)."""
 
 
 @runtime_checkable

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from gateway.config.schema import Config
 from gateway.store.api import StoreBackend
@@ -57,9 +57,11 @@ class PairingOutcome:
     told: bool = False  # the person got the "You're approved" notice in their chat
 
 
-# Tells one person something in their DM through their channel (identity, text) → whether
-# it was delivered. The wiring passes the running channels' send; the CLI has none.
-Notify = Callable[[str, str], Awaitable[bool]]
+class PersonNotice(Protocol):
+    """Tells one person something in their DM through their channel: whether it was
+    delivered (gateway/hub.py's ChannelHub; the CLI runs no channel and passes none)."""
+
+    async def tell_person(self, identity: str, text: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +124,10 @@ def allowed_without_pairing(cfg: Config, identity: str) -> str | None:
 
 class Pairing:
     def __init__(self, store: StoreBackend, clock: Callable[[], float] = time.time, *,
-                 notify: Notify | None = None) -> None:
+                 people: PersonNotice | None = None) -> None:
         self.store = store
         self.clock = clock  # wall-clock seconds; tests move it
-        self.notify = notify  # None: nobody is told (the CLI runs no channel)
+        self.people = people  # None: nobody is told (the CLI runs no channel)
 
     async def is_approved(self, identity: str) -> bool:
         return bool(await self.store.run("SELECT 1 FROM approved_users WHERE identity=?", (identity,)))
@@ -183,9 +185,9 @@ class Pairing:
             return PairingOutcome(False, reason)
         log.info("pairing approved", extra={"identity": identity, "by": by})
         told = False
-        if self.notify is not None:
+        if self.people is not None:
             try:
-                told = await self.notify(identity, APPROVED_NOTICE)
+                told = await self.people.tell_person(identity, APPROVED_NOTICE)
             except Exception as err:  # best effort: the approval is stored
                 log.warning("could not tell an approved person", extra={"identity": identity,
                                                                         "error": str(err)[:200]})

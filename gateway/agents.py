@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.config.holder import ConfigHolder
 from gateway.config.schema import AgentConfig, Binding, Config, ModelConfig
-from gateway.keys import is_shared
+from gateway.keys import is_shared, memory_scope, session_key, workspace_dir
 from gateway.types import Inbound
 
 log = logging.getLogger("gateway.agents")
@@ -50,6 +51,28 @@ def agent_scope(agent: str, scope: str) -> str:
     """The memory scope `agent` keeps for a session whose scope is `scope`: agents never
     read each other's MEMORY.md, notes, files or tasks."""
     return scope if agent == DEFAULT else f"{agent}/{scope}"
+
+
+class Places:
+    """Where a message belongs under the running config: its session key, and the memory
+    scope the agent bound to it keeps (SPEC §1, §5.5). The router places every message it
+    takes with it, the sessions of a shared database place the events they take over, and
+    channels put a person's files in the workspace it names."""
+
+    def __init__(self, config: ConfigHolder) -> None:
+        self._config = config
+
+    def keys(self, inbound: Inbound) -> tuple[str, str]:
+        """(session key, memory scope): the scope is the bound agent's."""
+        cfg = self._config.current
+        scope_mode = cfg.group_session_scope
+        scope = agent_scope(bound_agent(cfg, inbound), memory_scope(inbound, scope_mode))
+        return session_key(inbound, scope_mode), scope
+
+    def workspace_for(self, inbound: Inbound) -> Path:
+        """The workspace of the message's scope. No mkdir here (it runs on the loop): the
+        channel makes it off the loop."""
+        return workspace_dir(self._config.data_dir, self.keys(inbound)[1])
 
 
 def agent_of_scope(scope: str) -> str:

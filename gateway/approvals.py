@@ -25,7 +25,7 @@ import posixpath
 import secrets
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from gateway import beneath
 from gateway.access import is_admin
 from gateway.beneath import PathNotAllowed
 from gateway.config.schema import Config
+from gateway.hub import ApprovalCards
 from gateway.keys import delegating_session, session_key
 from gateway.store.api import StoreBackend
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
@@ -55,10 +56,6 @@ NAME_CHARS = 512  # a longer name is no file a card names (the command itself sh
 
 # How a wait ended, as stored: a person's allow or deny, or the gateway's deny.
 ALLOW, DENY, TIMEOUT, RESTART, STOPPED = "allow", "deny", "timeout", "restart", "stopped"
-
-Show = Callable[[Inbound, ApprovalCard], Awaitable[str | None]]
-Settle = Callable[[Inbound, ApprovalCard, str | None, str], Awaitable[None]]
-
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -214,11 +211,10 @@ def outcome_text(decision: str, by: str | None, timeout_s: float) -> str:
 
 
 class Approvals:
-    def __init__(self, store: StoreBackend, *, config: Callable[[], Config], show: Show, settle: Settle) -> None:
+    def __init__(self, store: StoreBackend, *, config: Callable[[], Config], cards: ApprovalCards) -> None:
         self.store = store
         self.config = config
-        self.show = show
-        self.settle = settle
+        self.cards = cards  # where cards are shown and settled: the channel hub
         self.shared = bool(getattr(store, "shared", False))
         self._waiting: dict[str, _Waiting] = {}
         self.closing = False  # set by a shutdown: a wait it cuts is a restart's deny, not a stop
@@ -240,7 +236,7 @@ class Approvals:
             try:
                 inbound = inbound_from_dict(json.loads(row["inbound"] or "{}"))
                 async with asyncio.timeout(SHOW_TIMEOUT_S):
-                    await self.settle(inbound, card, row["ref"], outcome_text(RESTART, None, 0))
+                    await self.cards.settle_approval(inbound, card, row["ref"], outcome_text(RESTART, None, 0))
             except Exception as err:  # a card that cannot be updated stays as it was
                 log.warning("could not update the card of an approval cut by a restart",
                             extra={"approval": row["id"], "error": str(err)[:200]})
@@ -278,7 +274,7 @@ class Approvals:
         try:
             try:
                 async with asyncio.timeout(SHOW_TIMEOUT_S):
-                    waiting.ref = await self.show(inbound, card)
+                    waiting.ref = await self.cards.show_approval(inbound, card)
             except Exception as err:  # /allow and /deny still answer it; the timeout still ends it
                 log.warning("could not show an approval card", extra={"approval": card.id, "error": str(err)[:200]})
             if waiting.ref is not None:
@@ -326,7 +322,7 @@ class Approvals:
     async def _settle(self, waiting: _Waiting, text: str) -> None:
         try:
             async with asyncio.timeout(SHOW_TIMEOUT_S):
-                await self.settle(waiting.inbound, waiting.card, waiting.ref, visible(text))
+                await self.cards.settle_approval(waiting.inbound, waiting.card, waiting.ref, visible(text))
         except Exception as err:
             log.warning("could not update an approval card", extra={"approval": waiting.card.id,
                                                                    "error": str(err)[:200]})

@@ -54,7 +54,7 @@ class Chat:
     @property
     def key(self) -> str:
         probe = Inbound(channel="terminal", chat_id="local", user_id="local", text="", event_id="")
-        return self.gateway.router.keys(probe)[0]
+        return self.gateway.places.keys(probe)[0]
 
     def show_held_logs(self) -> None:
         if self.held is None:
@@ -149,7 +149,7 @@ async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
     terminal = TerminalChannel(earlier=lambda inbound: (inbound.channel, inbound.event_id) in gateway.router.resumed)
     # Registered before the start, so that the terminal's own pending turns are resumed
     # (and only they: no other channel runs here).
-    gateway.channels["terminal"] = terminal
+    gateway.add_channel("terminal", terminal)
     keyboard = Keyboard(sys.stdin)
     interrupted = asyncio.Event()
     with contextlib.suppress(NotImplementedError):
@@ -171,8 +171,9 @@ async def run_terminal(cfg: Config, cfg_path: Path | None) -> int:
                 print(line, file=sys.stderr)
             print(f"cannot start: {err}", file=sys.stderr)
             return 2
+        assert gateway.services is not None
         terminal.observe = gateway.stream_observer("terminal")
-        terminal.decide = gateway.decide_approval  # y/n for a tool that waits for a yes (SPEC §5.7)
+        terminal.decide = gateway.services.approvals.decide  # y/n for a tool that waits for a yes (SPEC §5.7)
 
         async def ask_line(prompt: str) -> str | None:
             keyboard.echo(True)

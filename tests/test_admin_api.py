@@ -196,7 +196,8 @@ async def test_usage_jobs_and_status(make_gateway: GatewayFactory, fake_model: F
     web = {"name": "web", "label": "Web tools", "state": "ready", "tools": ["web_fetch"], "detail": None}
     exec_off = {"name": "exec", "label": "Running commands (exec)", "state": "off", "tools": [],
                 "detail": "not offered: tools.exec.enabled is false"}
-    assert state["tool_sources"] == [web, exec_off] == gw.tool_sources_state()
+    assert gw.admin_state is not None
+    assert state["tool_sources"] == [web, exec_off] == gw.admin_state.tool_sources()
 
 
 class _Source:

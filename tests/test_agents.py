@@ -348,7 +348,7 @@ async def test_the_commands_answer_on_telegram_slack_and_the_terminal(
 
     terminal = TerminalChannel(tty=False, out=_Lines())
     gw = Gateway(load_config(path), config_path=path, serve_http=False, enable_channels=False)
-    gw.channels["terminal"] = terminal
+    gw.add_channel("terminal", terminal)
     await gw.start()
     try:
         for n, command in enumerate(("/model", "/usage")):

@@ -18,6 +18,7 @@ from gateway.app import Gateway
 from gateway.cluster.leadership import GIVE_UP_TTLS, Leadership
 from gateway.cluster.leases import ClusterLeases, SoloLeases
 from gateway.config.load import load_config
+from gateway.ops.admin_state import AdminState
 from gateway.store.backends import open_store
 from tests.conftest import write_config
 from tests.fakes import slack_server
@@ -93,8 +94,13 @@ async def until(check: Callable[[], bool], within: float, what: str) -> float:
     return time.monotonic() - started
 
 
+def admin_state(gw: Gateway) -> AdminState:
+    assert gw.admin_state is not None
+    return gw.admin_state
+
+
 def leads(gw: Gateway, role: str) -> bool:
-    return role in gw.leaderships and gw.leaderships[role].leading
+    return gw.hub is not None and role in gw.hub.leaderships and gw.hub.leaderships[role].leading
 
 
 def stall_renewals(gw: Gateway) -> ClusterLeases:
@@ -130,9 +136,9 @@ async def test_telegram_polls_on_one_gateway_and_a_clean_stop_hands_over_at_once
     # Both are ready: standing by is not a problem; /readyz details and the metric say who receives.
     for gw in (leader, standby):
         await until(lambda gw=gw: gw.channels["telegram"].is_ready(), 5, "telegram ready")
-        assert all(problem is None for problem in (await gw.ready()).values())
-    assert leader.ready_details()["receiving"] == {"telegram": "leads"}
-    assert standby.ready_details()["receiving"] == {"telegram": "standby: another gateway receives"}
+        assert all(problem is None for problem in (await admin_state(gw).ready()).values())
+    assert admin_state(leader).ready_details()["receiving"] == {"telegram": "leads"}
+    assert admin_state(standby).ready_details()["receiving"] == {"telegram": "standby: another gateway receives"}
     assert leader.services is not None and standby.services is not None
     assert b'gateway_leader{role="telegram"} 1.0' in leader.services.metrics.render()
     assert b'gateway_leader{role="telegram"} 0.0' in standby.services.metrics.render()
@@ -171,15 +177,16 @@ async def test_a_leader_that_cannot_reach_telegram_hands_the_lead_on(
         await until(lambda: leads(b, "telegram"), give_up + 10, "the other gateway leads")
         assert time.monotonic() - started >= give_up, "a leader is given its time before the lead moves"
         assert not leads(a, "telegram")
-        problem = (await a.ready())["channel:telegram"]
+        problem = (await admin_state(a).ready())["channel:telegram"]
         assert problem is not None and "handed the lead on" in problem
         fake_model.reply("answered by the gateway that can poll")
         fake_telegram.push_message(chat_id=8, user_id=8, text="hello?")
         await fake_telegram.wait_sent(1, timeout=10)
         assert texts_to(fake_telegram, 8) == ["answered by the gateway that can poll"]
         # A rests, then sees B leading: it stands by, ready, and does not take the lead back.
-        await until(lambda: a.leaderships["telegram"].failure is None, give_up + 5, "A sees B lead")
-        assert all(problem is None for problem in (await a.ready()).values())
+        await until(lambda: a.hub is not None and a.hub.leaderships["telegram"].failure is None, give_up + 5,
+                    "A sees B lead")
+        assert all(problem is None for problem in (await admin_state(a).ready()).values())
         assert leads(b, "telegram") and not leads(a, "telegram")
     finally:
         await broken.stop()
@@ -247,7 +254,7 @@ async def test_slack_socket_mode_runs_on_one_gateway_and_moves(
     assert standby.channels["slack"].is_ready() and leader.channels["slack"].is_ready()
     assert leader.services is not None
     for gw in (leader, standby):  # the admin page's view: who receives Slack
-        state = await gw.cluster_state()
+        state = await admin_state(gw).cluster()
         assert state is not None and state["receivers"] == {"slack": leader.services.leases.instance}
 
     async def dm(ts: str, text: str, reply: str) -> None:

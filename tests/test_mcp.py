@@ -68,7 +68,8 @@ async def call(gw: Gateway, tool: str, **args: Any) -> str:
     assert gw.services is not None
     found = gw.services.tools.get(tool)
     assert found is not None, tool
-    ctx = ToolContext(session_key="test", scope="test", workspace=Path("."), config=gw.cfg, services=gw.services)
+    ctx = ToolContext(session_key="test", scope="test", workspace=Path("."), config=gw.cfg, memory=gw.services.memory,
+                      tasks=gw.services.tasks)
     return (await found.run(args, ctx)).text
 
 

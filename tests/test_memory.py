@@ -7,7 +7,6 @@ import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -55,7 +54,7 @@ async def say(store: Store, who: tuple[str, str], turn: int, user: str, reply: s
 def ctx_for(who: tuple[str, str], memory: Memory, store: Store) -> ToolContext:
     key, scope = who
     return ToolContext(session_key=key, scope=scope, workspace=memory.workspace(scope), config=Config(),
-                       services=SimpleNamespace(memory=memory, store=store))
+                       memory=memory)
 
 
 # -- files ---------------------------------------------------------------------------------

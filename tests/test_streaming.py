@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 from channels.base import ReplyRefSink, ReplyStream, StreamingChannel
 from channels.terminal.channel import BOT, TerminalChannel
 from gateway.app import Gateway
+from gateway.cluster.leases import SoloLeases
 from gateway.config.load import load_config
+from gateway.hub import ChannelHub
 from gateway.ops.metrics import Metrics
 from gateway.store.sqlite import Store
 from gateway.tools.status import tool_status
@@ -127,7 +129,7 @@ class PlainChannel(RecordingChannel):
 async def start_gateway(tmp_path: Path, fake: FakeModel, channel: Any, **overrides: Any) -> Gateway:
     path = write_config(tmp_path, fake, **overrides)
     gw = Gateway(load_config(path), config_path=path, serve_http=False, enable_channels=False)
-    gw.channels["terminal"] = channel
+    gw.add_channel("terminal", channel)
     await gw.start()
     return gw
 
@@ -471,7 +473,9 @@ def test_channels_get_the_stream_settings_they_accept(tmp_path: Path, fake_model
     class New:
         def __init__(self, handler: object, *, observe: Any = None, stream_interval: Any = None) -> None: ...
 
-    gw.services = SimpleNamespace(metrics=Metrics())  # type: ignore[assignment]
+    metrics = Metrics()
+    hub = ChannelHub(leases=SoloLeases(), metrics=metrics, config=gw.holder)
+    gw.services = SimpleNamespace(metrics=metrics, hub=hub)  # type: ignore[assignment]
     assert gw.stream_settings(Old, "slack") == {}
     settings = gw.stream_settings(New, "slack")
     assert settings["stream_interval"]() == 0.25

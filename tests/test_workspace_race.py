@@ -37,7 +37,6 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -185,7 +184,7 @@ class World:
 
     def ctx(self) -> ToolContext:
         return ToolContext(session_key="telegram:dm:1", scope=self.ALICE, workspace=self.ws, config=Config(),
-                           services=SimpleNamespace(memory=self.memory, store=self.store))
+                           memory=self.memory)
 
     def victims(self) -> dict[str, tuple[int, bytes]]:
         """Every file of the victims' trees: path → (mode, content); directories as (mode, b"")."""

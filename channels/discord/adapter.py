@@ -44,7 +44,7 @@ import discord
 from discord.voice_client import VoiceClient
 from yarl import URL
 
-from channels.base import ApprovalCard, ChannelHooks, ReplyRefSink, ReplyStream
+from channels.base import ApprovalCard, ChannelHooks, ReplyRefSink, ReplyStream, direct_inbound
 from channels.discord.approvals import card_content, components, file_messages, file_name, in_file
 from channels.discord.format import render_markdown
 from channels.discord.lanes import Lanes, PersonFiles
@@ -526,6 +526,10 @@ class DiscordChannel:
                 yield block
 
     # ------------------------------------------------------------ sending
+
+    async def send_direct(self, user_id: str, text: str) -> None:
+        """A DM to a person by user id (DirectChannel)."""
+        await self.send(direct_inbound(self.name, user_id), text)
 
     async def send(self, inbound: Inbound, text: str, *,
                    components: Sequence[Mapping[str, Any]] | None = None) -> None:

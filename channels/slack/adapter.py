@@ -58,7 +58,16 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
-from channels.base import AccessCheck, ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.base import (
+    AccessCheck,
+    ApprovalCard,
+    Decide,
+    InboundHandler,
+    ReplyRefSink,
+    ReplyStream,
+    StreamObserver,
+    direct_inbound,
+)
 from channels.slack.approvals import ACTIONS, card_blocks, code_pieces, file_name, summary
 from channels.slack.events import (
     ParsedClick,
@@ -534,6 +543,10 @@ class SlackChannel:
         return host in self._trusted_hosts or host.endswith(".slack.com")
 
     # -- replies
+
+    async def send_direct(self, user_id: str, text: str) -> None:
+        """A DM to a person by user id (DirectChannel)."""
+        await self.send(direct_inbound(self.name, user_id), text)
 
     async def send(self, inbound: Inbound, text: str) -> None:
         chunks = split_message(to_mrkdwn(text))

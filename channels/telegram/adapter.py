@@ -54,7 +54,16 @@ from telegram.error import (
 )
 from yarl import URL
 
-from channels.base import AccessCheck, ApprovalCard, Decide, InboundHandler, ReplyRefSink, ReplyStream, StreamObserver
+from channels.base import (
+    AccessCheck,
+    ApprovalCard,
+    Decide,
+    InboundHandler,
+    ReplyRefSink,
+    ReplyStream,
+    StreamObserver,
+    direct_inbound,
+)
 from channels.telegram.approvals import keyboard, parse_callback_data, render_card
 from channels.telegram.bot import ALLOWED_UPDATES, POLL_READ_SLACK_S, RawBot
 from channels.telegram.format import Chunk, render_markdown
@@ -581,6 +590,10 @@ class TelegramChannel:
                 yield block
 
     # ------------------------------------------------------------ sending
+
+    async def send_direct(self, user_id: str, text: str) -> None:
+        """A DM to a person by user id (DirectChannel)."""
+        await self.send(direct_inbound(self.name, user_id), text)
 
     async def send(self, inbound: Inbound, text: str) -> None:
         """Send a Markdown reply in chunks; raises TelegramError when a chunk cannot be

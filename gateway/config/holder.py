@@ -19,6 +19,10 @@ class ConfigHolder:
         self.data_dir = config.data_path(self.base_dir)
         self.version = 1
 
+    def snapshot(self) -> Config:
+        """The running snapshot, for parts that read it per use (a `Callable[[], Config]`)."""
+        return self.current
+
     def swap(self, config: Config) -> None:
         self.current = config
         self.version += 1

@@ -34,8 +34,11 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from gateway.access import is_admin
 from gateway.background import Background
 from gateway.config.cron import zone
+from gateway.config.holder import ConfigHolder
 from gateway.config.schema import Config
-from gateway.services import Services
+from gateway.hub import Reach
+from gateway.ops.metrics import Metrics
+from gateway.store.api import StoreBackend
 from gateway.tasks.schedule import (
     ID_LENGTH,
     MAX_PROMPT_CHARS,
@@ -50,6 +53,7 @@ from gateway.tasks.schedule import (
 )
 from gateway.tasks.store import Task, TaskStore
 from gateway.turns.sessions import SessionManager, TurnJob
+from gateway.turns.usage import Usage
 from gateway.types import Inbound, inbound_to_dict
 
 log = logging.getLogger("gateway.tasks")
@@ -75,31 +79,37 @@ def _job_id(task_id: str) -> str:
 
 
 class TaskScheduler:
-    """Owns the task jobs of one gateway: creates, lists, cancels and runs tasks."""
+    """Owns the task jobs of one gateway: creates, lists, cancels and runs tasks.
 
-    def __init__(self, services: Services, sessions: SessionManager, *, admits: Admits,
-                 can_deliver: Callable[[str], bool], clock: Callable[[], datetime] | None = None,
-                 sync_s: float | None = None) -> None:
-        self.s = services
-        self.sessions = sessions
-        self.db = TaskStore(services.store)
-        self._admits = admits
-        self._can_deliver = can_deliver
+    Built with the services (the task tools and /tasks talk to it as a `TaskBook`); its
+    runs become turns from `start` on, in the sessions it is given then."""
+
+    def __init__(self, store: StoreBackend, config: ConfigHolder, metrics: Metrics, usage: Usage, *,
+                 channels: Reach, clock: Callable[[], datetime] | None = None, sync_s: float | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.usage = usage
+        self.db = TaskStore(store)
+        self._channels = channels  # a run's reply must have its channel here
+        self._turns: tuple[SessionManager, Admits] | None = None  # from start(): where runs go
         self._clock = clock or (lambda: datetime.now(UTC))
         self._aps: AsyncIOScheduler | None = None
         self._work = Background("tasks")
-        self._grace = services.cfg.tasks.misfire_grace_s
+        self._grace = config.current.tasks.misfire_grace_s
         # Only a database other gateways share can change under us; a lone gateway's jobs
         # change only here.
         self._sync_every = sync_s if sync_s is not None else (
-            SYNC_INTERVAL_S if getattr(services.store, "shared", False) else None)
+            SYNC_INTERVAL_S if getattr(store, "shared", False) else None)
         self._syncer: asyncio.Task[None] | None = None
         self._running: set[str] = set()  # tasks with a run_due in progress here
 
     # -- lifecycle
 
-    async def start(self) -> None:
-        """Schedule every active task again, each from its stored next run."""
+    async def start(self, sessions: SessionManager, *, admits: Admits) -> None:
+        """Schedule every active task again, each from its stored next run; a run is a turn
+        queued in `sessions`, for a creator `admits` still lets in."""
+        self._turns = (sessions, admits)
         aps = AsyncIOScheduler(timezone=UTC, event_loop=asyncio.get_running_loop(),
                                job_defaults={"coalesce": True, "max_instances": 1})
         aps.add_listener(self._on_missed, EVENT_JOB_MISSED)
@@ -363,20 +373,22 @@ class TaskScheduler:
         return outcome
 
     async def _start_turn(self, task: Task, inbound: Inbound) -> str:
-        cfg = self.s.cfg
-        if not self._can_deliver(inbound.channel):
+        cfg = self.config.current
+        assert self._turns is not None, "runs fire only once started"
+        sessions, admits = self._turns
+        if not self._channels.can_deliver(inbound.channel):
             return "no_channel"
         # The creator's access is checked again: someone removed since cannot keep a bot talking.
-        if not await self._admits(inbound):
+        if not await admits(inbound):
             return "refused"
-        if self.s.usage is not None and await self.s.usage.refusal(cfg, inbound.identity) is not None:
+        if await self.usage.refusal(cfg, inbound.identity) is not None:
             return "over_budget"
-        store = self.s.store
+        store = self.store
         if not await store.record_event(inbound.channel, inbound.event_id, session_key=task.session_key,
                                         inbound=inbound_to_dict(inbound)):
             return "duplicate"
         for attempt in range(BUSY_RETRIES + 1):
-            if await self.sessions.submit(task.session_key, task.scope, TurnJob(inbound)):
+            if await sessions.submit(task.session_key, task.scope, TurnJob(inbound)):
                 return "queued"
             if attempt < BUSY_RETRIES:
                 await asyncio.sleep(BUSY_RETRY_S)
@@ -384,4 +396,4 @@ class TaskScheduler:
         return "busy"
 
     def _count(self, outcome: str) -> None:
-        self.s.metrics.task_runs.labels(outcome).inc()
+        self.metrics.task_runs.labels(outcome).inc()

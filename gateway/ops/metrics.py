@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as _Counter
@@ -15,6 +15,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gateway.store.rows import StoreStats
+
+if TYPE_CHECKING:
+    from gateway.model.client import CallRecord
 
 
 @dataclass(slots=True)
@@ -143,6 +146,13 @@ class Metrics:
                 if sample.name.endswith("_total") and sample.value > 0]
         return sorted(used, key=lambda row: (-row[2], row[0], row[1]))
 
+    def model_call(self, record: CallRecord) -> None:
+        """One model HTTP attempt (ModelClient's `on_call`): counted, timed, and kept for the
+        admin page's model state."""
+        self.model_calls.labels(record.outcome).inc()
+        self.model_health.record(record.model, record.outcome, record.status, record.detail)
+        self.model_latency.observe(record.seconds)
+
     def stream_observer(self, channel: str) -> Callable[[str], None]:
         """A channel's StreamObserver: counts each event it reports, by name."""
         def observe(event: str) -> None:
@@ -155,6 +165,13 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """/metrics: the rendered registry and its content type."""
+        return self.render(), self.content_type
+
+    def job_run(self, job: str, outcome: str) -> None:
+        self.job_runs.labels(job, outcome).inc()
 
 
 class _StoreCollector(Collector):

@@ -13,7 +13,9 @@ from context.truncate import FileRef
 
 if TYPE_CHECKING:
     from gateway.config.schema import Config
+    from gateway.memory.files import Memory
     from gateway.skills.catalog import Skills
+    from gateway.tools.tasks import TaskBook
     from gateway.types import Inbound
 
 
@@ -25,7 +27,8 @@ class ToolContext:
     scope: str
     workspace: Path
     config: Config
-    services: Any = None  # gateway.app.Services: store, memory (set by the agent)
+    memory: Memory | None = None  # long-term memory (memory_search)
+    tasks: TaskBook | None = None  # people's scheduled tasks (schedule_task, list_tasks, cancel_task)
     inbound: Inbound | None = None  # the message that started the turn (who asked, where to answer)
     skills: Skills | None = None  # the skills this turn's agent may read under skills/ (SPEC §5.6)
     # Runs a sub-turn for `delegate` (SPEC §5.8): (task, agent or None) → its final answer;

@@ -14,7 +14,7 @@ MAX_LIMIT = 20
 
 
 def scope_memory(ctx: ToolContext) -> Memory:
-    memory = getattr(ctx.services, "memory", None)
+    memory = ctx.memory
     if memory is None:
         raise ToolError("long-term memory is not available in this gateway")
     return memory

@@ -32,10 +32,10 @@ class TaskBook(Protocol):
 
 
 def _scheduler(ctx: ToolContext) -> TaskBook:
-    tasks = getattr(ctx.services, "tasks", None)
+    tasks = ctx.tasks
     if tasks is None:
         raise ToolError("scheduled tasks are not available in this gateway")
-    return tasks  # type: ignore[no-any-return]
+    return tasks
 
 
 def _identity(ctx: ToolContext) -> str:

@@ -681,7 +681,7 @@ class Agent:
             return await self.delegate(live, task, agent)
 
         ctx = ToolContext(session_key=live.key, scope=live.scope, workspace=live.workspace, config=cfg,
-                          services=self.s, inbound=live.inbound,
+                          memory=self.s.memory, tasks=self.s.tasks, inbound=live.inbound,
                           skills=self.usable_skills(cfg, live.agent, live.parent_agent),
                           delegate=delegate if not nested else None)
         timeout = tool_timeout(tool)

@@ -29,6 +29,7 @@ from gateway.config.chat import ChatSettings, set_dotted
 from gateway.config.cron import zone
 from gateway.config.load import ConfigError, atomic_write_text, parse_config
 from gateway.config.schema import Config, ModelConfig
+from gateway.hub import Replies
 from gateway.keys import is_shared
 from gateway.services import Services
 from gateway.store.rows import slot_words
@@ -75,7 +76,6 @@ BOT_COMMANDS: list[tuple[str, str]] = [
     ("help", "List commands"),
 ]
 
-Reply = Callable[[Inbound, str], Awaitable[None]]
 OnConfigChange = Callable[[], Awaitable[None]]
 StartupCheck = Callable[[Config], list[str]]
 
@@ -194,12 +194,12 @@ def chat_refusal(key: str, value: Any) -> str | None:
 
 class Commands:
     def __init__(self, services: Services, sessions: SessionManager, pairing: Pairing, *,
-                 reply: Reply, on_config_change: OnConfigChange | None = None,
+                 replies: Replies, on_config_change: OnConfigChange | None = None,
                  check: StartupCheck | None = None, settings: ChatSettings | None = None) -> None:
         self.s = services
         self.sessions = sessions
         self.pairing = pairing
-        self.reply = reply
+        self.reply = replies.deliver  # the answers go where the command came from
         self.on_config_change = on_config_change
         self.check = check
         # Changes made in chat, kept in the database (shared with other gateways: SPEC §10).

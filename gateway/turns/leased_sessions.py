@@ -25,17 +25,20 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.access import LOCAL_CHANNELS
+from gateway.agents import Places
+from gateway.services import Services
 from gateway.store.errors import StoreError
 from gateway.store.fence import FENCE, FencedOut
+from gateway.turns.agent import Agent
 from gateway.turns.commands import parse_command
 from gateway.turns.sessions import (
     STOP_WAIT_S,
     CommandJob,
     Job,
+    LeftoverCommand,
     SessionManager,
     StopOutcome,
     TurnJob,
@@ -70,20 +73,14 @@ TURN_STOP_POLL_S = 0.5
 STOP_ANSWER_POLL_S = 0.1
 
 
-Keys = Callable[[Inbound], tuple[str, str]]
-LeftoverCommand = Callable[[Inbound], Awaitable[None]]
-
-
 class ClusterSessionManager(SessionManager):
     """SessionManager whose queue is the shared database and whose turns run under a lease."""
 
-    def __init__(self, *args: Any, keys: Keys, can_deliver: Callable[[str], bool] = lambda _channel: True,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, services: Services, agent: Agent, *, places: Places) -> None:
+        super().__init__(services, agent)
         self.leases = self.s.leases
-        self.keys = keys
-        self.can_deliver = can_deliver  # `gateway chat` runs the terminal only
-        self.on_leftover_command: LeftoverCommand | None = None
+        self.places = places  # where an event taken over belongs (session key, scope)
+        self._leftover: LeftoverCommand | None = None
         self._workers: dict[str, asyncio.Task[Any]] = {}
         self._commands: dict[str, list[CommandJob]] = {}
         self._wake_again: set[str] = set()
@@ -263,8 +260,8 @@ class ClusterSessionManager(SessionManager):
         run.result()
 
     async def _may_run(self, ev: QueuedEvent) -> bool:
-        if not self.can_deliver(ev.channel):
-            return False  # a gateway running that channel answers it
+        if not self.hub.can_deliver(ev.channel):
+            return False  # a gateway running that channel answers it (`gateway chat` runs the terminal only)
         if ev.channel not in LOCAL_CHANNELS or ev.instance == self.leases.instance:
             return True
         # Another gateway's web/terminal message: its request waits there, unless that
@@ -304,8 +301,8 @@ class ClusterSessionManager(SessionManager):
             # The gateway that accepted it died before deciding; decide as a restart would.
             log.info("taking over an event its gateway never queued", extra={"event": ev.event_id})
             if inbound.origin is None and parse_command(inbound.text) is not None:  # a person's command
-                if self.on_leftover_command is not None:
-                    await self.on_leftover_command(inbound)
+                if self._leftover is not None:
+                    await self._leftover(inbound)
                 await store.mark_event(ev.channel, ev.event_id, "answered")
                 return None
         return TurnJob(inbound)
@@ -316,7 +313,7 @@ class ClusterSessionManager(SessionManager):
             return row.scope, row.channel
         if ev is not None and ev.inbound:
             inbound = inbound_from_dict(ev.inbound)
-            return self.keys(inbound)[1], inbound.channel
+            return self.places.keys(inbound)[1], inbound.channel
         raise RuntimeError(f"session {key} has no stored scope")
 
     def _forget(self, key: str) -> None:
@@ -401,7 +398,10 @@ class ClusterSessionManager(SessionManager):
 
     # -- sweeping and stopping ----------------------------------------------------------------
 
-    def start_sweeping(self) -> None:
+    def begin(self, leftover: LeftoverCommand) -> None:
+        """Workers run from now, and every gateway sweeps for sessions nobody runs."""
+        self._leftover = leftover
+        super().begin(leftover)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="sessions:sweep")
 
     async def _sweep_forever(self) -> None:

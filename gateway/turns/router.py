@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 
 from gateway.access import LOCAL_CHANNELS, Decision, Pairing, decide
-from gateway.agents import agent_scope, bound_agent
-from gateway.keys import memory_scope, session_key
+from gateway.agents import Places
+from gateway.hub import Replies
 from gateway.services import Services
 from gateway.store.errors import StoreError
 from gateway.turns.commands import Commands, parse_command
@@ -19,8 +19,6 @@ from gateway.turns.sessions import SessionManager, TurnJob, storage_reply
 from gateway.types import Inbound, inbound_from_dict, inbound_to_dict
 
 log = logging.getLogger("gateway.router")
-
-Reply = Callable[[Inbound, str], Awaitable[None]]
 
 REFUSAL_INTERVAL_S = 3600  # a stranger is told "private" once an hour, not once a message
 _REFUSALS_KEPT = 10_000  # bounded: a crowd of strangers cannot grow it without end
@@ -39,24 +37,21 @@ def clean_text(text: str) -> str:
 
 
 class Router:
+    """Answers that need no turn (refusals, pairing codes, busy, storage notices) go out
+    through `replies` (the channel hub)."""
+
     def __init__(self, services: Services, sessions: SessionManager, commands: Commands,
-                 pairing: Pairing, *, reply: Reply) -> None:
+                 pairing: Pairing, *, places: Places, replies: Replies) -> None:
         self.s = services
         self.sessions = sessions
         self.commands = commands
         self.pairing = pairing
-        self.reply = reply
+        self.places = places
+        self.reply = replies.deliver
         self._refused: OrderedDict[str, float] = OrderedDict()  # identity → when last told
         # (channel, event id) of the messages resume_pending picked up: accepted before this
         # start (the terminal labels their answers with the question).
         self.resumed: set[tuple[str, str]] = set()
-
-    def keys(self, inbound: Inbound) -> tuple[str, str]:
-        """(session key, memory scope): the scope is the bound agent's (SPEC §5.5)."""
-        cfg = self.s.cfg
-        scope_mode = cfg.group_session_scope
-        scope = agent_scope(bound_agent(cfg, inbound), memory_scope(inbound, scope_mode))
-        return session_key(inbound, scope_mode), scope
 
     async def handle(self, inbound: Inbound) -> bool:
         """False when the event was seen before (a redelivery): nothing more happens."""
@@ -96,7 +91,7 @@ class Router:
         too_long = len(text) > cfg.limits.max_inbound_chars
         if text != inbound.text:
             inbound = _with_text(inbound, text)
-        key, scope = self.keys(inbound)
+        key, scope = self.places.keys(inbound)
         fresh = await self.s.store.record_event(
             inbound.channel, inbound.event_id, session_key=key, inbound=inbound_to_dict(inbound)
         )
@@ -198,11 +193,15 @@ class Router:
             row = await self.s.store.get_session(recorded)
             if row is not None:
                 return recorded, row.scope
-        return self.keys(inbound)
+        return self.places.keys(inbound)
+
+    async def answer_command(self, inbound: Inbound) -> None:
+        """A command among the events another gateway left undecided (the sessions' leftover)."""
+        await self.answer_commands([inbound])
 
     async def answer_commands(self, commands: list[Inbound]) -> None:
         for inbound in commands:
-            key, scope = self.keys(inbound)
+            key, scope = self.places.keys(inbound)
             try:
                 await self.commands.handle(inbound, key, scope)
             except Exception:

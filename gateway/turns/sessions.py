@@ -18,16 +18,16 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from context.engine import SessionContext
+from context.engine import SessionContext, context_stats
 from context.restore import restore_messages
 from gateway.agents import agent_of_scope
 from gateway.config.changes import is_secret_key
 from gateway.keys import workspace_dir
-from gateway.media import Intake, ReplyFile, plain_intake, reply_files
+from gateway.media import Intake, plain_intake, reply_files
 from gateway.services import Services
 from gateway.store.errors import StoreError, StoreUnavailable
 from gateway.store.fence import FencedOut
@@ -39,21 +39,14 @@ from gateway.types import Inbound, Message
 from gateway.workspace import make_private_dir
 
 if TYPE_CHECKING:
-    from channels.base import ReplyRefSink, ReplyStream
+    from channels.base import ReplyStream
 
 log = logging.getLogger("gateway.sessions")
 
-Deliver = Callable[[Inbound, str], Awaitable[None]]
-Typing = Callable[[Inbound], AbstractAsyncContextManager[Any]]
-SendFiles = Callable[[Inbound, list[ReplyFile]], Awaitable[None]]
 SEND_FILES_TIMEOUT_S = 120.0  # for the files a reply names, all of them
-
-
-class OpenStream(Protocol):
-    """`Gateway.stream`: the channel's stream for this reply, or None (send it whole)."""
-
-    def __call__(self, inbound: Inbound, *, on_ref: ReplyRefSink | None = None,
-                 resume_ref: str | None = None) -> ReplyStream | None: ...
+# A command among the events a session worker took over (its gateway died deciding it):
+# answered as a restart answers the commands it finds (the router's `answer_command`).
+LeftoverCommand = Callable[[Inbound], Awaitable[None]]
 
 
 # finish/fail are bounded by the channel; this only guards the turn against one that is not.
@@ -152,14 +145,13 @@ def _log_turn(live: LiveSession, started: float, outcome: str) -> None:
 
 
 class SessionManager:
-    def __init__(self, services: Services, agent: Agent, *, deliver: Deliver, typing: Typing | None = None,
-                 stream: OpenStream | None = None, send_files: SendFiles | None = None) -> None:
+    """Replies, streams, typing indicators and files go out through the services' channel
+    hub (gateway/hub.py)."""
+
+    def __init__(self, services: Services, agent: Agent) -> None:
         self.s = services
-        self.send_files = send_files
+        self.hub = services.hub
         self.agent = agent
-        self.deliver = deliver
-        self.typing = typing or (lambda _inbound: nullcontext())
-        self.open_stream = stream
         self.live: OrderedDict[str, LiveSession] = OrderedDict()
         self._loading: dict[str, asyncio.Lock] = {}
         self._last_turns: dict[str, int] = {}
@@ -167,6 +159,11 @@ class SessionManager:
         # Jobs queue from the start (turns resumed after a restart first, so they keep their
         # place before newer messages) but run only once the channels can deliver replies.
         self.open = asyncio.Event()
+
+    def begin(self, leftover: LeftoverCommand) -> None:
+        """The channels can deliver now: queued jobs start running. `leftover` answers a
+        command found among events taken over from another gateway (none on one gateway)."""
+        self.open.set()
 
     # -- live sessions ------------------------------------------------------------------
 
@@ -355,7 +352,7 @@ class SessionManager:
 
     async def _send(self, inbound: Inbound, text: str) -> bool:
         try:
-            await self.deliver(inbound, text)
+            await self.hub.deliver(inbound, text)
             return True
         except Exception:
             log.exception("reply could not be delivered", extra={"channel": inbound.channel})
@@ -444,13 +441,13 @@ class SessionManager:
 
     async def _send_named_files(self, live: LiveSession, inbound: Inbound, text: str) -> None:
         """The files under files/ the reply names, sent after its text where the channel can."""
-        if self.send_files is None or "files/" not in text:
+        if "files/" not in text or not self.hub.sends_files(inbound.channel):
             return
         try:
             files = await asyncio.to_thread(reply_files, live.workspace, text)
             if files:
                 async with asyncio.timeout(SEND_FILES_TIMEOUT_S):
-                    await self.send_files(inbound, files)
+                    await self.hub.send_files(inbound, files)
         except Exception:  # the text is delivered; a file that could not follow is only logged
             log.exception("files named in a reply could not be sent", extra={"channel": inbound.channel})
 
@@ -470,8 +467,6 @@ class SessionManager:
         return bool(msgs) and msgs[0].role == "user" and msgs[0].content == text and not _is_final_reply(msgs[-1])
 
     def _stream(self, inbound: Inbound, resume_ref: str | None) -> ReplyStream | None:
-        if self.open_stream is None:
-            return None
         store = self.s.store
 
         async def keep_ref(ref: str) -> None:
@@ -481,7 +476,7 @@ class SessionManager:
                 log.warning("could not keep a reply's reference",
                             extra={"channel": inbound.channel, "error": str(err)[:300]})
 
-        return self.open_stream(inbound, on_ref=keep_ref, resume_ref=resume_ref)
+        return self.hub.stream(inbound, on_ref=keep_ref, resume_ref=resume_ref)
 
     async def _end_stream(self, inbound: Inbound, stream: ReplyStream, text: str, *, failed: bool) -> bool:
         """Make what the stream shows equal `text`; False when it could not be delivered."""
@@ -510,10 +505,10 @@ class SessionManager:
                          stream: ReplyStream | None = None) -> TurnResult:
         try:
             if stream is None:
-                async with self.typing(inbound):
+                async with self.hub.typing(inbound):
                     async with asyncio.timeout(timeout):
                         return await self._stoppable(live, None)
-            async with TypingUntilShown(stream, self.typing(inbound)) as shown:
+            async with TypingUntilShown(stream, self.hub.typing(inbound)) as shown:
                 async with asyncio.timeout(timeout):
                     return await self._stoppable(live, shown)
         except TimeoutError:
@@ -577,6 +572,39 @@ class SessionManager:
         except TimeoutError:
             return "pending"
         return "stopped"
+
+    async def context_numbers(self, key: str) -> dict[str, Any] | None:
+        """A session's /context numbers while it is live here (the admin page), else None."""
+        live = self.live.get(key)
+        if live is None:
+            return None
+        cfg = self.s.cfg
+        plan = self.agent.step(live, cfg)
+        stats = context_stats(live.ctx, system_prompt=await self.agent.system_prompt(live, cfg),
+                              tools=self.agent.tool_schemas(plan.view), budget=cfg.context_budget(plan.model),
+                              counter=self.s.counter_for(plan.model.name))
+        last = stats.last_event
+        return {"messages": stats.messages, "user": stats.user_messages, "assistant": stats.assistant_messages,
+                "tool": stats.tool_messages, "tokens": stats.estimated_tokens, "budget": stats.budget_tokens,
+                "turns": stats.turns, "max_turns": stats.max_turns, "summary": stats.summary_present,
+                "model": plan.model.name, "last_model": live.last_model,
+                "last_trim": None if last is None else {
+                    "strategy": str(last.strategy), "tokens_before": last.tokens_before,
+                    "tokens_after": last.tokens_after}}
+
+    def live_tool_results(self) -> set[Path]:
+        """The saved tool results the live contexts still point at: the purge keeps them."""
+        refs: set[Path] = set()
+        for live in self.live.values():
+            for m in live.ctx.messages:
+                if m.truncation is not None and m.truncation.saved:
+                    refs.add(live.workspace / m.truncation.path)  # resolved by the purge, off the loop
+        return refs
+
+    def in_flight(self) -> int:
+        """Turns and commands running or queued: the replies a graceful stop waits for."""
+        running = sum(1 for live in self.live.values() if live.worker is not None)
+        return running + self.queued()
 
     # -- restart and shutdown -------------------------------------------------------------
 
